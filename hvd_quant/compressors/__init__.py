@@ -1,0 +1,1 @@
+"""The compressors, each a framework-agnostic :class:`~hvd_quant.core.compressor.Compressor`."""

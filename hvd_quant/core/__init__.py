@@ -1,0 +1,1 @@
+"""Framework-agnostic core: tensor-ops backend, wire formats, collectives, state."""

@@ -1,0 +1,256 @@
+"""The small tensor-ops interface every algorithm in :mod:`hvd_quant` is written against.
+
+Each quantizer, packer and per-hop operator is written once, in terms of the methods of
+:class:`Backend`, and runs unchanged on numpy arrays, torch tensors or TensorFlow tensors.
+The numpy implementation here is also the test oracle: the multi-process tests compare
+what Horovod produced against the same algorithm run on numpy arrays.
+
+Only flat (1-D) tensors are used by the algorithms; adapters flatten and restore shapes.
+Dtypes are named by strings (``"float32"``, ``"uint8"``, ``"int8"``, ``"int16"``,
+``"int32"``, ``"int64"``) so that core code never imports a framework.
+"""
+
+import numpy as np
+
+_BIT_WEIGHTS = np.array([1, 2, 4, 8, 16, 32, 64, 128], dtype=np.uint8)
+
+
+class _Box:
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class Backend:
+    """Abstract tensor operations. Subclasses wrap one framework.
+
+    Methods take and return that framework's tensors. Shapes are 1-D unless a method
+    says otherwise.
+    """
+
+    name = "abstract"
+
+    # --- construction and conversion ---------------------------------------------------
+    def zeros(self, n, dtype="float32"):
+        raise NotImplementedError
+
+    def full(self, n, value, dtype="float32"):
+        raise NotImplementedError
+
+    def constant(self, values, dtype):
+        """A 1-D tensor from a Python sequence or numpy array."""
+        raise NotImplementedError
+
+    def cast(self, x, dtype):
+        raise NotImplementedError
+
+    def to_numpy(self, x):
+        raise NotImplementedError
+
+    def numel(self, x):
+        raise NotImplementedError
+
+    def is_floating(self, x):
+        raise NotImplementedError
+
+    # --- shape -----------------------------------------------------------------------
+    def reshape(self, x, shape):
+        raise NotImplementedError
+
+    def concat(self, xs):
+        raise NotImplementedError
+
+    def concat_columns(self, xs):
+        """Concatenate 2-D tensors along axis 1."""
+        raise NotImplementedError
+
+    def slice(self, x, start, stop):
+        raise NotImplementedError
+
+    def pad(self, x, n):
+        """Append ``n`` zeros."""
+        if n == 0:
+            return x
+        return self.concat([x, self.zeros(n, self.dtype_name(x))])
+
+    def dtype_name(self, x):
+        raise NotImplementedError
+
+    def repeat(self, values, counts):
+        """``values[i]`` repeated ``counts[i]`` times (counts: Python ints)."""
+        raise NotImplementedError
+
+    # --- arithmetic and reductions ----------------------------------------------------
+    def abs(self, x):
+        raise NotImplementedError
+
+    def floor(self, x):
+        raise NotImplementedError
+
+    def sqrt(self, x):
+        raise NotImplementedError
+
+    def sum(self, x, axis=None):
+        raise NotImplementedError
+
+    def max(self, x):
+        raise NotImplementedError
+
+    def where(self, cond, a, b):
+        raise NotImplementedError
+
+    def greater_equal(self, a, b):
+        raise NotImplementedError
+
+    def less(self, a, b):
+        raise NotImplementedError
+
+    # --- integer bit operations -------------------------------------------------------
+    def bitwise_and(self, a, b):
+        raise NotImplementedError
+
+    def bitwise_or(self, a, b):
+        raise NotImplementedError
+
+    def bitwise_not(self, a):
+        raise NotImplementedError
+
+    def right_shift(self, x, k):
+        raise NotImplementedError
+
+    def left_shift(self, x, k):
+        raise NotImplementedError
+
+    # --- persistent state -------------------------------------------------------------
+    def variable(self, initial):
+        """A mutable holder for state (a ``tf.Variable`` under TensorFlow), initialised
+        from the numpy array ``initial``."""
+        return _Box(self.constant(initial, initial.dtype.name))
+
+    def read(self, var):
+        return var.value
+
+    def assign(self, var, value):
+        var.value = value
+        return value
+
+    # --- randomness ---------------------------------------------------------------------
+    def generator(self, seed):
+        """A random-number generator object seeded by an int."""
+        raise NotImplementedError
+
+    def uniform(self, gen, n):
+        """``n`` float32 samples from U[0, 1)."""
+        raise NotImplementedError
+
+    # --- bit packing (generic implementations; subclasses may override for speed) -------
+    def packbits(self, bits):
+        """Pack a uint8 0/1 tensor whose length is a multiple of 8; bit ``j`` of byte ``i``
+        (least significant first) is element ``8*i + j``."""
+        groups = self.reshape(self.cast(bits, "int32"), (-1, 8))
+        weights = self.reshape(self.constant(_BIT_WEIGHTS, "int32"), (1, 8))
+        return self.cast(self.sum(groups * weights, axis=1), "uint8")
+
+    def unpackbits(self, packed):
+        """Inverse of :meth:`packbits`: uint8 0/1 of length ``8 * len(packed)``."""
+        wide = self.reshape(self.cast(packed, "int32"), (-1, 1))
+        shifts = self.reshape(self.constant(np.arange(8), "int32"), (1, 8))
+        bits = self.bitwise_and(self.right_shift(wide, shifts), self.full(1, 1, "int32"))
+        return self.cast(self.reshape(bits, (-1,)), "uint8")
+
+
+class NumpyBackend(Backend):
+    """numpy implementation; the reference (oracle) backend."""
+
+    name = "numpy"
+
+    def zeros(self, n, dtype="float32"):
+        return np.zeros(n, dtype=dtype)
+
+    def full(self, n, value, dtype="float32"):
+        return np.full(n, value, dtype=dtype)
+
+    def constant(self, values, dtype):
+        return np.asarray(values, dtype=dtype).reshape(-1)
+
+    def cast(self, x, dtype):
+        return np.asarray(x).astype(dtype, copy=False)
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def numel(self, x):
+        return int(np.size(x))
+
+    def is_floating(self, x):
+        return np.issubdtype(np.asarray(x).dtype, np.floating)
+
+    def reshape(self, x, shape):
+        return np.reshape(x, shape)
+
+    def concat(self, xs):
+        return np.concatenate(xs)
+
+    def concat_columns(self, xs):
+        return np.concatenate(xs, axis=1)
+
+    def slice(self, x, start, stop):
+        return x[start:stop]
+
+    def dtype_name(self, x):
+        return np.asarray(x).dtype.name
+
+    def repeat(self, values, counts):
+        return np.repeat(values, counts)
+
+    def abs(self, x):
+        return np.abs(x)
+
+    def floor(self, x):
+        return np.floor(x)
+
+    def sqrt(self, x):
+        return np.sqrt(x)
+
+    def sum(self, x, axis=None):
+        return np.sum(x, axis=axis)
+
+    def max(self, x):
+        return np.max(x) if np.size(x) else np.zeros((), dtype=np.asarray(x).dtype)
+
+    def where(self, cond, a, b):
+        return np.where(cond, a, b)
+
+    def greater_equal(self, a, b):
+        return np.greater_equal(a, b)
+
+    def less(self, a, b):
+        return np.less(a, b)
+
+    def bitwise_and(self, a, b):
+        return np.bitwise_and(a, b)
+
+    def bitwise_or(self, a, b):
+        return np.bitwise_or(a, b)
+
+    def bitwise_not(self, a):
+        return np.invert(a)
+
+    def right_shift(self, x, k):
+        return np.right_shift(x, k)
+
+    def left_shift(self, x, k):
+        return np.left_shift(x, k)
+
+    def generator(self, seed):
+        return np.random.default_rng(seed)
+
+    def uniform(self, gen, n):
+        return gen.random(n, dtype=np.float32)
+
+    def packbits(self, bits):
+        return np.packbits(np.asarray(bits, dtype=np.uint8), bitorder="little")
+
+    def unpackbits(self, packed):
+        return np.unpackbits(np.asarray(packed, dtype=np.uint8), bitorder="little")

@@ -1,0 +1,91 @@
+"""The framework-agnostic compressor interface.
+
+A :class:`Compressor` is an *algorithm for averaging a flat float32 buffer over ranks*:
+it quantizes, runs whatever collectives it needs through a
+:class:`~hvd_quant.core.comm.Communicator`, and returns every rank's estimate of the mean.
+This is wider than Horovod's ``compress``/``decompress`` pair (which always ends in one
+allreduce): Global-QSGD needs a scalar allreduce before quantizing, sign methods need an
+allgather or a ring. The framework adapters turn a :class:`Compressor` into Horovod's
+interface where that is possible.
+
+Implementations keep no framework imports and no per-rank globals: everything they touch
+comes from the :class:`ReduceContext`.
+"""
+
+import hashlib
+import json
+
+
+class ReduceContext:
+    """What one call of :meth:`Compressor.reduce` may use.
+
+    Attributes
+    ----------
+    backend : Backend
+        Tensor operations for the framework of ``x``.
+    comm : Communicator
+        Collectives among the ranks that share this buffer.
+    name : str
+        Prefix for collective names; identical on every rank for the same buffer.
+    state : StateView or None
+        Persistent per-parameter state of this buffer (``None`` for stateless compressors).
+    segments : list of (str, int)
+        Parameter names and sizes, in order, that make up the buffer.
+    rng : generator
+        This rank's random generator (from ``backend.generator``), for stochastic rounding.
+    """
+
+    def __init__(self, backend, comm, name, segments, state=None, rng=None):
+        self.backend = backend
+        self.comm = comm
+        self.name = name
+        self.segments = segments
+        self.state = state
+        self.rng = rng
+
+    def collective_name(self, phase):
+        return f"hvd_quant.{self.name}.{phase}"
+
+
+class Compressor:
+    """Base class. Subclasses set :attr:`name` and implement :meth:`reduce`.
+
+    Attributes
+    ----------
+    name : str
+        Registry name, e.g. ``"ef_sign"``.
+    stateful : bool
+        True when the compressor keeps error-feedback or compensation state; such
+        compressors need stable parameter names.
+    """
+
+    name = "abstract"
+    stateful = False
+    #: Set (to a dtype name) when the compressor is a plain cast around a sum-allreduce;
+    #: Horovod's stock optimizers can then run it with no collectives of our own.
+    horovod_wire_dtype = None
+
+    def options(self):
+        """The options that define this compressor's behaviour (must agree across ranks)."""
+        return {}
+
+    def fingerprint(self):
+        """A 63-bit integer identifying name and options, for cross-rank agreement checks."""
+        blob = json.dumps([self.name, self.options()], sort_keys=True, default=str).encode()
+        return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
+
+    def validate(self, world_size):
+        """Raise ``ValueError`` when the options cannot work with ``world_size`` ranks."""
+
+    def reduce(self, x, ctx):
+        """Return every rank's estimate of ``mean_over_ranks(x)`` (flat float32)."""
+        raise NotImplementedError
+
+    def wire_bytes(self, numel, world_size, segments=1):
+        """Bytes one rank sends to reduce a buffer of ``numel`` elements (cost model of
+        :class:`~hvd_quant.core.comm.WireMeter`)."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options().items()))
+        return f"{type(self).__name__}({opts})"

@@ -1,0 +1,138 @@
+"""An in-process world of ``n`` ranks on threads: the oracle for every collective algorithm.
+
+Each rank runs the same per-rank code (the code that runs under Horovod) on its own thread
+with numpy tensors. Collectives meet at a barrier, so the simulation also checks that
+every rank issues the same collectives in the same order with the same names: a mismatch
+raises :class:`CollectiveMismatch` instead of silently pairing the wrong tensors.
+
+Example
+-------
+>>> world = ThreadWorld(3)
+>>> world.run(lambda comm: comm.allreduce(np.ones(2) * comm.rank, "sum", "x"))  # doctest: +SKIP
+"""
+
+import threading
+
+import numpy as np
+
+from .backend import NumpyBackend
+from .comm import Communicator
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks issued different collectives (kind or name) in the same round."""
+
+
+class _Rendezvous:
+    def __init__(self, n, timeout):
+        self.n = n
+        self.timeout = timeout
+        self.barrier = threading.Barrier(n, timeout=timeout)
+        self.slots = [None] * n
+
+    def exchange(self, rank, item):
+        """Deposit ``item``; return every rank's item, in rank order."""
+        self.slots[rank] = item
+        self.barrier.wait()
+        items = list(self.slots)
+        self.barrier.wait()
+        return items
+
+
+class ThreadComm(Communicator):
+    """One rank's view of a :class:`ThreadWorld`, or of a sub-group of it."""
+
+    allreduce_int_dtypes = ("int8", "int16", "int32", "int64")
+
+    def __init__(self, rendezvous, rank, size, backend):
+        super().__init__()
+        self._rv = rendezvous
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+
+    def _exchange(self, kind, name, payload):
+        items = self._rv.exchange(self.rank, (kind, name, payload))
+        keys = {(k, nm) for k, nm, _ in items}
+        if len(keys) != 1:
+            raise CollectiveMismatch(f"ranks issued different collectives in one round: {sorted(keys)}")
+        return [p for _, _, p in items]
+
+    def allreduce(self, x, op, name):
+        x = np.asarray(x)
+        self._count_allreduce(x.nbytes)
+        parts = self._exchange("allreduce:" + op, name, x)
+        if op == "sum":
+            out = parts[0].copy()
+            for p in parts[1:]:
+                out = out + p  # integer dtypes sum exactly, in their own width
+            return out.astype(x.dtype, copy=False)
+        if op == "max":
+            return np.max(np.stack(parts), axis=0)
+        raise ValueError(f"unknown reduction {op!r}")
+
+    def allgather(self, x, name):
+        x = np.asarray(x)
+        self._count_allgather(x.nbytes)
+        parts = self._exchange("allgather", name, x)
+        if len({p.shape for p in parts}) != 1:
+            raise CollectiveMismatch(f"allgather {name!r}: ranks contributed different shapes")
+        return np.concatenate(parts)
+
+    def sendrecv(self, x, dest, source, name, recv_numel=None):
+        x = np.asarray(x)
+        self._count_send(x.nbytes, dest)
+        parts = self._exchange("sendrecv", name, (dest, x))
+        dests = sorted(d for d, _ in parts)
+        if dests != list(range(self.size)):
+            raise CollectiveMismatch(f"sendrecv {name!r}: destinations are not a permutation")
+        sent_dest, payload = parts[source]
+        if sent_dest != self.rank:
+            raise CollectiveMismatch(f"sendrecv {name!r}: rank {source} sent to {sent_dest}, "
+                                     f"not to rank {self.rank}")
+        if recv_numel is not None and payload.size != recv_numel:
+            raise CollectiveMismatch(f"sendrecv {name!r}: expected {recv_numel} elements, got {payload.size}")
+        return payload.copy()
+
+
+class ThreadWorld:
+    """``n`` simulated ranks. :meth:`run` calls ``fn(comm)`` on every rank concurrently."""
+
+    def __init__(self, size, timeout=60.0):
+        if size < 1:
+            raise ValueError("a world needs at least one rank")
+        self.size = size
+        self.timeout = timeout
+        self.backend = NumpyBackend()
+
+    def run(self, fn):
+        """Run ``fn(comm)`` on every rank; return the list of results in rank order.
+
+        An exception on any rank aborts the others (no hang) and is re-raised here.
+        """
+        rv = _Rendezvous(self.size, self.timeout)
+        comms = [ThreadComm(rv, r, self.size, self.backend) for r in range(self.size)]
+        results = [None] * self.size
+        errors = [None] * self.size
+
+        def body(r):
+            try:
+                results[r] = fn(comms[r])
+            except BaseException as exc:  # noqa: B902 - re-raised in the caller
+                errors[r] = exc
+                rv.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.timeout * 4)
+        first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+        if first is None:
+            first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError("simulated ranks did not finish")
+        self.meters = [c.meter for c in comms]
+        return results

@@ -1,0 +1,114 @@
+"""TensorFlow implementation of :class:`hvd_quant.core.backend.Backend`.
+
+Works eagerly and inside ``tf.function``: sizes come from static shapes, and state and
+random generators are created under ``tf.init_scope()`` so that they outlive a trace.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from ..core.backend import Backend
+
+
+class TFBackend(Backend):
+    name = "tensorflow"
+
+    def zeros(self, n, dtype="float32"):
+        return tf.zeros([n], dtype=dtype)
+
+    def full(self, n, value, dtype="float32"):
+        return tf.fill([n], tf.constant(value, dtype=dtype))
+
+    def constant(self, values, dtype):
+        return tf.reshape(tf.constant(np.asarray(values), dtype=dtype), [-1])
+
+    def cast(self, x, dtype):
+        return tf.cast(x, dtype)
+
+    def to_numpy(self, x):
+        return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+    def numel(self, x):
+        n = x.shape.num_elements()
+        if n is None:
+            raise ValueError("hvd_quant needs tensors with static shapes under tf.function")
+        return n
+
+    def is_floating(self, x):
+        return x.dtype.is_floating
+
+    def reshape(self, x, shape):
+        return tf.reshape(x, shape)
+
+    def concat(self, xs):
+        return tf.concat(xs, axis=0)
+
+    def concat_columns(self, xs):
+        return tf.concat(xs, axis=1)
+
+    def slice(self, x, start, stop):
+        return x[start:stop]
+
+    def dtype_name(self, x):
+        if isinstance(x, np.ndarray):
+            return x.dtype.name
+        return x.dtype.name
+
+    def repeat(self, values, counts):
+        return tf.repeat(values, tf.constant(counts, dtype=tf.int64))
+
+    def abs(self, x):
+        return tf.abs(x)
+
+    def floor(self, x):
+        return tf.floor(x)
+
+    def sqrt(self, x):
+        return tf.sqrt(x)
+
+    def sum(self, x, axis=None):
+        return tf.reduce_sum(x, axis=axis)
+
+    def max(self, x):
+        return tf.reduce_max(x) if self.numel(x) else tf.zeros([], dtype=x.dtype)
+
+    def where(self, cond, a, b):
+        return tf.where(cond, a, b)
+
+    def greater_equal(self, a, b):
+        return tf.greater_equal(a, b)
+
+    def less(self, a, b):
+        return tf.less(a, b)
+
+    def bitwise_and(self, a, b):
+        return tf.bitwise.bitwise_and(a, b)
+
+    def bitwise_or(self, a, b):
+        return tf.bitwise.bitwise_or(a, b)
+
+    def bitwise_not(self, a):
+        return tf.bitwise.invert(a)
+
+    def right_shift(self, x, k):
+        return tf.bitwise.right_shift(x, tf.cast(k, x.dtype))
+
+    def left_shift(self, x, k):
+        return tf.bitwise.left_shift(x, tf.cast(k, x.dtype))
+
+    def variable(self, initial):
+        with tf.init_scope():
+            return tf.Variable(initial, trainable=False, dtype=initial.dtype.name)
+
+    def read(self, var):
+        return var.read_value()
+
+    def assign(self, var, value):
+        return var.assign(value)
+
+    def generator(self, seed):
+        with tf.init_scope():
+            return tf.random.Generator.from_seed(int(seed))
+
+    def uniform(self, gen, n):
+        return gen.uniform([n], dtype=tf.float32)

@@ -1,0 +1,52 @@
+"""Horovod (TensorFlow) implementation of :class:`hvd_quant.core.comm.Communicator`."""
+
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+from ..core.comm import Communicator
+
+# Horovod's TF allreduce kernel types (no int16, no bool).
+_ALLREDUCE_DTYPES = (tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64)
+
+
+class HorovodTFComm(Communicator):
+    """Collectives over a Horovod process set (the global one by default).
+
+    Names are passed with ``ignore_name_scope=True`` so that the same call gets the same
+    name eagerly and inside any ``tf.function`` or name scope, on every rank.
+    """
+
+    allreduce_int_dtypes = ("int8", "int32", "int64")
+
+    def __init__(self, process_set=None):
+        super().__init__()
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+
+    @staticmethod
+    def _nbytes(x):
+        return x.shape.num_elements() * x.dtype.size
+
+    def allreduce(self, x, op, name):
+        if x.dtype not in _ALLREDUCE_DTYPES:
+            raise TypeError(f"Horovod's TensorFlow allreduce cannot reduce {x.dtype.name}")
+        self._count_allreduce(self._nbytes(x))
+        hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
+        return hvd.allreduce(x, op=hvd_op, name=name, ignore_name_scope=True,
+                             process_set=self.process_set)
+
+    def allgather(self, x, name):
+        self._count_allgather(self._nbytes(x))
+        return hvd.allgather(x, name=name, ignore_name_scope=True, process_set=self.process_set)
+
+    def sendrecv(self, x, dest, source, name, recv_numel=None):
+        if self.size == 1:
+            return tf.identity(x)
+        n = x.shape.num_elements()
+        self._count_send(self._nbytes(x), dest)
+        # One hop = an alltoall in which this rank's only non-empty split goes to ``dest``.
+        splits = tf.one_hot(dest, self.size, on_value=n, off_value=0, dtype=tf.int32)
+        received, _ = hvd.alltoall(x, splits=splits, name=name, ignore_name_scope=True,
+                                   process_set=self.process_set)
+        return tf.reshape(received, [n if recv_numel is None else recv_numel])

@@ -1,0 +1,146 @@
+"""``hvd_quant.tensorflow.Compression``: our compressors behind Horovod's compression
+interface, for ``hvd.DistributedGradientTape`` (Keras 2 / tf-keras) and for our tape.
+
+See :mod:`hvd_quant.torch.compression` for why compressors that need their own
+collectives run them inside ``compress`` and hand Horovod a one-element placeholder.
+"""
+
+import sys
+
+import tensorflow as tf
+
+from .. import registry
+from ..core.runner import CompressorRunner
+from .backend import TFBackend
+
+
+def variable_name(var):
+    """Stable name of a TF or Keras variable: Keras 3's ``path``, else ``name`` minus ``:0``."""
+    path = getattr(var, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    name = var.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _horovod_call_site():
+    """(variable name or None, op) for the gradient Horovod's stock tape is compressing.
+
+    Horovod 0.28.1 builds its reductions in ``allreduce_grads(grads, vars)`` with a list
+    comprehension over ``i``; ``hvd.allreduce`` holds the ``op``. Returns ``None`` when
+    not called from Horovod's ``allreduce``.
+    """
+    frame = sys._getframe(2)
+    op, index = None, None
+    found_allreduce = False
+    while frame is not None:
+        code, local = frame.f_code, frame.f_locals
+        if code.co_name == "allreduce" and "compression" in local and "op" in local:
+            op, found_allreduce = local["op"], True
+        elif found_allreduce and index is None and isinstance(local.get("i"), int) and "grad" in local:
+            index = local["i"]
+        elif code.co_name == "allreduce_grads" and "vars" in local:
+            variables = local["vars"]
+            if index is not None and variables is not None and index < len(variables):
+                return variable_name(variables[index]), op
+            return None, op
+        frame = frame.f_back
+    return (None, op) if found_allreduce else None
+
+
+class TFCompressor:
+    """A registered compressor, usable as ``compression=`` for Horovod's stock
+    ``hvd.DistributedGradientTape`` and for :class:`hvd_quant.tensorflow.DistributedGradientTape`.
+
+    Calling the object returns a new, independently-stateful instance with updated options.
+    """
+
+    def __init__(self, name, seed=0, **options):
+        self.core = registry.get(name, **options)
+        self.name = name
+        self.seed = seed
+        self._options = dict(options)
+        self._runner = None
+        self._comm = None
+        self._anonymous_calls = 0
+
+    def __call__(self, **options):
+        seed = options.pop("seed", self.seed)
+        return TFCompressor(self.name, seed=seed, **{**self._options, **options})
+
+    def __repr__(self):
+        return f"hvd_quant.tensorflow.Compression.{self.name}{repr(self.core)[len(type(self.core).__name__):]}"
+
+    def runner(self):
+        if self._runner is None:
+            self._runner = CompressorRunner(self.core, TFBackend(), seed=self.seed)
+        return self._runner
+
+    def state_dict(self):
+        """Per-rank compressor state (stock-Horovod path), keyed ``"variable/key"``."""
+        return self.runner().state_dict()
+
+    def load_state_dict(self, state):
+        self.runner().load_state_dict(state)
+
+    def compress(self, tensor):
+        if not tensor.dtype.is_floating:
+            return tensor, None
+        if self.core.horovod_wire_dtype is not None:
+            return tf.cast(tensor, self.core.horovod_wire_dtype), ("cast", tensor.dtype)
+        import horovod.tensorflow as hvd
+        from .comm import HorovodTFComm
+
+        site = _horovod_call_site()
+        vname, op = site if site is not None else (None, None)
+        if vname is None:
+            if site is None or self.core.stateful:
+                raise RuntimeError(
+                    f"hvd_quant: {self!r} runs its own collectives"
+                    + (" and keeps per-variable state" if self.core.stateful else "")
+                    + "; it supports Horovod's stock hvd.DistributedGradientTape (0.28.1) and "
+                    "hvd_quant.tensorflow.DistributedGradientTape. Use "
+                    "hvd_quant.tensorflow.DistributedGradientTape(tape, "
+                    f"compression=hvd_quant.tensorflow.Compression.{self.name}).")
+            self._anonymous_calls += 1
+            vname = f"tensor{self._anonymous_calls}"
+        if op == hvd.Adasum:
+            raise ValueError("hvd_quant compressors do not support op=hvd.Adasum")
+        if self._comm is None:
+            self._comm = HorovodTFComm()
+        runner = self.runner()
+        with tf.init_scope():
+            runner.check_once(self._comm, "stock", 0, 0)
+        flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
+        mean = runner.reduce(flat, self._comm, vname, [(vname, flat.shape.num_elements())])
+        if op == hvd.Sum:
+            mean = mean * float(self._comm.size)
+        result = tf.cast(tf.reshape(mean, tf.shape(tensor)), tensor.dtype)
+        return tf.zeros([1], dtype=tensor.dtype), ("result", result)
+
+    def decompress(self, tensor, ctx):
+        if ctx is None:
+            return tensor
+        kind, value = ctx
+        return tf.cast(tensor, value) if kind == "cast" else value
+
+
+class _CompressionNamespace:
+    """Mirrors ``horovod.tensorflow.Compression``; one attribute per registered compressor."""
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self.get(name)
+        except ValueError as exc:
+            raise AttributeError(str(exc)) from None
+
+    def __dir__(self):
+        return registry.available() + ["get"]
+
+    def get(self, name, **options):
+        return TFCompressor(name, **options)
+
+
+Compression = _CompressionNamespace()

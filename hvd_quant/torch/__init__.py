@@ -1,0 +1,13 @@
+"""PyTorch adapter: ``Compression`` and ``DistributedOptimizer`` mirroring ``horovod.torch``.
+
+>>> import horovod.torch as hvd, hvd_quant.torch as hq          # doctest: +SKIP
+>>> opt = hq.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+...                               compression=hq.Compression.ef_sign)   # doctest: +SKIP
+"""
+
+from .backend import TorchBackend
+from .comm import HorovodTorchComm
+from .compression import Compression, TorchCompressor
+from .optimizer import DistributedOptimizer
+
+__all__ = ["Compression", "DistributedOptimizer", "HorovodTorchComm", "TorchBackend", "TorchCompressor"]

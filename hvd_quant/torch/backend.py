@@ -1,0 +1,118 @@
+"""torch implementation of :class:`hvd_quant.core.backend.Backend`."""
+
+import numpy as np
+import torch
+
+from ..core.backend import Backend
+
+_DTYPES = {
+    "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
+    "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
+    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+
+    def zeros(self, n, dtype="float32"):
+        return torch.zeros(n, dtype=_DTYPES[dtype], device=self.device)
+
+    def full(self, n, value, dtype="float32"):
+        return torch.full((n,), value, dtype=_DTYPES[dtype], device=self.device)
+
+    def constant(self, values, dtype):
+        return torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype], device=self.device).reshape(-1)
+
+    def cast(self, x, dtype):
+        return x.to(_DTYPES[dtype])
+
+    def to_numpy(self, x):
+        return x.detach().cpu().numpy()
+
+    def numel(self, x):
+        return x.numel()
+
+    def is_floating(self, x):
+        return x.is_floating_point()
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def concat(self, xs):
+        return torch.cat(xs)
+
+    def concat_columns(self, xs):
+        return torch.cat(xs, dim=1)
+
+    def slice(self, x, start, stop):
+        return x[start:stop]
+
+    def dtype_name(self, x):
+        if isinstance(x, np.ndarray):
+            return x.dtype.name
+        return _NAMES[x.dtype]
+
+    def repeat(self, values, counts):
+        return torch.repeat_interleave(values, torch.as_tensor(counts, device=values.device))
+
+    def abs(self, x):
+        return x.abs()
+
+    def floor(self, x):
+        return x.floor()
+
+    def sqrt(self, x):
+        return x.sqrt()
+
+    def sum(self, x, axis=None):
+        if axis is None:
+            return x.sum(dtype=x.dtype if x.is_floating_point() else None)
+        return x.sum(dim=axis, dtype=x.dtype if x.is_floating_point() else None)
+
+    def max(self, x):
+        return x.max() if x.numel() else torch.zeros((), dtype=x.dtype)
+
+    def where(self, cond, a, b):
+        return torch.where(cond, a, b)
+
+    def greater_equal(self, a, b):
+        return torch.ge(a, b)
+
+    def less(self, a, b):
+        return torch.lt(a, b)
+
+    def bitwise_and(self, a, b):
+        return torch.bitwise_and(a, b)
+
+    def bitwise_or(self, a, b):
+        return torch.bitwise_or(a, b)
+
+    def bitwise_not(self, a):
+        return torch.bitwise_not(a)
+
+    def right_shift(self, x, k):
+        return torch.bitwise_right_shift(x, k)
+
+    def left_shift(self, x, k):
+        return torch.bitwise_left_shift(x, k)
+
+    def generator(self, seed):
+        return torch.Generator(device=self.device).manual_seed(int(seed))
+
+    def uniform(self, gen, n):
+        return torch.rand(n, generator=gen, dtype=torch.float32, device=self.device)
+
+    # Fast paths: uint8 arithmetic, no int32 detour.
+    def packbits(self, bits):
+        groups = bits.to(torch.uint8).reshape(-1, 8)
+        return (groups << _BIT_SHIFTS.to(groups.device)).sum(dim=1, dtype=torch.uint8)
+
+    def unpackbits(self, packed):
+        shifts = _BIT_SHIFTS.to(packed.device)
+        return ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)

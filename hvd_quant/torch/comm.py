@@ -1,0 +1,41 @@
+"""Horovod (torch) implementation of :class:`hvd_quant.core.comm.Communicator`."""
+
+import torch
+import horovod.torch as hvd
+
+from ..core.comm import Communicator
+
+# Horovod's torch allreduce handles these dtypes only (no int8/uint8/bool: horovod #3661).
+_ALLREDUCE_DTYPES = (torch.int32, torch.int64, torch.float16, torch.float32, torch.float64)
+
+
+class HorovodTorchComm(Communicator):
+    """Collectives over a Horovod process set (the global one by default)."""
+
+    def __init__(self, process_set=None):
+        super().__init__()
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+
+    def allreduce(self, x, op, name):
+        if x.dtype not in _ALLREDUCE_DTYPES:
+            raise TypeError(f"Horovod's torch allreduce cannot reduce {x.dtype}; pack small "
+                            "integers into int32 lanes (hvd_quant.core.packing.pack_lanes)")
+        self._count_allreduce(x.numel() * x.element_size())
+        hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
+        return hvd.allreduce(x, name=name, op=hvd_op, process_set=self.process_set)
+
+    def allgather(self, x, name):
+        self._count_allgather(x.numel() * x.element_size())
+        return hvd.allgather(x, name=name, process_set=self.process_set)
+
+    def sendrecv(self, x, dest, source, name, recv_numel=None):
+        if self.size == 1:
+            return x.clone()
+        self._count_send(x.numel() * x.element_size(), dest)
+        # One hop = an alltoall in which this rank's only non-empty split goes to ``dest``.
+        splits = torch.zeros(self.size, dtype=torch.int32)
+        splits[dest] = x.numel()
+        received, _ = hvd.alltoall(x, splits=splits, name=name, process_set=self.process_set)
+        return received

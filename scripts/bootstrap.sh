@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project-local environment .venv with everything hvd_quant needs:
+# torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, tf-keras, numpy, pytest, scikit-learn (for the
+# examples' bundled data) and Horovod 0.28.1 built from source with Gloo.
+# Safe to run again: it installs only what is missing.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${HVD_QUANT_VENV:-$root/.venv}
+py="$venv/bin/python"
+
+TORCH=torch==2.13.0          # always pinned: an unpinned torch pulls the CUDA build
+TF=tensorflow-cpu==2.21.0
+TFK=tf-keras==2.21.0
+
+if [ ! -x "$py" ]; then
+    echo "[bootstrap] creating $venv"
+    python3 -m venv "$venv"
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+have() { "$py" - "$@" <<'PYEOF' 2>/dev/null
+import importlib.metadata as md, sys
+for req in sys.argv[1:]:
+    name, _, ver = req.partition("==")
+    try:
+        got = md.version(name)
+    except md.PackageNotFoundError:
+        sys.exit(1)
+    if ver and got.split("+")[0] != ver:
+        sys.exit(1)
+PYEOF
+}
+
+deps=("$TORCH" "$TF" "$TFK" numpy pytest pytest-timeout scikit-learn setuptools wheel \
+      psutil pyyaml cloudpickle packaging cffi)
+if ! have "${deps[@]}"; then
+    echo "[bootstrap] installing framework and test dependencies"
+    "$py" -m pip install --quiet "${deps[@]}"
+fi
+
+if ! "$py" -c "import horovod.torch, horovod.tensorflow" >/dev/null 2>&1; then
+    PYTHON="$py" "$root/scripts/build_horovod.sh"
+fi
+
+if ! "$py" -c "import hvd_quant, sys; sys.exit(0 if hvd_quant.__file__.startswith('$root/') else 1)" >/dev/null 2>&1; then
+    echo "[bootstrap] installing hvd_quant (editable)"
+    "$py" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
+fi
+echo "[bootstrap] environment ready: $venv"

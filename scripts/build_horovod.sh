@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Build (once) and install Horovod 0.28.1 from PyPI's source distribution into the
+# active Python, with the fixes current frameworks need. The built wheel is cached,
+# keyed by the Python, torch and TensorFlow versions, so a second run takes seconds.
+#
+# Why patch: the 0.28.1 sdist (2023) predates torch >= 2.1 and TF 2.21.
+#   1. torch >= 2.1 headers need C++17; the sdist pins C++14 for the torch library
+#      (upstream horovod issues #3996/#4014, fixed on master, never released).
+#   2. The vendored gloo adds -std=c++11; linking against a C++17 torch then fails with a
+#      duplicate gloo::rendezvous::Store::kDefaultTimeout.
+#   3. TF 2.21 headers break the optional XLA MPI ops (missing highwayhash/farmhash
+#      includes); we leave that one source file out of the TF build.
+#   4. cmake 4.x refuses gloo's cmake_minimum_required; CMAKE_POLICY_VERSION_MINIMUM=3.5
+#      keeps any cmake working (the system cmake 3.25 needs nothing).
+set -euo pipefail
+
+HOROVOD_VERSION=0.28.1
+PY=${PYTHON:-python}
+
+versions=$("$PY" - <<'PYEOF'
+import sys, torch, tensorflow as tf
+print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split('+')[0]}-tf{tf.__version__}")
+PYEOF
+)
+cache_root=${HVD_QUANT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_quant}
+wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions"
+
+if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+    echo "[build_horovod] using cached wheel in $wheel_dir"
+else
+    echo "[build_horovod] no cached wheel for $versions; building Horovod $HOROVOD_VERSION from source (about 10 minutes on 2 cores)"
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+    tar -C "$work" -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz"
+    src="$work/horovod-$HOROVOD_VERSION"
+
+    # Fix 1: C++17 for the whole project and for the torch library.
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+        "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    # Fix 2: the vendored gloo in C++17 as well.
+    sed -i 's/-std=c++11 -fPIC/-std=c++17 -fPIC/' "$src/third_party/gloo/CMakeLists.txt"
+    # Fix 3: drop the optional XLA MPI ops that do not compile against TF 2.21.
+    sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+    for check in "CMAKE_CXX_STANDARD 14:$src/CMakeLists.txt" \
+                 "CMAKE_CXX_STANDARD 14:$src/horovod/torch/CMakeLists.txt" \
+                 "-std=c++11 -fPIC:$src/third_party/gloo/CMakeLists.txt" \
+                 "xla_mpi_ops.cc:$src/horovod/tensorflow/CMakeLists.txt"; do
+        if grep -qF -- "${check%%:*}" "${check#*:}"; then
+            echo "[build_horovod] patch did not apply: '${check%%:*}' still in ${check#*:}" >&2
+            exit 1
+        fi
+    done
+
+    mkdir -p "$wheel_dir"
+    log="$cache_root/horovod-build.log"
+    echo "[build_horovod] compiling; log in $log"
+    (
+        cd "$src"
+        export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
+               HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo \
+               CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j"$(nproc)"
+        "$PY" -m pip wheel -v --no-build-isolation --no-deps -w "$wheel_dir.tmp" . >"$log" 2>&1 &
+        pid=$!
+        # Progress on a long build: one line a minute.
+        start=$SECONDS
+        while kill -0 "$pid" 2>/dev/null; do
+            sleep 60 &
+            wait $! || true
+            kill -0 "$pid" 2>/dev/null && echo "[build_horovod] still compiling ($(( (SECONDS-start)/60 )) min): $(grep -o '\[ *[0-9]*%\]' "$log" | tail -1)"
+        done
+        wait "$pid" || { echo "[build_horovod] build failed; last lines of $log:" >&2; tail -40 "$log" >&2; exit 1; }
+    )
+    mv "$wheel_dir.tmp"/horovod-*.whl "$wheel_dir"/ && rmdir "$wheel_dir.tmp"
+    echo "[build_horovod] cached $(ls "$wheel_dir")"
+fi
+
+"$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
