@@ -8,16 +8,19 @@ Sign bits
 Integer lanes
     Horovod's torch allreduce has no int8 or int16 (horovod issue #3661), so small signed
     integers are packed into int32 words, ``32 // width`` lanes per word, such that the
-    word-wise *sum* over ``n`` ranks equals the lane-wise sum, exactly, with no carry from
-    one lane into the next and no int32 overflow:
+    word-wise *sum* over ranks decodes to the lane-wise sums, exactly:
 
-    * lanes below the top one hold ``v + bound`` (non-negative), so their sum over ``n``
-      ranks is at most ``2 * n * bound``;
-    * the top lane holds ``v`` itself, signed, so the word stays inside int32 and the top
-      lane's sum is read back by an arithmetic shift.
+    * every lane holds the signed value ``v``; the word is ``sum_j v_j * 2**(width*j)``;
+    * exactly one rank (``add_offset=True``) also adds ``2**(width-1)`` to every lane but
+      the top one, so each lower lane of the *final* sum lies in ``[0, 2**width)`` and is
+      read back with a mask, while the top lane stays signed and is read back with an
+      arithmetic shift. Borrows between lanes in partial sums cancel out, because the sum
+      is linear.
 
-    Both are safe exactly when ``n * bound <= 2**(width - 1) - 1``, the same condition under
-    which a native signed ``width``-bit sum cannot overflow (see :func:`lane_sum_is_safe`).
+    Exact whenever ``|sum over ranks of v| <= 2**(width-1) - 1`` for every lane and for
+    every subset of ranks (partial sums), which is the condition under which a native
+    signed ``width``-bit sum cannot overflow either. Partial sums then also stay inside
+    int32, so no rank ever relies on integer wrap-around.
 """
 
 import math
@@ -55,9 +58,9 @@ def lanes_per_word(width):
     return 32 // width
 
 
-def lane_sum_is_safe(width, bound, n):
-    """True when summing ``n`` lanes holding values in ``[-bound, bound]`` cannot overflow."""
-    return n * bound <= 2 ** (width - 1) - 1
+def lane_sum_is_safe(width, total_bound):
+    """True when lanes whose sum over ranks is bounded by ``total_bound`` cannot overflow."""
+    return total_bound <= 2 ** (width - 1) - 1
 
 
 def packed_lane_words(numel, width):
@@ -65,37 +68,37 @@ def packed_lane_words(numel, width):
     return math.ceil(numel / lanes_per_word(width))
 
 
-def pack_lanes(B, values, width, bound):
-    """Pack integers in ``[-bound, bound]`` (any int dtype) into int32 words.
+def pack_lanes(B, values, width, add_offset):
+    """Pack signed integers (any int dtype) into int32 words, ``32 // width`` per word.
 
-    See the module docstring for the layout. ``values`` is padded with zeros to a whole
-    number of words.
+    ``add_offset`` must be True on exactly one of the ranks whose words are summed (and
+    True for a tensor that is unpacked without summing). See the module docstring.
     """
     lanes = lanes_per_word(width)
     d = B.numel(values)
     v = B.reshape(B.pad(B.cast(values, "int32"), (-d) % lanes), (-1, lanes))
-    offsets = np.full(lanes, bound, dtype=np.int64)
-    offsets[-1] = 0  # the top lane is stored signed
-    weights = np.array([1 << (width * j) for j in range(lanes)], dtype=np.int64)
     # Multiplication, not shifts: shifting negative numbers left is undefined in some
-    # kernels, while the products below provably stay inside int32.
-    shifted = (v + B.reshape(B.constant(offsets, "int32"), (1, lanes))) * B.reshape(
-        B.constant(weights, "int32"), (1, lanes))
-    return B.cast(B.sum(shifted, axis=1), "int32")
+    # kernels, while these products provably stay inside int32.
+    weights = np.array([1 << (width * j) for j in range(lanes)], dtype=np.int64)
+    words = B.sum(v * B.reshape(B.constant(weights, "int32"), (1, lanes)), axis=1)
+    words = B.cast(words, "int32")
+    if add_offset and lanes > 1:
+        offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1))
+        words = words + B.full(1, offset, "int32")
+    return words
 
 
-def unpack_lanes(B, words, numel, width, bound, n_summed=1):
-    """Lane values of int32 ``words`` that are the sum of ``n_summed`` packed tensors.
-
-    Returns int32 of length ``numel``: the lane-wise sums of the original values.
-    """
+def unpack_lanes(B, words, numel, width):
+    """Lane values (int32, length ``numel``) of int32 ``words`` packed by
+    :func:`pack_lanes`, or of a sum of such words."""
     lanes = lanes_per_word(width)
     words = B.cast(words, "int32")
     mask = B.full(1, (1 << width) - 1, "int32")
+    half = B.full(1, 1 << (width - 1), "int32")
     parts = []
     for j in range(lanes - 1):
         lane = B.bitwise_and(B.right_shift(words, B.full(1, width * j, "int32")), mask)
-        parts.append(B.reshape(lane - n_summed * bound, (-1, 1)))
+        parts.append(B.reshape(lane - half, (-1, 1)))
     top = B.right_shift(words, B.full(1, width * (lanes - 1), "int32"))  # arithmetic shift
     parts.append(B.reshape(top, (-1, 1)))
     stacked = B.reshape(B.concat_columns(parts), (-1,))
