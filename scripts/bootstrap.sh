@@ -42,7 +42,8 @@ if ! "$py" -c "import horovod.torch, horovod.tensorflow" >/dev/null 2>&1; then
     PYTHON="$py" "$root/scripts/build_horovod.sh"
 fi
 
-if ! "$py" -c "import hvd_quant, sys; sys.exit(0 if hvd_quant.__file__.startswith('$root/') else 1)" >/dev/null 2>&1; then
+# Checked from / so that the checkout itself does not shadow a missing install.
+if ! (cd / && "$py" -c "import hvd_quant, sys; sys.exit(0 if hvd_quant.__file__.startswith('$root/') else 1)") >/dev/null 2>&1; then
     echo "[bootstrap] installing hvd_quant (editable)"
     "$py" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
 fi

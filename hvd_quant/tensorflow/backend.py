@@ -25,6 +25,9 @@ class TFBackend(Backend):
     def cast(self, x, dtype):
         return tf.cast(x, dtype)
 
+    def bitcast(self, x, dtype):
+        return tf.bitcast(x, dtype)
+
     def to_numpy(self, x):
         return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
 

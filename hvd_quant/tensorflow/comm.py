@@ -25,6 +25,12 @@ class HorovodTFComm(Communicator):
         self.size = self.process_set.size()
 
     @staticmethod
+    def _name(name):
+        # With ignore_name_scope Horovod keeps only what follows the last "/", so
+        # "dense/bias" and "dense_1/bias" would collide; "/" is not needed in our names.
+        return name.replace("/", ".")
+
+    @staticmethod
     def _nbytes(x):
         return x.shape.num_elements() * x.dtype.size
 
@@ -33,12 +39,12 @@ class HorovodTFComm(Communicator):
             raise TypeError(f"Horovod's TensorFlow allreduce cannot reduce {x.dtype.name}")
         self._count_allreduce(self._nbytes(x))
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
-        return hvd.allreduce(x, op=hvd_op, name=name, ignore_name_scope=True,
+        return hvd.allreduce(x, op=hvd_op, name=self._name(name), ignore_name_scope=True,
                              process_set=self.process_set)
 
     def allgather(self, x, name):
         self._count_allgather(self._nbytes(x))
-        return hvd.allgather(x, name=name, ignore_name_scope=True, process_set=self.process_set)
+        return hvd.allgather(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
 
     def sendrecv(self, x, dest, source, name, recv_numel=None):
         if self.size == 1:
@@ -47,6 +53,6 @@ class HorovodTFComm(Communicator):
         self._count_send(self._nbytes(x), dest)
         # One hop = an alltoall in which this rank's only non-empty split goes to ``dest``.
         splits = tf.one_hot(dest, self.size, on_value=n, off_value=0, dtype=tf.int32)
-        received, _ = hvd.alltoall(x, splits=splits, name=name, ignore_name_scope=True,
+        received, _ = hvd.alltoall(x, splits=splits, name=self._name(name), ignore_name_scope=True,
                                    process_set=self.process_set)
         return tf.reshape(received, [n if recv_numel is None else recv_numel])

@@ -27,19 +27,21 @@ def _horovod_call_site():
     """(variable name or None, op) for the gradient Horovod's stock tape is compressing.
 
     Horovod 0.28.1 builds its reductions in ``allreduce_grads(grads, vars)`` with a list
-    comprehension over ``i``; ``hvd.allreduce`` holds the ``op``. Returns ``None`` when
-    not called from Horovod's ``allreduce``.
+    comprehension over ``i``, and ``hvd.allreduce`` holds the ``op``; under ``tf.function``
+    autograph runs them as ``tf__allreduce_grads`` / ``tf__allreduce``. Returns ``None``
+    when not called from Horovod's ``allreduce``.
     """
     frame = sys._getframe(2)
     op, index = None, None
     found_allreduce = False
     while frame is not None:
-        code, local = frame.f_code, frame.f_locals
-        if code.co_name == "allreduce" and "compression" in local and "op" in local:
+        code_name = frame.f_code.co_name.removeprefix("tf__")
+        local = frame.f_locals
+        if code_name == "allreduce" and "compression" in local and "op" in local:
             op, found_allreduce = local["op"], True
         elif found_allreduce and index is None and isinstance(local.get("i"), int) and "grad" in local:
             index = local["i"]
-        elif code.co_name == "allreduce_grads" and "vars" in local:
+        elif code_name == "allreduce_grads" and "vars" in local:
             variables = local["vars"]
             if index is not None and variables is not None and index < len(variables):
                 return variable_name(variables[index]), op
@@ -83,6 +85,7 @@ class TFCompressor:
     def load_state_dict(self, state):
         self.runner().load_state_dict(state)
 
+    @tf.autograph.experimental.do_not_convert
     def compress(self, tensor):
         if not tensor.dtype.is_floating:
             return tensor, None
@@ -118,6 +121,7 @@ class TFCompressor:
         result = tf.cast(tf.reshape(mean, tf.shape(tensor)), tensor.dtype)
         return tf.zeros([1], dtype=tensor.dtype), ("result", result)
 
+    @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor

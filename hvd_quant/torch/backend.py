@@ -32,6 +32,9 @@ class TorchBackend(Backend):
     def cast(self, x, dtype):
         return x.to(_DTYPES[dtype])
 
+    def bitcast(self, x, dtype):
+        return x.view(_DTYPES[dtype])
+
     def to_numpy(self, x):
         return x.detach().cpu().numpy()
 

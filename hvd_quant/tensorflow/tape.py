@@ -1,0 +1,155 @@
+"""``hvd_quant.tensorflow.DistributedGradientTape``: Horovod's signature, fused compressed
+reduction, Keras 2 and Keras 3.
+
+Stock ``hvd.DistributedGradientTape`` fails on Keras 3 variables (``'Variable' object has
+no attribute 'ref'``, horovod #4290) because it keys variables by ``.ref()``. This tape
+names variables by Keras 3's ``path`` (or ``name``), flattens every gradient into one
+float32 buffer per group, and averages it with the compressor's own algorithm. It works
+eagerly and inside ``tf.function``; compressor state lives in ``tf.Variable`` objects
+created on first use.
+"""
+
+import hashlib
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+from ..core.runner import digest63
+from .comm import HorovodTFComm
+from .compression import Compression, TFCompressor, variable_name
+
+
+class DistributedGradientTape:
+    """Wrap a ``tf.GradientTape``; ``gradient()`` returns gradients averaged over ranks.
+
+    Parameters mirror ``horovod.tensorflow.DistributedGradientTape``. ``compression`` is
+    an ``hvd_quant.tensorflow.Compression.<name>`` object. ``num_groups``/``groups`` split
+    the variables into that many fused buffers (default: one). ``device_dense``,
+    ``device_sparse``, ``sparse_as_dense`` and ``gradient_predivide_factor`` are accepted for
+    compatibility (sparse gradients are always densified; averaging is exact).
+
+    On the first ``gradient()`` call all ranks check that they use the same compressor and
+    options, the same variable names/shapes/dtypes and the same variable values, and raise
+    :class:`~hvd_quant.core.runner.RankDisagreement` together if not.
+    """
+
+    def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                 sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
+                 num_groups=0, groups=None, process_set=hvd.global_process_set):
+        if not isinstance(compression, TFCompressor):
+            raise TypeError(
+                "hvd_quant.tensorflow.DistributedGradientTape needs an hvd_quant compressor "
+                f"(hvd_quant.tensorflow.Compression.<name>), got {compression!r}")
+        if op not in (hvd.Average, hvd.Sum):
+            raise ValueError("hvd_quant.tensorflow.DistributedGradientTape supports op=hvd.Average or hvd.Sum")
+        if gradient_predivide_factor != 1.0 and op != hvd.Average:
+            raise ValueError("gradient_predivide_factor only applies to op=hvd.Average")
+        self._tape = gradtape
+        self._compression = compression
+        self._runner = compression.runner()
+        self._op = op
+        self._groups = groups if groups is not None else num_groups
+        self._process_set = process_set
+        self._comm = None
+
+    def __getattr__(self, name):
+        # watch(), stop_recording(), reset(), ... go to the wrapped tape.
+        return getattr(self._tape, name)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+    @property
+    def bytes_sent(self):
+        """Bytes this rank has sent for gradient reduction (cost model of WireMeter).
+
+        Counted when reductions are built: eagerly once per step, under ``tf.function``
+        once per trace."""
+        return self._comm.meter.bytes_sent if self._comm is not None else 0.0
+
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
+        grads = self._tape.gradient(target, sources, output_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads)
+        reduced = self._reduce(flat_grads, flat_sources)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+    def _reduce(self, grads, variables):
+        if self._comm is None:
+            self._comm = HorovodTFComm(self._process_set)
+        names = [variable_name(v) for v in variables]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"variables with duplicate names cannot carry compressor state: {dups}")
+        out = list(grads)
+        for gi, index in enumerate(_split_groups(len(variables), self._groups)):
+            group_vars = [variables[i] for i in index]
+            segments = [(names[i], int(np.prod(variables[i].shape))) for i in index]
+            key = f"fused{gi}"
+            with tf.init_scope():  # eager even while tracing: a one-off agreement check
+                self._runner.check_once(self._comm, key, _structure_digest(segments, group_vars),
+                                        _value_digest(group_vars))
+            parts = []
+            for i in index:
+                g = grads[i]
+                if g is None:
+                    g = tf.zeros(variables[i].shape, dtype=tf.float32)
+                elif isinstance(g, tf.IndexedSlices):
+                    g = tf.convert_to_tensor(g)
+                parts.append(tf.reshape(tf.cast(g, tf.float32), [-1]))
+            flat = tf.concat(parts, axis=0) if parts else tf.zeros([0])
+            mean = self._runner.reduce(flat, self._comm, key, segments)
+            if self._op == hvd.Sum:
+                mean = mean * float(self._comm.size)
+            offset = 0
+            for i, (_, n) in zip(index, segments):
+                dtype = variables[i].dtype
+                out[i] = tf.cast(tf.reshape(mean[offset:offset + n], variables[i].shape), dtype)
+                offset += n
+        return out
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def compression_state_dict(self):
+        """This rank's compressor state (error feedback), ``{"variable/key": numpy}``."""
+        return self._runner.state_dict()
+
+    def load_compression_state_dict(self, state):
+        self._runner.load_state_dict(state)
+
+
+def broadcast_variables(variables, root_rank=0, process_set=hvd.global_process_set):
+    """Broadcast variable values from ``root_rank``; works for Keras 3 variables too.
+
+    ``hvd.broadcast_variables`` fails on Keras 3 variables under TF 2.21 (it assigns to a
+    symbolic tensor); this assigns each broadcast value back eagerly, one named
+    broadcast per variable, in the order given (identical on every rank).
+    """
+    for i, var in enumerate(variables):
+        value = hvd.broadcast(tf.convert_to_tensor(var), root_rank, name=f"hvd_quant.bcast.{i}",
+                              ignore_name_scope=True, process_set=process_set)
+        var.assign(value)
+
+
+def _split_groups(count, groups):
+    if not groups:
+        return [list(range(count))]
+    if isinstance(groups, int):
+        size = -(-count // groups)
+        return [list(range(i, min(i + size, count))) for i in range(0, count, size)]
+    raise ValueError("groups given as lists of variables are not supported; pass num_groups")
+
+
+def _structure_digest(segments, variables):
+    return digest63(*(f"{n}:{tuple(v.shape)}:{v.dtype}" for (n, _), v in zip(segments, variables)))
+
+
+def _value_digest(variables):
+    h = hashlib.sha256()
+    for v in variables:
+        h.update(np.ascontiguousarray(np.asarray(v.numpy())).tobytes())
+    return digest63(h.digest())
