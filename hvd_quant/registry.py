@@ -4,6 +4,9 @@ import difflib
 
 from .compressors.baseline import FP16Compression, NoCompression
 from .compressors.ef_sign import EFSignCompressor
+from .compressors.exp_dithering import GlobalQSGDExpCompressor
+from .compressors.global_qsgd import GlobalQSGDCompressor
+from .compressors.marsit import CascadingSignCompressor, MarsitCompressor
 
 _REGISTRY = {}
 
@@ -39,5 +42,6 @@ def get(name, **options):
         raise ValueError(f"bad options for compressor {name!r}: {exc}") from None
 
 
-for _cls in (NoCompression, FP16Compression, EFSignCompressor):
+for _cls in (NoCompression, FP16Compression, EFSignCompressor, MarsitCompressor,
+             CascadingSignCompressor, GlobalQSGDCompressor, GlobalQSGDExpCompressor):
     register(_cls)

@@ -45,6 +45,11 @@ class Backend:
     def cast(self, x, dtype):
         raise NotImplementedError
 
+    def bitcast(self, x, dtype):
+        """Reinterpret the bits of ``x`` as ``dtype`` of the same width (e.g. float32 to
+        int32), element by element; no value conversion."""
+        raise NotImplementedError
+
     def to_numpy(self, x):
         raise NotImplementedError
 
@@ -83,6 +88,10 @@ class Backend:
 
     # --- arithmetic and reductions ----------------------------------------------------
     def abs(self, x):
+        raise NotImplementedError
+
+    def clip(self, x, lo, hi):
+        """``x`` limited to ``[lo, hi]`` (Python numbers), element by element."""
         raise NotImplementedError
 
     def floor(self, x):
@@ -177,6 +186,9 @@ class NumpyBackend(Backend):
     def cast(self, x, dtype):
         return np.asarray(x).astype(dtype, copy=False)
 
+    def bitcast(self, x, dtype):
+        return np.asarray(x).view(dtype)
+
     def to_numpy(self, x):
         return np.asarray(x)
 
@@ -206,6 +218,9 @@ class NumpyBackend(Backend):
 
     def abs(self, x):
         return np.abs(x)
+
+    def clip(self, x, lo, hi):
+        return np.clip(x, lo, hi)
 
     def floor(self, x):
         return np.floor(x)

@@ -66,6 +66,42 @@ class Communicator:
         ``source = rank - 1``, modulo ``size``)."""
         raise NotImplementedError
 
+    def subgroups(self, rows):
+        """Optional hook: the row and column communicators of a 2D torus of this
+        communicator's ranks, ``(row_comm, col_comm)``. Used by torus allreduce
+        (:func:`hvd_quant.core.ring.torus_allreduce`); communicators without sub-groups
+        get the default, :class:`RoutedGroup` pairs that route each hop through this
+        communicator's own ``sendrecv``.
+
+        Contract for implementations:
+
+        * ``rows`` must divide ``size``; with ``cols = size // rows``, rank ``r`` sits at
+          row ``r // cols``, column ``r % cols`` (rows are contiguous ranks, e.g. the
+          ranks of one node).
+        * ``row_comm`` holds the ``cols`` ranks of this rank's row, with
+          ``row_comm.rank == r % cols``; ``col_comm`` holds the ``rows`` ranks of this
+          rank's column, with ``col_comm.rank == r // cols``. Both support ``sendrecv``
+          (and may support the other collectives).
+        * It is collective: every rank calls it with the same ``rows`` at the same point.
+          It is called on every step: create the groups (e.g. Horovod process sets)
+          once and return the same cached pair for the same ``rows`` afterwards.
+        * The same collective name is issued at the same time on different rows (and on
+          different columns); each sub-communicator must match names only among its own
+          members (Horovod process sets do).
+        * Bytes sent through the sub-communicators are counted on this communicator's
+          ``meter`` (share it), so ``meter`` keeps reporting the rank's total traffic.
+        """
+        cache = self.__dict__.setdefault("_routed_subgroups", {})
+        if rows not in cache:
+            if rows < 1 or self.size % rows:
+                raise ValueError(f"torus rows={rows} must divide the number of ranks ({self.size})")
+            cols = self.size // rows
+            row, col = divmod(self.rank, cols)
+            cache[rows] = (RoutedGroup(self, [row * cols + c for c in range(cols)]),
+                           RoutedGroup(self, [r * cols + col for r in range(rows)]))
+        return cache[rows]
+
+
     # Helpers shared by all implementations: byte accounting under the cost model.
     def _count_allreduce(self, nbytes):
         if self.size > 1:
@@ -77,3 +113,31 @@ class Communicator:
     def _count_send(self, nbytes, dest):
         if dest != self.rank:
             self.meter.add("sendrecv", float(nbytes))
+
+
+class RoutedGroup(Communicator):
+    """A sub-group whose hops are routed through the parent's ``sendrecv``.
+
+    The default :meth:`Communicator.subgroups`. Every rank of the parent runs the same
+    hop at the same time (all rows of a torus step together), so one parent ``sendrecv``
+    in which each rank sends to its successor *within its group* is one hop of every
+    group at once. Under Horovod that is a single alltoall with one non-empty split per
+    rank: no extra process sets are needed. Only ``sendrecv`` is offered.
+    """
+
+    def __init__(self, parent, members):
+        super().__init__()
+        self.parent = parent
+        self.members = list(members)
+        self.rank = self.members.index(parent.rank)
+        self.size = len(self.members)
+        self.meter = parent.meter  # traffic is the parent rank's traffic
+
+    def sendrecv(self, x, dest, source, name, recv_numel=None):
+        return self.parent.sendrecv(x, self.members[dest], self.members[source], name, recv_numel)
+
+    def allreduce(self, x, op, name):
+        raise NotImplementedError("a routed torus group only offers sendrecv")
+
+    def allgather(self, x, name):
+        raise NotImplementedError("a routed torus group only offers sendrecv")

@@ -64,6 +64,10 @@ class Compressor:
     #: Set (to a dtype name) when the compressor is a plain cast around a sum-allreduce;
     #: Horovod's stock optimizers can then run it with no collectives of our own.
     horovod_wire_dtype = None
+    #: True when the reduction runs hop by hop (ring / torus point-to-point transfers).
+    #: Such chains must be issued one buffer at a time; Horovod's stock TF tape builds
+    #: one reduction per variable that may run concurrently, so it refuses them.
+    multi_hop = False
 
     def options(self):
         """The options that define this compressor's behaviour (must agree across ranks)."""

@@ -42,7 +42,7 @@ def check_agreement(gathered, labels, fix_hints):
             for r, v in enumerate(column):
                 groups.setdefault(int(v), []).append(r)
             which = "; ".join(f"ranks {ranks}" for ranks in groups.values())
-            problems.append(f"{label} differs across ranks (groups that agree: {which}). {fix_hints[j]}")
+            problems.append(f"ranks disagree on {label} (groups that agree: {which}). {fix_hints[j]}")
     if problems:
         raise RankDisagreement("hvd_quant: " + " ".join(problems))
 
@@ -87,8 +87,8 @@ class CompressorRunner:
             [f"This rank uses {self.compressor!r}; pass the same compression to every rank.",
              "Build the same model on every rank.",
              "Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), "
-             "root_rank=0) for torch, hvd.broadcast_variables(model.variables, root_rank=0) "
-             "for TensorFlow."])
+             "root_rank=0) for torch, hvd_quant.tensorflow.broadcast_variables(model.variables, "
+             "root_rank=0) for TensorFlow (Keras 2 or 3)."])
         self._checked.add(key)
 
     def reduce(self, flat, comm, group, segments):

@@ -9,6 +9,10 @@ Example
 -------
 >>> world = ThreadWorld(3)
 >>> world.run(lambda comm: comm.allreduce(np.ones(2) * comm.rank, "sum", "x"))  # doctest: +SKIP
+
+Sub-groups: :meth:`ThreadComm.split` (MPI-style ``color`` / ``key``) and
+:meth:`ThreadComm.subgroups` (torus rows and columns) give communicators over subsets of
+the ranks, each with its own rendezvous, so collectives are checked within each group.
 """
 
 import threading
@@ -29,6 +33,28 @@ class _Rendezvous:
         self.timeout = timeout
         self.barrier = threading.Barrier(n, timeout=timeout)
         self.slots = [None] * n
+        self._lock = threading.Lock()
+        self._children = {}
+        self._aborted = False
+
+    def child(self, key, n):
+        """The rendezvous of sub-group ``key`` (created by whichever member asks first)."""
+        with self._lock:
+            rv = self._children.get(key)
+            if rv is None:
+                rv = self._children[key] = _Rendezvous(n, self.timeout)
+                if self._aborted:
+                    rv.abort()
+            return rv
+
+    def abort(self):
+        """Break this barrier and every sub-group's, so no rank waits for a dead one."""
+        with self._lock:
+            self._aborted = True
+            children = list(self._children.values())
+        self.barrier.abort()
+        for rv in children:
+            rv.abort()
 
     def exchange(self, rank, item):
         """Deposit ``item``; return every rank's item, in rank order."""
@@ -50,6 +76,8 @@ class ThreadComm(Communicator):
         self.rank = rank
         self.size = size
         self.backend = backend
+        self._splits = 0
+        self._torus = {}
 
     def _exchange(self, kind, name, payload):
         items = self._rv.exchange(self.rank, (kind, name, payload))
@@ -94,6 +122,31 @@ class ThreadComm(Communicator):
             raise CollectiveMismatch(f"sendrecv {name!r}: expected {recv_numel} elements, got {payload.size}")
         return payload.copy()
 
+    def split(self, color, key=None):
+        """A communicator over the ranks that pass the same ``color``, ordered by
+        ``(key, rank)`` (``key`` defaults to this rank). Collective over this communicator.
+
+        The sub-communicator shares this one's :attr:`meter`.
+        """
+        key = self.rank if key is None else key
+        self._splits += 1
+        items = self._exchange("split", f"split{self._splits}", (color, key))
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(items) if c == color)]
+        rv = self._rv.child((self._splits, color), len(members))
+        sub = ThreadComm(rv, members.index(self.rank), len(members), self.backend)
+        sub.meter = self.meter
+        return sub
+
+    def subgroups(self, rows):
+        """``(row_comm, col_comm)`` of a ``rows x (size // rows)`` torus; see
+        :meth:`hvd_quant.core.comm.Communicator.subgroups` for the contract."""
+        if rows not in self._torus:
+            if rows < 1 or self.size % rows:
+                raise ValueError(f"{rows} torus rows do not divide {self.size} ranks")
+            row, col = divmod(self.rank, self.size // rows)
+            self._torus[rows] = (self.split(color=row, key=col), self.split(color=col, key=row))
+        return self._torus[rows]
+
 
 class ThreadWorld:
     """``n`` simulated ranks. :meth:`run` calls ``fn(comm)`` on every rank concurrently."""
@@ -120,7 +173,7 @@ class ThreadWorld:
                 results[r] = fn(comms[r])
             except BaseException as exc:  # noqa: B902 - re-raised in the caller
                 errors[r] = exc
-                rv.barrier.abort()
+                rv.abort()
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
         for t in threads:

@@ -63,6 +63,9 @@ class TFBackend(Backend):
     def abs(self, x):
         return tf.abs(x)
 
+    def clip(self, x, lo, hi):
+        return tf.clip_by_value(x, lo, hi)
+
     def floor(self, x):
         return tf.floor(x)
 

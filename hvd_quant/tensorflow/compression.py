@@ -94,6 +94,12 @@ class TFCompressor:
         import horovod.tensorflow as hvd
         from .comm import HorovodTFComm
 
+        if self.core.multi_hop:
+            raise RuntimeError(
+                f"hvd_quant: {self!r} reduces hop by hop on a ring, which Horovod's stock "
+                "hvd.DistributedGradientTape cannot order (it reduces variables concurrently). "
+                "Use hvd_quant.tensorflow.DistributedGradientTape(tape, "
+                f"compression=hvd_quant.tensorflow.Compression.{self.name}).")
         site = _horovod_call_site()
         vname, op = site if site is not None else (None, None)
         if vname is None:

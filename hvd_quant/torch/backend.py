@@ -67,6 +67,9 @@ class TorchBackend(Backend):
     def abs(self, x):
         return x.abs()
 
+    def clip(self, x, lo, hi):
+        return x.clamp(lo, hi)
+
     def floor(self, x):
         return x.floor()
 

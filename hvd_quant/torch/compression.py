@@ -76,7 +76,7 @@ class TorchCompressor:
 
     def state_dict(self):
         """Per-rank compressor state (stock-Horovod path), keyed ``"param/key"``."""
-        return self.runner().state_dict()
+        return {k: torch.from_numpy(v) for k, v in self.runner().state_dict().items()}
 
     def load_state_dict(self, state):
         self.runner().load_state_dict(state)

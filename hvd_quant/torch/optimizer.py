@@ -117,8 +117,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
+        # torch tensors, not numpy arrays, so torch.load(weights_only=True) accepts it.
         state["hvd_quant"] = {"compressor": repr(self._compression),
-                              "state": self._runner.state_dict()}
+                              "state": {k: torch.from_numpy(v) for k, v in self._runner.state_dict().items()}}
         return state
 
     def load_state_dict(self, state_dict):

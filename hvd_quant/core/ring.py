@@ -1,0 +1,195 @@
+"""Multi-hop allreduce (ring and 2D torus) on wire-format tensors, one hop at a time.
+
+Horovod's allreduce can only *sum* numbers. Marsit's bitwise selection, exponential
+dithering's stochastic sum and other reductions that stay in a compressed format need
+their own reduction at every hop, so the ring is spelled out here hop by hop on top of
+:meth:`Communicator.sendrecv`. Each hop sends one chunk to the ring successor
+(``dest = rank + 1``) and receives one from the predecessor (``source = rank - 1``).
+
+Ring allreduce of a wire tensor cut into ``n`` chunks (``n`` = ranks), two phases:
+
+1. **Reduce-scatter** (``n - 1`` hops, named ``{name}.rs{s}``). At hop ``s`` rank ``r``
+   sends its partial chunk ``(r - s) mod n`` and folds the received chunk
+   ``(r - s - 1) mod n`` into its own with a :class:`~hvd_quant.core.hops.HopOperator`.
+   The received chunk stands for ``(s + 1) * own_count`` ranks, the local one for
+   ``own_count``. Afterwards rank ``r`` holds chunk ``(r + 1) mod n`` reduced over all ranks.
+2. **Allgather** (``n - 1`` hops, named ``{name}.ag{s}``). The reduced chunks travel round
+   the ring *unchanged*, so every rank ends with identical data (even when the operator
+   is random).
+
+Each rank sends ``2 (n - 1)`` chunks, ``2 (n - 1) / n`` times the wire size on average
+over ranks (exactly, summed over ranks), the same cost model as Horovod's allreduce.
+
+Torus allreduce on ``R`` rows of ``C`` ranks: reduce-scatter along the row ring, a full
+ring allreduce of the held chunk along the column ring (``own_count = C``, since that chunk
+already stands for a whole row), then allgather along the row ring.
+
+Every rank issues the same hops with the same names in the same order, whatever the
+tensor size: chunk sizes are static Python ints, chunks may be empty, and no branch
+depends on tensor values, so the code also runs inside ``tf.function``.
+"""
+
+from .hops import HopOperator
+
+
+def chunk_bounds(numel, parts, unit=1):
+    """``[(start, stop)]`` of ``parts`` contiguous chunks covering ``range(numel)``.
+
+    Chunks are cut only at multiples of ``unit`` (the last one may end at ``numel``) and
+    differ by at most one unit in size; trailing chunks are empty when there are fewer
+    units than parts.
+    """
+    units = -(-numel // unit)
+    base, extra = divmod(units, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = min(numel, start + (base + (1 if i < extra else 0)) * unit)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def ring_reduce_scatter(B, comm, chunks, op, name, rng, own_count=1):
+    """Phase 1 of a ring allreduce.
+
+    Parameters
+    ----------
+    B : Backend
+    comm : Communicator
+        The ring; rank ``r`` sends to ``r + 1`` and receives from ``r - 1`` (mod size).
+    chunks : list of tensor
+        ``comm.size`` wire chunks, with the same sizes on every rank.
+    op : HopOperator
+    name : str
+        Prefix of the hop names ``{name}.rs{s}``.
+    rng : generator
+        Passed to ``op.combine``.
+    own_count : int
+        How many ranks each rank's own chunks stand for.
+
+    Returns
+    -------
+    index : int
+        ``(comm.rank + 1) % comm.size``, the chunk this rank now holds fully reduced.
+    chunks : list of tensor
+        A new list whose entry ``index`` is the reduced chunk (other entries are partial).
+    """
+    n, r = comm.size, comm.rank
+    chunks = list(chunks)
+    sizes = [B.numel(c) for c in chunks]
+    for s in range(n - 1):
+        send_i, recv_i = (r - s) % n, (r - s - 1) % n
+        received = comm.sendrecv(chunks[send_i], dest=(r + 1) % n, source=(r - 1) % n,
+                                 name=f"{name}.rs{s}", recv_numel=sizes[recv_i])
+        # Empty chunks still take part in the hop (every rank must issue it), but there
+        # is nothing to combine; skipping also keeps random operators' draws out of it.
+        if sizes[recv_i]:
+            chunks[recv_i] = op.combine(B, chunks[recv_i], own_count,
+                                        received, (s + 1) * own_count, rng)
+    return (r + 1) % n, chunks
+
+
+def ring_allgather(B, comm, chunks, index, name):
+    """Phase 2 of a ring allreduce: forward reduced chunks unchanged round the ring.
+
+    ``chunks[index]`` must be this rank's reduced chunk, with ``index = (rank + 1) % n``
+    as returned by :func:`ring_reduce_scatter`. Returns a new list in which every entry
+    is the reduced chunk, identical on every rank. Hops are named ``{name}.ag{s}``.
+    """
+    n, r = comm.size, comm.rank
+    chunks = list(chunks)
+    sizes = [B.numel(c) for c in chunks]
+    for s in range(n - 1):
+        send_i, recv_i = (index - s) % n, (index - s - 1) % n
+        chunks[recv_i] = comm.sendrecv(chunks[send_i], dest=(r + 1) % n, source=(r - 1) % n,
+                                       name=f"{name}.ag{s}", recv_numel=sizes[recv_i])
+    return chunks
+
+
+def ring_allreduce(B, comm, wire, op, name, rng, own_count=1):
+    """Reduce the 1-D wire tensor ``wire`` over the ranks of ``comm`` with ``op``, on a ring.
+
+    Parameters
+    ----------
+    B : Backend
+    comm : Communicator
+    wire : tensor
+        1-D wire-format tensor (packed sign bytes, integer codes, floats...), the same
+        length on every rank.
+    op : HopOperator
+        Per-hop combine; chunks are cut at multiples of ``op.unit``.
+    name : str
+        Prefix of the hop names (``{name}.rs{s}``, ``{name}.ag{s}``), identical on every rank.
+    rng : generator
+        This rank's generator, for random operators.
+    own_count : int
+        How many ranks ``wire`` already stands for (1, or a row size in a torus).
+
+    Returns
+    -------
+    tensor
+        The reduced wire tensor, same length and dtype, identical on every rank.
+    """
+    n = comm.size
+    if n == 1:
+        return wire
+    bounds = chunk_bounds(B.numel(wire), n, op.unit)
+    chunks = [B.slice(wire, a, b) for a, b in bounds]
+    # Phase 1: reduce-scatter; each rank ends with one chunk reduced over all ranks.
+    index, chunks = ring_reduce_scatter(B, comm, chunks, op, name, rng, own_count)
+    # Phase 2: allgather; the reduced chunks are copied, never combined again.
+    return B.concat(ring_allgather(B, comm, chunks, index, name))
+
+
+def torus_allreduce(B, row_comm, col_comm, wire, op, name, rng):
+    """Reduce ``wire`` over an ``R x C`` torus of ranks with ``op``.
+
+    Parameters
+    ----------
+    B : Backend
+    row_comm : Communicator
+        The ``C`` ranks of this rank's row; ``row_comm.rank`` is the column index.
+    col_comm : Communicator
+        The ``R`` ranks of this rank's column; ``col_comm.rank`` is the row index. All
+        ranks of a column must have the same ``row_comm.rank`` (see
+        :meth:`Communicator.subgroups`).
+    wire, op, name, rng
+        As for :func:`ring_allreduce`. Hops are named ``{name}.row.rs{s}``,
+        ``{name}.col.rs{s}``, ``{name}.col.ag{s}``, ``{name}.row.ag{s}``.
+
+    Returns
+    -------
+    tensor
+        The reduced wire tensor, identical on every rank of the torus.
+    """
+    cols = row_comm.size
+    bounds = chunk_bounds(B.numel(wire), cols, op.unit)
+    chunks = [B.slice(wire, a, b) for a, b in bounds]
+    # Phase 1: reduce-scatter along the row; the held chunk stands for the C row ranks.
+    index, chunks = ring_reduce_scatter(B, row_comm, chunks, op, f"{name}.row", rng, 1)
+    # Phase 2: every rank of a column holds the same chunk index; ring-allreduce it down
+    # the column, each rank's contribution counting for a whole row.
+    chunks[index] = ring_allreduce(B, col_comm, chunks[index], op, f"{name}.col", rng,
+                                   own_count=cols)
+    # Phase 3: allgather along the row.
+    return B.concat(ring_allgather(B, row_comm, chunks, index, f"{name}.row"))
+
+
+class IntSum(HopOperator):
+    """Exact integer sum (ignores counts). Wraps on overflow like the wire dtype does, so
+    choose a dtype wide enough for the sum over all ranks."""
+
+    name = "int_sum"
+
+    def combine(self, B, own, own_count, received, received_count, rng):
+        return own + received
+
+
+class FloatSum(HopOperator):
+    """Floating-point sum (ignores counts). Chunks are added in a different order on
+    different chunks, but the allgather copies results, so all ranks still agree."""
+
+    name = "float_sum"
+
+    def combine(self, B, own, own_count, received, received_count, rng):
+        return own + received

@@ -1,0 +1,83 @@
+"""Training checks for the torch worker: fused vs stock Horovod, checkpoints, bad models."""
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+import hvd_quant.torch as hq
+from hvd_quant.core.runner import RankDisagreement
+
+STOCK_AND_OURS = ("ef_sign", "marsit", "global_qsgd")
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+
+
+def batches(n, seed_base=0):
+    g = torch.Generator().manual_seed(seed_base + hvd.rank())
+    return [(torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
+
+
+def train(model, opt, data):
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def fused_vs_stock():
+    out = {}
+    data = batches(3)
+    for name in STOCK_AND_OURS:
+        for path in ("ours", "stock"):
+            model = make_model()
+            base = torch.optim.SGD(model.parameters(), lr=0.1)
+            wrap = hq.DistributedOptimizer if path == "ours" else hvd.DistributedOptimizer
+            opt = wrap(base, named_parameters=model.named_parameters(),
+                       compression=hq.Compression.get(name))
+            train(model, opt, data)
+            out[f"{name}/{path}"] = flat(model)
+    return out
+
+
+def checkpoint_roundtrip():
+    data = batches(4, seed_base=50)
+    model = make_model()
+    opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(),
+                                  compression=hq.Compression.ef_sign)
+    train(model, opt, data[:2])
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = opt.state_dict()
+    torch.save({"model": saved_model, "opt": saved_opt}, f"/tmp/hvdq_ckpt_{hvd.rank()}.pt")
+    train(model, opt, data[2:])
+    uninterrupted = flat(model)
+
+    ckpt = torch.load(f"/tmp/hvdq_ckpt_{hvd.rank()}.pt")  # default weights_only=True
+    model2 = make_model(seed=123)
+    model2.load_state_dict(ckpt["model"])
+    opt2 = hq.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model2.named_parameters(),
+                                   compression=hq.Compression.ef_sign)
+    opt2.load_state_dict(ckpt["opt"])
+    train(model2, opt2, data[2:])
+    return {"uninterrupted": uninterrupted, "restored": flat(model2),
+            "state_keys": sorted(ckpt["opt"]["hvd_quant"]["state"])}
+
+
+def params_differ():
+    model = make_model(seed=hvd.rank())  # no broadcast: ranks differ
+    opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(),
+                                  compression=hq.Compression.ef_sign)
+    try:
+        train(model, opt, batches(1))
+    except RankDisagreement as exc:
+        return {"error": "RankDisagreement", "message": str(exc)}
+    return "no error"

@@ -1,0 +1,131 @@
+"""Runs inside every rank (under horovodrun) for tests/test_multiprocess.py.
+
+``python worker.py FRAMEWORK OUTDIR`` runs every check below with the framework's
+Horovod communicator and writes ``OUTDIR/rank{r}.json``; the pytest side compares ranks
+with each other and with the numpy oracle. Checks that are expected to raise record the
+error message instead, and every rank raises at the same collective, so the job goes on.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import cases  # tests/mp/cases.py: inputs shared with the oracle
+
+FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
+
+if FRAMEWORK == "torch":
+    import torch
+    import horovod.torch as hvd
+    import hvd_quant.torch as hq
+    from hvd_quant.torch.backend import TorchBackend as Backend
+    from hvd_quant.torch.comm import HorovodTorchComm as Comm
+
+    def tensor(a):
+        return torch.from_numpy(np.ascontiguousarray(a))
+else:
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import hvd_quant.tensorflow as hq
+    from hvd_quant.tensorflow.backend import TFBackend as Backend
+    from hvd_quant.tensorflow.comm import HorovodTFComm as Comm
+
+    def tensor(a):
+        return tf.constant(a)
+
+from hvd_quant.core import ring
+from hvd_quant.core.runner import CompressorRunner, RankDisagreement
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+B = Backend()
+results = {"rank": RANK, "size": SIZE}
+
+
+def record(key, fn):
+    try:
+        results[key] = fn()
+    except Exception as exc:  # recorded for the test to judge
+        results[key] = {"error": type(exc).__name__, "message": str(exc)}
+
+
+def reduce_cases():
+    out = {}
+    for label, name, options in cases.COMPRESSORS:
+        runner = CompressorRunner(__import__("hvd_quant").get(name, **options), B, seed=7)
+        comm = Comm()
+        per_size = {}
+        for d in cases.SIZES:
+            steps = []
+            for step in range(cases.STEPS):
+                x = cases.rank_input(RANK, d, step)
+                segs = cases.segments(d)
+                y = runner.reduce(tensor(x), comm, f"{label}.{d}", segs)
+                steps.append(B.to_numpy(y).astype(np.float64).tolist())
+            per_size[str(d)] = steps
+        out[label] = {"values": per_size, "bytes": comm.meter.bytes_sent}
+    return out
+
+
+def ring_int_sum():
+    comm = Comm()
+    out = {}
+    for d in cases.SIZES:
+        x = tensor(cases.rank_ints(RANK, d))
+        r = ring.ring_allreduce(B, comm, x, ring.IntSum(), f"ringsum.{d}", B.generator(0))
+        ref = hvd.allreduce(x, op=hvd.Sum, name=f"refsum.{d}")
+        out[str(d)] = {"ring": B.to_numpy(r).tolist(), "hvd": B.to_numpy(ref).tolist()}
+        if SIZE % 2 == 0:
+            row, col = comm.subgroups(2)
+            t = ring.torus_allreduce(B, row, col, x, ring.IntSum(), f"torussum.{d}", B.generator(0))
+            out[str(d)]["torus"] = B.to_numpy(t).tolist()
+    return out
+
+
+def disagreeing_compressor():
+    name = "ef_sign" if RANK == 0 else "none"
+    runner = CompressorRunner(__import__("hvd_quant").get(name), B)
+    runner.check_once(Comm(), "disagree", 0, 0)
+    return "no error"
+
+
+def disagreeing_options():
+    runner = CompressorRunner(__import__("hvd_quant").get("global_qsgd", norm="max" if RANK else "l2"), B)
+    runner.check_once(Comm(), "disagree_opts", 0, 0)
+    return "no error"
+
+
+def unknown_name():
+    return repr(hq.Compression.get("ef_sing"))
+
+
+def non_float_passthrough():
+    comp = hq.Compression.ef_sign
+    x = tensor(np.arange(5, dtype=np.int32))
+    y, ctx = comp.compress(x)
+    return {"same": bool(np.array_equal(B.to_numpy(comp.decompress(y, ctx)), np.arange(5))),
+            "ctx_is_none": ctx is None}
+
+
+record("reduce", reduce_cases)
+record("ring_int_sum", ring_int_sum)
+record("disagree_compressor", disagreeing_compressor)
+record("disagree_options", disagreeing_options)
+record("unknown_name", unknown_name)
+record("non_float", non_float_passthrough)
+
+if FRAMEWORK == "torch":
+    import train_torch as train
+else:
+    import train_tf as train
+record("train", train.fused_vs_stock)
+record("checkpoint", train.checkpoint_roundtrip)
+record("params_differ", train.params_differ)
+if FRAMEWORK != "torch":
+    record("stock_multi_hop", train.stock_refuses_multi_hop)
+
+OUT.mkdir(parents=True, exist_ok=True)
+(OUT / f"rank{RANK}.json").write_text(json.dumps(results))
+print(f"rank {RANK}: wrote {OUT / f'rank{RANK}.json'}")

@@ -1,0 +1,387 @@
+"""Marsit (sign bits on a ring / torus with unbiased per-hop selection) against numpy."""
+
+import numpy as np
+import pytest
+
+import hvd_quant
+from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor,
+                                          MarsitCompressor, MarsitSelect)
+from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.comm import Communicator
+from hvd_quant.core.packing import pack_signs, packed_sign_bytes, unpack_signs
+from hvd_quant.core.ring import chunk_bounds, ring_allreduce, torus_allreduce
+from hvd_quant.core.runner import CompressorRunner
+from hvd_quant.core.simulate import ThreadWorld
+
+B = NumpyBackend()
+SEGMENTS = [("w1", 37), ("w2", 100), ("b", 3)]
+D = sum(n for _, n in SEGMENTS)
+
+
+def pattern_signs(n, reps):
+    """Every +-1 pattern over ``n`` ranks, ``reps`` elements each: (n, 2**n * reps)."""
+    codes = np.repeat(np.arange(2 ** n), reps)
+    return np.stack([np.where((codes >> r) & 1, 1.0, -1.0) for r in range(n)]).astype(np.float32)
+
+
+def assert_unbiased(agg, signs, n_sigma=5.0):
+    """Each column of ``agg`` (trials x elements, +-1) averages to the mean sign of that
+    element within ``n_sigma`` standard errors of the Bernoulli variance ``1 - mu^2``."""
+    mu = signs.mean(axis=0)
+    agg = np.asarray(agg).reshape(-1, mu.size)
+    # Elements with the same true mean are independent draws: pool them per distinct mean.
+    for m in np.unique(mu):
+        vals = agg[:, mu == m].ravel()
+        se = np.sqrt((1.0 - m * m) / vals.size)
+        assert abs(vals.mean() - m) <= n_sigma * se + 1e-12, (m, vals.mean(), se)
+
+
+def ring_signs(signs, op, seed=0, rows=None):
+    """Allreduce of the packed signs of ``signs[r]`` over a thread world; decoded +-1."""
+    n, d = signs.shape
+
+    def body(c):
+        rng = B.generator(seed * 7919 + c.rank)
+        bits = pack_signs(B, signs[c.rank])
+        if rows is None:
+            agg = ring_allreduce(B, c, bits, op, "m", rng)
+        else:
+            row, col = c.subgroups(rows)
+            agg = torus_allreduce(B, row, col, bits, op, "m", rng)
+        return unpack_signs(B, agg, d)
+
+    outs = ThreadWorld(n).run(body)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])  # every rank holds the same signs
+    return outs[0]
+
+
+# --- the hop operator -------------------------------------------------------------------
+
+@pytest.mark.parametrize("own_count,received_count", [(1, 1), (1, 3), (2, 4), (3, 1)])
+def test_select_takes_each_bit_from_one_side_with_the_right_probability(own_count, received_count):
+    rng = np.random.default_rng(1)
+    own = rng.integers(0, 256, 20000).astype(np.uint8)
+    received = rng.integers(0, 256, 20000).astype(np.uint8)
+    out = MarsitSelect().combine(B, own, own_count, received, received_count, B.generator(2))
+    assert out.dtype == np.uint8 and out.shape == own.shape
+    o, r, x = (np.unpackbits(a, bitorder="little") for a in (own, received, out))
+    assert ((x == o) | (x == r)).all()
+    differ = o != r
+    p = own_count / (own_count + received_count)
+    frac = (x[differ] == o[differ]).mean()
+    assert abs(frac - p) <= 5 * np.sqrt(p * (1 - p) / differ.sum())
+
+
+def test_select_handles_empty_chunks():
+    empty = np.zeros(0, np.uint8)
+    assert MarsitSelect().combine(B, empty, 1, empty, 1, B.generator(0)).size == 0
+
+
+# --- unbiasedness -------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_marsit_is_unbiased(n):
+    reps = 4096 // 2 ** n * 8  # ~32k elements in all
+    signs = pattern_signs(n, reps)
+    agg = ring_signs(signs, MarsitSelect(), seed=n)
+    assert set(np.unique(agg)) <= {-1.0, 1.0}
+    assert_unbiased(agg, signs)
+
+
+@pytest.mark.parametrize("rows,cols", [(2, 2), (2, 3), (3, 2)])
+def test_torus_marsit_is_unbiased(rows, cols):
+    signs = pattern_signs(rows * cols, 512)
+    agg = ring_signs(signs, MarsitSelect(), seed=rows, rows=rows)
+    assert_unbiased(agg, signs)
+
+
+def test_64_ranks_direct_hop_chain_is_unbiased():
+    """The reduce path of one chunk on a 64-rank ring, in a shuffled rank order, simulated
+    directly with the operator (no threads): 63 hops, received count k at hop k."""
+    n, trials = 64, 1000
+    base = np.stack([np.where(np.arange(65) > r, 1.0, -1.0) for r in range(n)])  # 65 means
+    signs = np.tile(base, (1, trials)).astype(np.float32)  # trials x 65 elements per rank
+    order = np.random.default_rng(3).permutation(n)
+    rng, op = B.generator(4), MarsitSelect()
+    acc = pack_signs(B, signs[order[0]])
+    for k, r in enumerate(order[1:], start=1):
+        acc = op.combine(B, pack_signs(B, signs[r]), 1, acc, k, rng)
+    agg = unpack_signs(B, acc, signs.shape[1])
+    assert_unbiased(agg.reshape(trials, 65), base)
+
+
+def test_64_ranks_threaded_ring_is_unbiased_and_agrees():
+    signs = pattern_signs(2, 1).repeat(64 // 2, axis=0)  # 64 ranks, 4 patterns, means 1,0,0,-1
+    signs = np.tile(signs, (1, 2048))
+    agg = ring_signs(signs, MarsitSelect(), seed=64)
+    assert_unbiased(agg, signs)
+
+
+def cascade_chunk_means(signs_in_ring_order):
+    """Expected +-1 value after re-signing hop by hop: mu <- (mu + s) / 2 at each hop."""
+    mu = signs_in_ring_order[0]
+    for s in signs_in_ring_order[1:]:
+        mu = (mu + s) / 2.0
+    return mu
+
+
+def test_cascading_sign_is_biased_where_marsit_is_not():
+    n, per_chunk = 4, 8 * 2000  # elements per ring chunk (a whole number of bytes)
+    rank_signs = np.array([1.0, 1.0, 1.0, -1.0])  # mean sign 0.5
+    signs = np.tile(rank_signs[:, None], (1, n * per_chunk)).astype(np.float32)
+    marsit = ring_signs(signs, MarsitSelect(), seed=11)
+    cascade = ring_signs(signs, CascadingSign(), seed=12)
+    assert_unbiased(marsit, signs)
+    # Chunk j is reduced along ranks j, j+1, ..., j+n-1 (mod n).
+    bounds = chunk_bounds(packed_sign_bytes(signs.shape[1]), n)
+    se = np.sqrt(1.0 / per_chunk)
+    for j, (a, _) in enumerate(bounds):
+        part = cascade[8 * a: 8 * a + per_chunk]
+        expected = cascade_chunk_means(np.roll(rank_signs, -j))
+        assert abs(part.mean() - expected) <= 5 * se
+    chunk0 = cascade[:per_chunk].mean()  # ranks in order 0,1,2,3: expectation 0, not 0.5
+    assert abs(chunk0 - 0.5) > 10 * se
+
+
+# --- the compressor -----------------------------------------------------------------
+
+def run_compressor(compressor, xs, steps=1, runners=None, seed=0):
+    """Run ``steps`` reductions on every rank; xs[step][rank]. Returns (outs, runners, meters)."""
+    n = len(xs[0])
+    if runners is None:
+        runners = [CompressorRunner(compressor, B, seed=seed) for _ in range(n)]
+    outs = []
+    for step in range(steps):
+        world = ThreadWorld(n)
+        outs.append(world.run(lambda c: runners[c.rank].reduce(xs[step][c.rank], c, "g", SEGMENTS)))
+    return outs, runners, world.meters
+
+
+def random_xs(n, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(D).astype(np.float32) for _ in range(n)] for _ in range(steps)]
+
+
+def segment_mean_abs(p):
+    out, off = [], 0
+    for _, k in SEGMENTS:
+        out.append(np.full(k, np.abs(p[off:off + k]).mean() if k else 0.0))
+        off += k
+    return np.concatenate(out).astype(np.float32)
+
+
+@pytest.mark.parametrize("topology,rows", [("ring", None), ("torus", 2)])
+@pytest.mark.parametrize("n", [2, 4])
+def test_compensation_is_against_the_global_result(topology, rows, n):
+    comp = MarsitCompressor(topology=topology, torus_rows=rows)
+    xs = random_xs(n, 3, seed=n)
+    runners = [CompressorRunner(comp, B, seed=5) for _ in range(n)]
+    residual = [np.zeros(D, np.float32) for _ in range(n)]
+    for step in range(3):
+        outs, _, _ = run_compressor(comp, [xs[step]], runners=runners)
+        outs = outs[0]
+        p = [xs[step][r] + residual[r] for r in range(n)]
+        alpha = np.mean([segment_mean_abs(q) for q in p], axis=0)
+        for r in range(n):
+            np.testing.assert_array_equal(outs[r], outs[0])
+            np.testing.assert_allclose(np.abs(outs[r]), alpha, rtol=1e-6)
+        for r in range(n):
+            state = runners[r].state_dict()
+            assert sorted(state) == ["b/residual", "w1/residual", "w2/residual"]
+            got = np.concatenate([state[f"{k}/residual"] for k, _ in SEGMENTS])
+            np.testing.assert_allclose(got, p[r] - outs[0], rtol=1e-6, atol=1e-6)
+            residual[r] = got
+        # The mean residual is exactly the deviation of the aggregate from the mean update.
+        np.testing.assert_allclose(np.mean(residual, axis=0), np.mean(p, axis=0) - outs[0],
+                                   atol=1e-5)
+
+
+def test_state_restores_through_state_dict():
+    comp = MarsitCompressor()
+    n = 3
+    # Identical inputs on every rank: the selection is then deterministic, so a restored
+    # run must reproduce the original exactly whatever the random draws.
+    x = [np.random.default_rng(s).standard_normal(D).astype(np.float32) for s in range(3)]
+    xs = [[x[s]] * n for s in range(3)]
+    outs, runners, _ = run_compressor(comp, xs[:2], steps=2, seed=1)
+    saved = [r.state_dict() for r in runners]
+    fresh = [CompressorRunner(comp, B, seed=99) for _ in range(n)]
+    for runner, state in zip(fresh, saved):
+        runner.load_state_dict(state)
+    a, _, _ = run_compressor(comp, xs[2:], runners=runners)
+    b, _, _ = run_compressor(comp, xs[2:], runners=fresh)
+    np.testing.assert_array_equal(a[0][0], b[0][0])
+    for ra, rb in zip(runners, fresh):
+        for key, value in ra.state_dict().items():
+            np.testing.assert_array_equal(value, rb.state_dict()[key])
+
+
+@pytest.mark.parametrize("topology,rows,n", [("ring", None, 2), ("ring", None, 3),
+                                            ("ring", None, 4), ("torus", 2, 4),
+                                            ("torus", 3, 6), ("torus", 2, 6)])
+def test_wire_volume_matches_the_cost_model(topology, rows, n):
+    comp = MarsitCompressor(topology=topology, torus_rows=rows)
+    _, _, meters = run_compressor(comp, random_xs(n, 1))
+    nbytes = packed_sign_bytes(D)
+    ring = 2.0 * (n - 1) / n
+    for m in meters:
+        assert m.by_kind["allreduce"] == pytest.approx(ring * 4 * len(SEGMENTS))
+        # Every hop carries one chunk of 1-bit signs: at most ceil(bytes / chunks) each.
+        assert m.by_kind["sendrecv"] <= 2 * (n - 1) * -(-nbytes // (n // (rows or 1)))
+    mean = np.mean([m.bytes_sent for m in meters])
+    assert mean == pytest.approx(comp.wire_bytes(D, n, len(SEGMENTS)))
+    assert mean == pytest.approx(ring * (nbytes + 4 * len(SEGMENTS)))
+    if topology == "ring":  # exact per rank: all chunks but (r+1) and (r+2) are sent
+        sizes = [b - a for a, b in chunk_bounds(nbytes, n)]
+        for r, m in enumerate(meters):
+            assert m.by_kind["sendrecv"] == 2 * nbytes - sizes[(r + 1) % n] - sizes[(r + 2) % n]
+
+
+def test_constant_scale_sends_only_sign_bits():
+    comp = MarsitCompressor(scale=0.01)
+    n = 4
+    outs, _, meters = run_compressor(comp, random_xs(n, 1))
+    np.testing.assert_allclose(np.abs(outs[0][0]), 0.01, rtol=1e-6)
+    assert "allreduce" not in meters[0].by_kind
+    assert np.mean([m.bytes_sent for m in meters]) == pytest.approx(comp.wire_bytes(D, n, 3))
+    assert comp.wire_bytes(D, n, 3) == pytest.approx(1.5 * packed_sign_bytes(D))
+
+
+def test_without_compensation_is_stateless_plain_sign():
+    comp = MarsitCompressor(compensation=False)
+    assert not comp.stateful
+    x = np.random.default_rng(0).standard_normal(D).astype(np.float32)
+    outs, runners, _ = run_compressor(comp, [[x] * 3])
+    np.testing.assert_allclose(outs[0][0], segment_mean_abs(x) * np.where(x >= 0, 1, -1), rtol=1e-6)
+    assert runners[0].state_dict() == {}
+
+
+def test_single_rank_and_empty_buffer():
+    comp = MarsitCompressor()
+    x = np.array([0.5, -2.0, 0.0], np.float32)
+    runner = CompressorRunner(comp, B)
+    out = ThreadWorld(1).run(lambda c: runner.reduce(x, c, "g", [("p", 3)]))[0]
+    np.testing.assert_allclose(out, [2.5 / 3, -2.5 / 3, 2.5 / 3], rtol=1e-6)
+    runners = [CompressorRunner(comp, B) for _ in range(3)]
+    outs = ThreadWorld(3).run(
+        lambda c: runners[c.rank].reduce(np.zeros(0, np.float32), c, "g", [("p", 0)]))
+    assert all(o.size == 0 for o in outs)
+
+
+def test_registry_and_options():
+    comp = hvd_quant.get("marsit", topology="torus", torus_rows=2)
+    assert isinstance(comp, MarsitCompressor) and comp.stateful
+    cascade = hvd_quant.get("cascading_sign")
+    assert isinstance(cascade, CascadingSignCompressor)
+    assert cascade.hop == "cascade" and not cascade.compensation and not cascade.stateful
+    assert "hop" not in cascade.options()
+    assert comp.fingerprint() != hvd_quant.get("marsit").fingerprint()
+    with pytest.raises(ValueError):
+        comp.validate(6 - 1)
+    for bad in ({"scale": "max"}, {"scale": -1.0}, {"topology": "tree"},
+                {"topology": "torus"}, {"hop": "sum"}):
+        with pytest.raises(ValueError):
+            hvd_quant.get("marsit", **bad)
+
+
+def test_cascading_compressor_runs_and_agrees():
+    comp = CascadingSignCompressor(topology="torus", torus_rows=2)
+    outs, _, _ = run_compressor(comp, random_xs(4, 1))
+    for out in outs[0][1:]:
+        np.testing.assert_array_equal(out, outs[0][0])
+
+
+# --- other backends -------------------------------------------------------------------
+
+class FrameworkComm(Communicator):
+    """A thread-world communicator that takes and returns another framework's tensors."""
+
+    def __init__(self, inner, backend):
+        super().__init__()
+        self.inner, self.B = inner, backend
+        self.rank, self.size, self.meter = inner.rank, inner.size, inner.meter
+
+    def _wrap(self, out):
+        return self.B.constant(out, out.dtype.name)
+
+    def allreduce(self, x, op, name):
+        return self._wrap(self.inner.allreduce(self.B.to_numpy(x), op, name))
+
+    def allgather(self, x, name):
+        return self._wrap(self.inner.allgather(self.B.to_numpy(x), name))
+
+    def sendrecv(self, x, dest, source, name, recv_numel=None):
+        return self._wrap(self.inner.sendrecv(self.B.to_numpy(x), dest, source, name, recv_numel))
+
+    def subgroups(self, rows):
+        return tuple(FrameworkComm(c, self.B) for c in self.inner.subgroups(rows))
+
+
+def framework_run(backend, comp, xs_np, seed=0):
+    n = len(xs_np)
+    runners = [CompressorRunner(comp, backend, seed=seed) for _ in range(n)]
+    xs = [backend.constant(x, "float32") for x in xs_np]
+    outs = ThreadWorld(n).run(
+        lambda c: backend.to_numpy(runners[c.rank].reduce(xs[c.rank], FrameworkComm(c, backend),
+                                                          "g", SEGMENTS)))
+    return outs, runners
+
+
+def check_framework(backend):
+    x = np.random.default_rng(0).standard_normal(D).astype(np.float32)
+    for topology, rows in (("ring", None), ("torus", 2)):
+        comp = MarsitCompressor(topology=topology, torus_rows=rows)
+        # Same input everywhere: the result must be exactly alpha * sign(x).
+        outs, _ = framework_run(backend, comp, [x] * 4)
+        np.testing.assert_allclose(outs[0], segment_mean_abs(x) * np.where(x >= 0, 1, -1), rtol=1e-6)
+        # Different inputs: ranks agree and the residual is p - out.
+        xs = random_xs(4, 1, seed=3)[0]
+        outs, runners = framework_run(backend, comp, xs)
+        for r in range(4):
+            np.testing.assert_array_equal(outs[r], outs[0])
+            state = runners[r].state_dict()
+            got = np.concatenate([state[f"{k}/residual"] for k, _ in SEGMENTS])
+            np.testing.assert_allclose(got, xs[r] - outs[0], rtol=1e-6, atol=1e-6)
+
+
+def test_torch_backend():
+    torch_backend = pytest.importorskip("hvd_quant.torch.backend")
+    check_framework(torch_backend.TorchBackend())
+
+
+def test_tensorflow_backend_eager_and_in_tf_function():
+    tf_backend = pytest.importorskip("hvd_quant.tensorflow.backend")
+    import tensorflow as tf
+
+    TB = tf_backend.TFBackend()
+    check_framework(TB)
+
+    # Inside tf.function: the hop operators and a single-rank compressor step trace.
+    class Solo(Communicator):
+        def allreduce(self, x, op, name):
+            return x
+
+        def sendrecv(self, x, dest, source, name, recv_numel=None):
+            return x
+
+        def subgroups(self, rows):
+            return self, self
+
+    rng = TB.generator(0)
+    own = tf.constant(np.arange(64, dtype=np.uint8))
+    recv = tf.constant(np.arange(64, dtype=np.uint8)[::-1].copy())
+    sel = tf.function(lambda a, b: MarsitSelect().combine(TB, a, 1, b, 3, rng))(own, recv)
+    o, r, s = (np.unpackbits(np.asarray(v), bitorder="little") for v in (own, recv, sel.numpy()))
+    assert ((s == o) | (s == r)).all()
+    cas = tf.function(lambda a, b: CascadingSign().combine(TB, a, 1, b, 1, rng))(own, recv)
+    c = np.unpackbits(cas.numpy(), bitorder="little")
+    assert (c[o == r] == o[o == r]).all()
+
+    comp = MarsitCompressor(topology="torus", torus_rows=1)
+    runner = CompressorRunner(comp, TB)
+    x = tf.constant(np.array([0.5, -2.0, 0.0], np.float32))
+    step = tf.function(lambda v: runner.reduce(v, Solo(), "g", [("p", 3)]))
+    np.testing.assert_allclose(step(x).numpy(), [2.5 / 3, -2.5 / 3, 2.5 / 3], rtol=1e-6)
+    np.testing.assert_allclose(runner.state_dict()["p/residual"],
+                               [0.5 - 2.5 / 3, -2.0 + 2.5 / 3, -2.5 / 3], rtol=1e-5)

@@ -1,0 +1,185 @@
+"""Multi-process tests: real Horovod ranks under ``horovodrun --gloo``, 2 and 3 ranks.
+
+One job per (framework, ranks) runs every check of tests/mp/worker.py; the tests below
+read its per-rank results and compare them with each other and with the numpy oracle
+(the same algorithms on :class:`~hvd_quant.core.simulate.ThreadWorld`).
+"""
+
+import json
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import hvd_quant
+from hvd_quant.core.runner import CompressorRunner
+from hvd_quant.core.simulate import ThreadWorld
+
+from horovod_launch import HERE, JobTimeout, load_rank_results, run_horovod
+
+import sys
+sys.path.insert(0, str(HERE / "mp"))
+import cases  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+WORKER = HERE / "mp" / "worker.py"
+
+JOBS = [("torch", 2, {}), ("torch", 3, {}), ("tf", 2, {}), ("tf", 3, {}),
+        ("tf", 2, {"TF_USE_LEGACY_KERAS": "1"})]
+JOB_IDS = ["torch-2", "torch-3", "tf-2", "tf-3", "tf_keras2-2"]
+
+
+@pytest.fixture(scope="module", params=JOBS, ids=JOB_IDS)
+def job(request, tmp_path_factory):
+    framework, nranks, env = request.param
+    out = tmp_path_factory.mktemp(f"{framework}{nranks}")
+    run_horovod(WORKER, nranks, [framework, out], timeout=600, env=env)
+    return {"framework": framework, "size": nranks, "legacy": bool(env),
+            "ranks": load_rank_results(out, nranks)}
+
+
+def _ok(value):
+    assert not (isinstance(value, dict) and "error" in value), value
+    return value
+
+
+INT_DTYPES = {"torch": ("int32", "int64"), "tf": ("int8", "int32", "int64")}
+
+
+def _oracle(label, name, options, size, framework):
+    """Run the same compressor on the same inputs in the numpy thread world, with the
+    integer dtypes that framework's Horovod allreduce can sum."""
+    world = ThreadWorld(size)
+    runners = [CompressorRunner(hvd_quant.get(name, **options), world.backend, seed=7) for _ in range(size)]
+
+    def body(comm):
+        comm.allreduce_int_dtypes = INT_DTYPES[framework]
+        per_size = {}
+        for d in cases.SIZES:
+            per_size[str(d)] = [runners[comm.rank].reduce(cases.rank_input(comm.rank, d, s), comm,
+                                                          f"{label}.{d}", cases.segments(d))
+                                for s in range(cases.STEPS)]
+        return per_size
+    values = world.run(body)
+    return values, world.meters
+
+
+def test_every_rank_gets_identical_results(job):
+    ranks = job["ranks"]
+    for key in ("ring_int_sum", "train"):
+        first = _ok(ranks[0][key])
+        for other in ranks[1:]:
+            assert _ok(other[key]) == first, f"{key} differs between ranks"
+    for label, _, _ in cases.COMPRESSORS:
+        if label == "fp16":
+            continue  # Horovod's own fp16 sum (Gloo) rounds differently per rank at 3 ranks
+        first = _ok(ranks[0]["reduce"])[label]
+        for other in ranks[1:]:
+            assert _ok(other["reduce"])[label] == first, f"{label} differs between ranks"
+
+
+@pytest.mark.parametrize("label,name,options", cases.COMPRESSORS, ids=[c[0] for c in cases.COMPRESSORS])
+def test_reduction_matches_numpy_oracle(job, label, name, options):
+    got = _ok(job["ranks"][0]["reduce"])[label]
+    oracle, meters = _oracle(label, name, options, job["size"], job["framework"])
+    # Bytes on the wire: same algorithm, same cost model, counted independently.
+    assert got["bytes"] == pytest.approx(meters[0].bytes_sent)
+    for d in cases.SIZES:
+        for step in range(cases.STEPS):
+            value = np.array(got["values"][str(d)][step])
+            truth = np.mean([cases.rank_input(r, d, step) for r in range(job["size"])], axis=0)
+            assert value.shape == (d,)
+            assert np.isfinite(value).all()
+            if label == "fp16":  # fp16 partial sums: a few fp16 ulps of the largest input
+                np.testing.assert_allclose(value, oracle[0][str(d)][step], rtol=0, atol=4e-3)
+            elif label in cases.DETERMINISTIC:
+                np.testing.assert_allclose(value, oracle[0][str(d)][step], rtol=2e-6, atol=2e-6)
+            elif name.startswith("global_qsgd") and d and step == 0:
+                # One draw of an unbiased quantizer: within its worst-case error of the mean.
+                bound = 2 * np.max(np.abs([cases.rank_input(r, d, step) for r in range(job["size"])]))
+                assert np.max(np.abs(value - truth)) <= bound
+
+
+def test_ring_equals_horovod_integer_sum_bit_for_bit(job):
+    for d, res in _ok(job["ranks"][0]["ring_int_sum"]).items():
+        assert res["ring"] == res["hvd"], f"ring sum differs at size {d}"
+        if "torus" in res:
+            assert res["torus"] == res["hvd"]
+
+
+def test_disagreeing_ranks_raise_the_same_clear_error(job):
+    for rank in job["ranks"]:
+        for key in ("disagree_compressor", "disagree_options"):
+            err = rank[key]
+            assert err["error"] == "RankDisagreement", err
+            assert "compressor or its options" in err["message"]
+        err = rank["params_differ"]
+        assert err["error"] == "RankDisagreement" and "parameter values" in err["message"]
+        assert "broadcast" in err["message"]
+
+
+def test_unknown_name_lists_available(job):
+    err = job["ranks"][0]["unknown_name"]
+    assert err["error"] == "ValueError"
+    assert "Did you mean 'ef_sign'" in err["message"] and "global_qsgd" in err["message"]
+
+
+def test_non_float_tensors_pass_through(job):
+    assert job["ranks"][0]["non_float"] == {"same": True, "ctx_is_none": True}
+
+
+def test_stock_horovod_and_fused_paths_train(job):
+    train = _ok(job["ranks"][0]["train"])
+    if job["framework"] == "torch":
+        # EF-sign is deterministic and per tensor in both paths: identical parameters.
+        np.testing.assert_allclose(train["ef_sign/ours"], train["ef_sign/stock"], rtol=1e-6, atol=1e-7)
+        assert {k.split("/")[1] for k in train} == {"ours", "stock"}
+    else:
+        for name in ("ef_sign", "global_qsgd"):
+            # Eager and tf.function consume the same random streams; graph optimisation
+            # may reorder float ops, so equal to float tolerance. (Marsit is left out: one
+            # ulp can flip a sign bit of a near-zero element.)
+            np.testing.assert_allclose(train[f"{name}/ours/eager"], train[f"{name}/ours/fn"],
+                                       rtol=1e-5, atol=1e-6)
+        if job["legacy"]:
+            np.testing.assert_allclose(train["ef_sign/ours/eager"], train["ef_sign/stock/eager"],
+                                       rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(train["global_qsgd/stock/eager"], train["global_qsgd/stock/fn"],
+                                       rtol=1e-5, atol=1e-6)
+            err = job["ranks"][0]["stock_multi_hop"]
+            assert "hvd_quant.tensorflow.DistributedGradientTape" in err["message"]
+
+
+def test_checkpoint_restores_error_feedback_by_name(job):
+    ckpt = _ok(job["ranks"][0]["checkpoint"])
+    np.testing.assert_array_equal(ckpt["uninterrupted"], ckpt["restored"])
+    assert all(k.endswith("/residual") for k in ckpt["state_keys"])
+    assert len(ckpt["state_keys"]) == 4
+
+
+def test_ring_and_torus_with_four_ranks(tmp_path):
+    """4 ranks: the only size here with a 2x2 torus; also a power of two."""
+    run_horovod(HERE / "mp" / "ring_worker.py", 4, [tmp_path], timeout=300)
+    ranks = load_rank_results(tmp_path, 4)
+    for r in ranks:
+        assert r == ranks[0]
+    for d, res in ranks[0]["sums"].items():
+        assert res["ring"] == res["hvd"] == res["torus"], d
+
+
+def test_failing_rank_fails_the_job_fast():
+    start = time.monotonic()
+    result = run_horovod(HERE / "mp" / "fail_rank.py", 2, timeout=120, check=False)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 90
+    assert "rank 1 fails on purpose" in result.stdout
+
+
+def test_hanging_rank_is_killed_within_the_limit():
+    start = time.monotonic()
+    with pytest.raises(JobTimeout):
+        run_horovod(HERE / "mp" / "hang_rank.py", 2, timeout=25)
+    assert time.monotonic() - start < 60
+    left = subprocess.run(["pgrep", "-f", "hang_rank.py"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "processes of the killed job are still alive"
