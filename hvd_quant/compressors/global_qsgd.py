@@ -46,6 +46,7 @@ float32. Stochastic rounding is exact up to the grid of ``U[0, 1)`` (2**-23 or 2
 import math
 
 from ..core.compressor import Compressor
+from ..core.comm import identical_sum
 from ..core.packing import pack_lanes, packed_lane_words, unpack_lanes
 
 #: Smallest normal float32: the scale is raised to at least this, so all-zero buffers
@@ -111,9 +112,12 @@ def finish_scale(B, reduced, norm):
 
 
 def global_scale(B, comm, x, norm, name):
-    """One scalar allreduce (max, or sum of squares) -> shape-(1,) float32 scale."""
-    op = "max" if norm == "max" else "sum"
-    return finish_scale(B, comm.allreduce(local_scale_stat(B, x, norm), op, name), norm)
+    """One scalar collective (allreduce-max, or an identical sum of squares) -> shape-(1,)
+    float32 scale."""
+    stat = local_scale_stat(B, x, norm)
+    # max is exact in any order; a float sum is not, and every rank needs the same grid.
+    reduced = comm.allreduce(stat, "max", name) if norm == "max" else identical_sum(B, comm, stat, name)
+    return finish_scale(B, reduced, norm)
 
 
 def normalise(B, x, scale):
@@ -226,11 +230,13 @@ class GlobalQSGDCompressor(Compressor):
         return linear_dequantize(B, total, scale, levels, n)
 
     def wire_bytes(self, numel, world_size, segments=1, int_dtypes=("int32", "int64")):
-        """Bytes sent per rank: the fp32 scale plus the integers, both by allreduce.
+        """Bytes sent per rank: the integers by allreduce, plus the fp32 scale (allreduce
+        for ``max``, allgather for ``l2``, see :func:`global_scale`).
 
         ``int_dtypes`` are the integer dtypes the communicator sums natively; the default
         (torch's Horovod) means lane-packed int32 words.
         """
         width, _ = self.resolve(world_size)
-        payload = 4 + int_payload_bytes(numel, width, int_dtypes)
-        return 2.0 * (world_size - 1) / world_size * payload if world_size > 1 else 0.0
+        ring = 2.0 * (world_size - 1) / world_size
+        scale = ring * 4 if self.norm == "max" else (world_size - 1) * 4.0
+        return ring * int_payload_bytes(numel, width, int_dtypes) + scale if world_size > 1 else 0.0

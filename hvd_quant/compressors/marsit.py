@@ -46,6 +46,7 @@ when ``scale="mean_abs"``.
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
 from ..core.packing import pack_signs, packed_sign_bytes, unpack_signs
+from ..core.comm import identical_sum
 from ..core.ring import ring_allreduce, torus_allreduce
 from .ef_sign import segment_abs_mean
 
@@ -165,10 +166,11 @@ class MarsitCompressor(Compressor):
         p = (x + ctx.state.get("residual")) if self.compensation else x
         bits = pack_signs(B, p)
 
-        # Phase 2: the scale. One small float allreduce, or none for a constant.
+        # Phase 2: the scale. One small float allgather (summed identically on every
+        # rank), or none for a constant.
         if self.scale == "mean_abs":
             local = segment_abs_mean(B, p, segments)
-            total = comm.allreduce(local, "sum", ctx.collective_name("scale"))
+            total = identical_sum(B, comm, local, ctx.collective_name("scale"))
             alpha = B.repeat(total / float(comm.size), counts)
         else:
             alpha = self.scale
@@ -188,9 +190,9 @@ class MarsitCompressor(Compressor):
         return out
 
     def wire_bytes(self, numel, world_size, segments=1):
-        ring = 2.0 * (world_size - 1) / world_size
-        scale_bytes = 4 * segments if self.scale == "mean_abs" else 0
-        return ring * (packed_sign_bytes(numel) + scale_bytes)
+        ring = 2.0 * (world_size - 1) / world_size * packed_sign_bytes(numel)
+        scales = (world_size - 1) * 4 * segments if self.scale == "mean_abs" else 0  # allgather
+        return ring + scales
 
 
 class CascadingSignCompressor(MarsitCompressor):

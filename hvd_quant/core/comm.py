@@ -115,6 +115,23 @@ class Communicator:
             self.meter.add("sendrecv", float(nbytes))
 
 
+def identical_sum(B, comm, x, name):
+    """Sum of the small float vector ``x`` over ranks, bit-identical on every rank.
+
+    Horovod's float allreduce over Gloo was seen to round differently on different ranks
+    with 3 ranks (the per-rank results differed in the last bit). A scale that every rank
+    must share (a global norm, Marsit's magnitude) therefore travels by allgather and is
+    summed locally in rank order: ``n`` times the bytes of ``x``, which is a handful of
+    scalars here.
+    """
+    k = B.numel(x)
+    gathered = B.reshape(comm.allgather(x, name), (comm.size, k))
+    total = B.reshape(B.slice(gathered, 0, 1), (k,))
+    for r in range(1, comm.size):
+        total = total + B.reshape(B.slice(gathered, r, r + 1), (k,))
+    return total
+
+
 class RoutedGroup(Communicator):
     """A sub-group whose hops are routed through the parent's ``sendrecv``.
 
