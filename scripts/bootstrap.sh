@@ -34,8 +34,9 @@ PYEOF
 deps=("$TORCH" "$TF" "$TFK" numpy pytest pytest-timeout scikit-learn setuptools wheel \
       psutil pyyaml cloudpickle packaging cffi)
 if ! have "${deps[@]}"; then
-    echo "[bootstrap] installing framework and test dependencies"
-    "$py" -m pip install --quiet "${deps[@]}"
+    echo "[bootstrap] installing torch, TensorFlow and test dependencies (a few minutes on a new machine)"
+    # pip's local find-links config warns about every package it cannot find there.
+    "$py" -m pip install --quiet "${deps[@]}" 2> >(grep -v "^WARNING: Location" >&2)
 fi
 
 if ! "$py" -c "import horovod.torch, horovod.tensorflow" >/dev/null 2>&1; then

@@ -8,13 +8,15 @@ code https://github.com/sands-lab/global-qsgd (``gqsgd/ddphook.py``,
 Per buffer, with ``n`` ranks, ``s`` levels and rank ``i`` holding ``x_i``::
 
     S   = allreduce_max(max|x_i|)              norm="max"  (the reference code's choice)
-        = sqrt(allreduce_sum(||x_i||^2)) * c   norm="l2"   (c = 1 + 2**-8, see below)
+        = sqrt(sum_i ||x_i||^2) * c            norm="l2"   (c = 1 + 2**-8, see below;
+                                               the n scalars by allgather, summed in rank
+                                               order, so every rank has the same grid)
     v_i = s * x_i / S                          |v_i| <= s
     q_i = floor(v_i) + [u < v_i - floor(v_i)], u ~ U[0, 1)   (E q_i = v_i: unbiased)
     Q   = allreduce_sum(q_i)                   integers, in ``w`` = 8 or 16 bits
     est = Q * S / (s * n)                      E est = mean_i x_i
 
-One scalar allreduce and one integer allreduce; nothing is decoded before the sum.
+One scalar collective and one integer allreduce; nothing is decoded before the sum.
 
 Level rule (why the integer sum never overflows). ``L = 2**(w-1) - 1``. Every partial
 sum over any subset ``P`` of ``m <= n`` ranks must satisfy ``|sum_P q| <= L`` (Horovod

@@ -27,7 +27,8 @@ Per step, per rank::
     p     = x + e                         # e = residual ("residual" state), 0 at first
     bits  = pack_signs(p)                 # 1 bit per element (x >= 0 -> 1)
     s_hat = unpack(ring_allreduce(bits, MarsitSelect))   # identical on every rank
-    alpha = mean over ranks of mean|p| per parameter  (one small float32 allreduce)
+    alpha = mean over ranks of mean|p| per parameter  (one small float32 allgather,
+            summed in rank order so every rank gets the same bits)
             or a constant (no float on the wire)
     out   = alpha * s_hat                 # returned as the mean-gradient estimate
     e     = p - out                       # global compensation
@@ -39,8 +40,8 @@ the selection rule is provably unbiased and tested to be so. Momentum, periodic
 full-precision synchronisation or layer-wise details of the original are not reproduced.
 
 Wire: ``2 (n - 1) / n * ceil(d / 8)`` bytes per rank for the signs (the ring's cost, at
-1 bit per element on every hop), plus a float32 allreduce of one scale per parameter
-when ``scale="mean_abs"``.
+1 bit per element on every hop), plus an allgather of one float32 scale per parameter
+when ``scale="mean_abs"`` (``(n - 1) * 4`` bytes per parameter).
 """
 
 from ..core.compressor import Compressor
@@ -105,12 +106,19 @@ class MarsitCompressor(Compressor):
 
     Parameters
     ----------
-    compensation : bool
-        Keep the residual ``e = p - alpha * s_hat`` (per parameter, state key
-        ``"residual"``). False: plain sign of ``x``, stateless.
+    compensation : "global", "local", True or False
+        ``"global"`` (also ``True``): keep the residual ``e = p - alpha * s_hat``, the
+        deviation from the aggregated result every rank shares (our reading of the
+        paper's global compensation). ``"local"``: ``e = p - alpha * sign(p)``, the
+        deviation of what this rank put on the ring, with the shared ``alpha``; since the
+        ring's selection is unbiased, the ranks' mean residual equals the global
+        deviation in expectation, and each residual stays bounded. (With ``"global"`` each
+        rank's residual also accumulates ``sum_t (g_i - mean_j g_j)``, a random walk; see
+        the project's issue notes for measured accuracy of both.) ``False``: plain sign
+        of ``x``, stateless. State key ``"residual"``, per parameter.
     scale : "mean_abs" or float
         ``"mean_abs"``: ``alpha`` per parameter is the mean over ranks of ``mean|p|``
-        (one float32 allreduce of one value per parameter). A float: constant ``alpha``
+        (one float32 allgather of one value per parameter). A float: constant ``alpha``
         (learning-rate style; no float on the wire). The optimizer's learning rate
         multiplies the returned ``alpha * s_hat`` either way.
     topology : "ring" or "torus"
@@ -139,14 +147,18 @@ class MarsitCompressor(Compressor):
             raise ValueError("topology='torus' needs torus_rows, a positive int")
         if hop not in _HOPS:
             raise ValueError(f"hop must be one of {sorted(_HOPS)}, got {hop!r}")
-        self.compensation = bool(compensation)
+        if compensation is True:
+            compensation = "global"
+        if compensation not in ("global", "local", False):
+            raise ValueError(f"compensation must be 'global', 'local', True or False, got {compensation!r}")
+        self.compensation = compensation
         self.scale = scale
         self.topology = topology
         self.torus_rows = torus_rows if topology == "torus" else None
         self.hop = hop
         self.op = _HOPS[hop]()
         # Without compensation there is nothing to keep: no state store, no stable names.
-        self.stateful = self.compensation
+        self.stateful = bool(self.compensation)
 
     def options(self):
         return {"compensation": self.compensation, "scale": self.scale,
@@ -184,9 +196,12 @@ class MarsitCompressor(Compressor):
             agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
         out = alpha * unpack_signs(B, agg, d)
 
-        # Phase 4: global compensation, against the aggregated result every rank shares.
-        if self.compensation:
+        # Phase 4: compensation, against the aggregated result every rank shares
+        # ("global") or against this rank's own contribution at the shared scale ("local").
+        if self.compensation == "global":
             ctx.state.set("residual", p - out)
+        elif self.compensation == "local":
+            ctx.state.set("residual", p - alpha * unpack_signs(B, bits, d))
         return out
 
     def wire_bytes(self, numel, world_size, segments=1):

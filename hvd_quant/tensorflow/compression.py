@@ -65,6 +65,14 @@ class TFCompressor:
         self._runner = None
         self._comm = None
         self._anonymous_calls = 0
+        self._horovod_bytes = 0.0
+
+    @property
+    def bytes_sent(self):
+        """Bytes this rank sent through this compressor in Horovod's stock tape (cost model
+        of :class:`~hvd_quant.core.comm.WireMeter`; counted when reductions are built, so
+        once per trace under ``tf.function``)."""
+        return self._horovod_bytes + (self._comm.meter.bytes_sent if self._comm else 0.0)
 
     def __call__(self, **options):
         seed = options.pop("seed", self.seed)
@@ -90,7 +98,12 @@ class TFCompressor:
         if not tensor.dtype.is_floating:
             return tensor, None
         if self.core.horovod_wire_dtype is not None:
-            return tf.cast(tensor, self.core.horovod_wire_dtype), ("cast", tensor.dtype)
+            import horovod.tensorflow as hvd
+
+            wire = tf.cast(tensor, self.core.horovod_wire_dtype)
+            n = hvd.size()
+            self._horovod_bytes += 2.0 * (n - 1) / n * wire.shape.num_elements() * wire.dtype.size
+            return wire, ("cast", tensor.dtype)
         import horovod.tensorflow as hvd
         from .comm import HorovodTFComm
 

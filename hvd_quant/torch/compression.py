@@ -60,6 +60,13 @@ class TorchCompressor:
         self._options = dict(options)
         self._runner = None
         self._comm = None
+        self._horovod_bytes = 0.0
+
+    @property
+    def bytes_sent(self):
+        """Bytes this rank sent through this compressor in Horovod's stock optimizer
+        (cost model of :class:`~hvd_quant.core.comm.WireMeter`)."""
+        return self._horovod_bytes + (self._comm.meter.bytes_sent if self._comm else 0.0)
 
     def __call__(self, **options):
         seed = options.pop("seed", self.seed)
@@ -86,8 +93,12 @@ class TorchCompressor:
         if not tensor.is_floating_point():
             return tensor, None  # like Horovod's fp16 compressor: integers pass through
         if self.core.horovod_wire_dtype is not None:
-            wire = getattr(torch, self.core.horovod_wire_dtype)
-            return tensor.to(wire), ("cast", tensor.dtype)
+            import horovod.torch as hvd
+
+            wire = tensor.to(getattr(torch, self.core.horovod_wire_dtype))
+            n = hvd.size()
+            self._horovod_bytes += 2.0 * (n - 1) / n * wire.numel() * wire.element_size()
+            return wire, ("cast", tensor.dtype)
         import horovod.torch as hvd
         from .comm import HorovodTorchComm
 

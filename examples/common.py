@@ -1,0 +1,100 @@
+"""Shared by the examples: data, options and reporting (no framework imports here)."""
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def parse_args(description):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--compression", default="none",
+                   help="hvd_quant compressor name (see hvd_quant.available())")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="compressor option, e.g. --option norm=l2 (repeatable)")
+    p.add_argument("--path", choices=["ours", "stock"], default="ours",
+                   help="hvd_quant's fused optimizer/tape, or Horovod's stock one")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="rank 0 writes its results here")
+    return p.parse_args()
+
+
+def parse_options(pairs):
+    """``["norm=l2", "bits=8", "compensation=false"]`` -> typed dict."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--option needs KEY=VALUE, got {pair!r}")
+        low = value.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+        elif low == "none":
+            out[key] = None
+        else:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    out[key] = value
+    return out
+
+
+def digits_split(rank, size, seed=0):
+    """scikit-learn's bundled 8x8 digits (1797 images, no download), standardised.
+
+    A fixed 80/20 split; each rank trains on its own shard ``rank::size`` of the training
+    part and every rank evaluates on the whole test part.
+    """
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    order = np.random.default_rng(1234).permutation(len(x))
+    x, y = x[order], y[order].astype(np.int64)
+    cut = int(0.8 * len(x))
+    mean, std = x[:cut].mean(0), x[:cut].std(0) + 1e-3
+    x = (x - mean) / std
+    return (x[:cut][rank::size], y[:cut][rank::size]), (x[cut:], y[cut:])
+
+
+class Reporter:
+    """Per-epoch lines on rank 0 and a JSON summary."""
+
+    def __init__(self, args, rank, size, label):
+        self.args, self.rank, self.size, self.label = args, rank, size, label
+        self.history = []
+        self.start = time.perf_counter()
+
+    def epoch(self, epoch, loss, acc, bytes_per_step, step_time):
+        row = {"epoch": epoch, "loss": loss, "test_accuracy": acc,
+               "bytes_per_step": bytes_per_step, "step_time_ms": 1000 * step_time}
+        self.history.append(row)
+        if self.rank == 0:
+            print(f"[{self.label}] epoch {epoch:3d}  loss {loss:.4f}  test acc {acc:.4f}  "
+                  f"bytes/step/rank {bytes_per_step:,.0f}  step {1000 * step_time:.2f} ms", flush=True)
+
+    def finish(self, fp32_bytes_per_step):
+        summary = {"label": self.label, "ranks": self.size, "compression": self.args.compression,
+                   "options": parse_options(self.args.option), "path": self.args.path,
+                   "epochs": self.args.epochs, "seed": self.args.seed,
+                   "final_test_accuracy": self.history[-1]["test_accuracy"],
+                   "bytes_per_step": self.history[-1]["bytes_per_step"],
+                   "fp32_allreduce_bytes_per_step": fp32_bytes_per_step,
+                   "mean_step_time_ms": float(np.mean([h["step_time_ms"] for h in self.history])),
+                   "wall_time_s": time.perf_counter() - self.start, "history": self.history}
+        if self.rank == 0:
+            ratio = fp32_bytes_per_step / max(summary["bytes_per_step"], 1e-9)
+            print(f"[{self.label}] final test accuracy {summary['final_test_accuracy']:.4f}; "
+                  f"{summary['bytes_per_step']:,.0f} bytes/step/rank "
+                  f"({ratio:.1f}x fewer than an fp32 allreduce)", flush=True)
+            if self.args.json:
+                with open(self.args.json, "w") as f:
+                    json.dump(summary, f, indent=1)
+        return summary
