@@ -17,7 +17,7 @@ set -euo pipefail
 HOROVOD_VERSION=0.28.1
 PY=${PYTHON:-python}
 
-versions=$("$PY" - <<'PYEOF'
+versions=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" - <<'PYEOF'
 import sys, torch, tensorflow as tf
 print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split('+')[0]}-tf{tf.__version__}")
 PYEOF

@@ -9,8 +9,7 @@ import sys
 
 import tensorflow as tf
 
-from .. import registry
-from ..core.runner import CompressorRunner
+from ..core.handle import CompressionNamespace, CompressorHandle
 from .backend import TFBackend
 
 
@@ -50,48 +49,25 @@ def _horovod_call_site():
     return (None, op) if found_allreduce else None
 
 
-class TFCompressor:
+class TFCompressor(CompressorHandle):
     """A registered compressor, usable as ``compression=`` for Horovod's stock
     ``hvd.DistributedGradientTape`` and for :class:`hvd_quant.tensorflow.DistributedGradientTape`.
 
     Calling the object returns a new, independently-stateful instance with updated options.
     """
 
+    framework = "tensorflow"
+
     def __init__(self, name, seed=0, **options):
-        self.core = registry.get(name, **options)
-        self.name = name
-        self.seed = seed
-        self._options = dict(options)
-        self._runner = None
-        self._comm = None
+        super().__init__(name, seed=seed, **options)
         self._anonymous_calls = 0
-        self._horovod_bytes = 0.0
 
-    @property
-    def bytes_sent(self):
-        """Bytes this rank sent through this compressor in Horovod's stock tape (cost model
-        of :class:`~hvd_quant.core.comm.WireMeter`; counted when reductions are built, so
-        once per trace under ``tf.function``)."""
-        return self._horovod_bytes + (self._comm.meter.bytes_sent if self._comm else 0.0)
-
-    def __call__(self, **options):
-        seed = options.pop("seed", self.seed)
-        return TFCompressor(self.name, seed=seed, **{**self._options, **options})
-
-    def __repr__(self):
-        return f"hvd_quant.tensorflow.Compression.{self.name}{repr(self.core)[len(type(self.core).__name__):]}"
-
-    def runner(self):
-        if self._runner is None:
-            self._runner = CompressorRunner(self.core, TFBackend(), seed=self.seed)
-        return self._runner
+    def make_backend(self):
+        return TFBackend()
 
     def state_dict(self):
-        """Per-rank compressor state (stock-Horovod path), keyed ``"variable/key"``."""
+        """Per-rank compressor state, keyed ``"variable/key"`` (numpy arrays)."""
         return self.runner().state_dict()
-
-    def load_state_dict(self, state):
-        self.runner().load_state_dict(state)
 
     @tf.autograph.experimental.do_not_convert
     def compress(self, tensor):
@@ -101,8 +77,7 @@ class TFCompressor:
             import horovod.tensorflow as hvd
 
             wire = tf.cast(tensor, self.core.horovod_wire_dtype)
-            n = hvd.size()
-            self._horovod_bytes += 2.0 * (n - 1) / n * wire.shape.num_elements() * wire.dtype.size
+            self._count_horovod_cast(wire.shape.num_elements() * wire.dtype.size, hvd.size())
             return wire, ("cast", tensor.dtype)
         import horovod.tensorflow as hvd
         from .comm import HorovodTFComm
@@ -148,22 +123,4 @@ class TFCompressor:
         return tf.cast(tensor, value) if kind == "cast" else value
 
 
-class _CompressionNamespace:
-    """Mirrors ``horovod.tensorflow.Compression``; one attribute per registered compressor."""
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self.get(name)
-        except ValueError as exc:
-            raise AttributeError(str(exc)) from None
-
-    def __dir__(self):
-        return registry.available() + ["get"]
-
-    def get(self, name, **options):
-        return TFCompressor(name, **options)
-
-
-Compression = _CompressionNamespace()
+Compression = CompressionNamespace(TFCompressor)

@@ -14,8 +14,7 @@ import sys
 
 import torch
 
-from .. import registry
-from ..core.runner import CompressorRunner
+from ..core.handle import CompressionNamespace, CompressorHandle
 from .backend import TorchBackend
 
 _OPTIMIZER_FRAMES = ("_allreduce_grad_async", "_grouped_allreduce_grad_async")
@@ -45,7 +44,7 @@ def _horovod_call_site():
     return None
 
 
-class TorchCompressor:
+class TorchCompressor(CompressorHandle):
     """A registered compressor, usable as ``compression=`` for Horovod's stock
     ``hvd.DistributedOptimizer`` and for :class:`hvd_quant.torch.DistributedOptimizer`.
 
@@ -53,40 +52,14 @@ class TorchCompressor:
     options: ``Compression.ef_sign()`` or ``Compression.global_qsgd(norm="l2")``.
     """
 
-    def __init__(self, name, seed=0, **options):
-        self.core = registry.get(name, **options)
-        self.name = name
-        self.seed = seed
-        self._options = dict(options)
-        self._runner = None
-        self._comm = None
-        self._horovod_bytes = 0.0
+    framework = "torch"
 
-    @property
-    def bytes_sent(self):
-        """Bytes this rank sent through this compressor in Horovod's stock optimizer
-        (cost model of :class:`~hvd_quant.core.comm.WireMeter`)."""
-        return self._horovod_bytes + (self._comm.meter.bytes_sent if self._comm else 0.0)
-
-    def __call__(self, **options):
-        seed = options.pop("seed", self.seed)
-        return TorchCompressor(self.name, seed=seed, **{**self._options, **options})
-
-    def __repr__(self):
-        return f"hvd_quant.torch.Compression.{self.name}{repr(self.core)[len(type(self.core).__name__):]}"
-
-    # --- used by both paths ----------------------------------------------------------------
-    def runner(self):
-        if self._runner is None:
-            self._runner = CompressorRunner(self.core, TorchBackend(), seed=self.seed)
-        return self._runner
+    def make_backend(self):
+        return TorchBackend()
 
     def state_dict(self):
         """Per-rank compressor state (stock-Horovod path), keyed ``"param/key"``."""
         return {k: torch.from_numpy(v) for k, v in self.runner().state_dict().items()}
-
-    def load_state_dict(self, state):
-        self.runner().load_state_dict(state)
 
     # --- Horovod's compression interface ------------------------------------------------------
     def compress(self, tensor):
@@ -96,8 +69,7 @@ class TorchCompressor:
             import horovod.torch as hvd
 
             wire = tensor.to(getattr(torch, self.core.horovod_wire_dtype))
-            n = hvd.size()
-            self._horovod_bytes += 2.0 * (n - 1) / n * wire.numel() * wire.element_size()
+            self._count_horovod_cast(wire.numel() * wire.element_size(), hvd.size())
             return wire, ("cast", tensor.dtype)
         import horovod.torch as hvd
         from .comm import HorovodTorchComm
@@ -132,23 +104,4 @@ class TorchCompressor:
         return tensor.to(value) if kind == "cast" else value
 
 
-class _CompressionNamespace:
-    """Mirrors ``horovod.torch.Compression``: ``Compression.none``, ``.fp16``, and one
-    attribute per registered compressor. ``Compression.get(name, **options)`` too."""
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self.get(name)
-        except ValueError as exc:
-            raise AttributeError(str(exc)) from None
-
-    def __dir__(self):
-        return registry.available() + ["get"]
-
-    def get(self, name, **options):
-        return TorchCompressor(name, **options)
-
-
-Compression = _CompressionNamespace()
+Compression = CompressionNamespace(TorchCompressor)
