@@ -16,7 +16,8 @@ package imports without torch, TensorFlow or Horovod.
 """
 
 from .core.compressor import Compressor
+from .process_sets import torus_process_sets
 from .registry import available, get, register
 
 __version__ = "0.1.0"
-__all__ = ["Compressor", "available", "get", "register", "__version__"]
+__all__ = ["Compressor", "available", "get", "register", "torus_process_sets", "__version__"]

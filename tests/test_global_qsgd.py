@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from solo_comm import SoloComm
+
 import hvd_quant
 from hvd_quant.compressors.exp_dithering import (
     EXP_MAX_WORLD, ExpDitheringSum, combine_codes, exp_decode, exp_encode)
@@ -10,7 +12,6 @@ from hvd_quant.compressors.global_qsgd import (
     L2_SCALE_MARGIN, finish_scale, linear_dequantize, linear_quantize, max_levels,
     resolve_width_levels, stochastic_round, sum_bound)
 from hvd_quant.core.backend import NumpyBackend
-from hvd_quant.core.comm import Communicator
 from hvd_quant.core.compressor import ReduceContext
 from hvd_quant.core.packing import pack_lanes, unpack_lanes
 from hvd_quant.core.simulate import ThreadWorld
@@ -375,19 +376,6 @@ def test_lane_round_trip_and_sums(width, backend_name):
 
 
 # --- the same code on torch and TensorFlow (inside tf.function) ------------------------------------
-class SoloComm(Communicator):
-    """One rank, collectives are identities; int8 sums unavailable (lane path)."""
-
-    def allreduce(self, x, op, name):
-        return x
-
-    def allgather(self, x, name):
-        return x
-
-    def sendrecv(self, x, dest, source, name, recv_numel=None):
-        return x
-
-
 def kernel_inputs():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-30, 1, 4096)).astype(np.float32)

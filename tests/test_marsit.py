@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from solo_comm import SoloComm
+
 import hvd_quant
 from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor,
                                           MarsitCompressor, MarsitSelect)
@@ -173,8 +175,9 @@ def segment_mean_abs(p):
 
 @pytest.mark.parametrize("topology,rows", [("ring", None), ("torus", 2)])
 @pytest.mark.parametrize("n", [2, 4])
-def test_compensation_is_against_the_global_result(topology, rows, n):
-    comp = MarsitCompressor(topology=topology, torus_rows=rows)
+@pytest.mark.parametrize("mode", ["global", "local"])
+def test_compensation_follows_its_rule(topology, rows, n, mode):
+    comp = MarsitCompressor(topology=topology, torus_rows=rows, compensation=mode)
     xs = random_xs(n, 3, seed=n)
     runners = [CompressorRunner(comp, B, seed=5) for _ in range(n)]
     residual = [np.zeros(D, np.float32) for _ in range(n)]
@@ -190,11 +193,14 @@ def test_compensation_is_against_the_global_result(topology, rows, n):
             state = runners[r].state_dict()
             assert sorted(state) == ["b/residual", "w1/residual", "w2/residual"]
             got = np.concatenate([state[f"{k}/residual"] for k, _ in SEGMENTS])
-            np.testing.assert_allclose(got, p[r] - outs[0], rtol=1e-6, atol=1e-6)
+            sent = alpha * np.where(p[r] >= 0, 1.0, -1.0)  # this rank's own contribution
+            expected = p[r] - (outs[0] if mode == "global" else sent)
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
             residual[r] = got
-        # The mean residual is exactly the deviation of the aggregate from the mean update.
-        np.testing.assert_allclose(np.mean(residual, axis=0), np.mean(p, axis=0) - outs[0],
-                                   atol=1e-5)
+        if mode == "global":
+            # The mean residual is exactly the deviation of the aggregate from the mean update.
+            np.testing.assert_allclose(np.mean(residual, axis=0), np.mean(p, axis=0) - outs[0],
+                                       atol=1e-5)
 
 
 def test_state_restores_through_state_dict():
@@ -332,7 +338,7 @@ def framework_run(backend, comp, xs_np, seed=0):
 def check_framework(backend):
     x = np.random.default_rng(0).standard_normal(D).astype(np.float32)
     for topology, rows in (("ring", None), ("torus", 2)):
-        comp = MarsitCompressor(topology=topology, torus_rows=rows)
+        comp = MarsitCompressor(topology=topology, torus_rows=rows, compensation="global")
         # Same input everywhere: the result must be exactly alpha * sign(x).
         outs, _ = framework_run(backend, comp, [x] * 4)
         np.testing.assert_allclose(outs[0], segment_mean_abs(x) * np.where(x >= 0, 1, -1), rtol=1e-6)
@@ -359,19 +365,6 @@ def test_tensorflow_backend_eager_and_in_tf_function():
     check_framework(TB)
 
     # Inside tf.function: the hop operators and a single-rank compressor step trace.
-    class Solo(Communicator):
-        def allreduce(self, x, op, name):
-            return x
-
-        def allgather(self, x, name):
-            return x
-
-        def sendrecv(self, x, dest, source, name, recv_numel=None):
-            return x
-
-        def subgroups(self, rows):
-            return self, self
-
     rng = TB.generator(0)
     own = tf.constant(np.arange(64, dtype=np.uint8))
     recv = tf.constant(np.arange(64, dtype=np.uint8)[::-1].copy())
@@ -385,7 +378,7 @@ def test_tensorflow_backend_eager_and_in_tf_function():
     comp = MarsitCompressor(topology="torus", torus_rows=1)
     runner = CompressorRunner(comp, TB)
     x = tf.constant(np.array([0.5, -2.0, 0.0], np.float32))
-    step = tf.function(lambda v: runner.reduce(v, Solo(), "g", [("p", 3)]))
+    step = tf.function(lambda v: runner.reduce(v, SoloComm(), "g", [("p", 3)]))
     np.testing.assert_allclose(step(x).numpy(), [2.5 / 3, -2.5 / 3, 2.5 / 3], rtol=1e-6)
     np.testing.assert_allclose(runner.state_dict()["p/residual"],
                                [0.5 - 2.5 / 3, -2.0 + 2.5 / 3, -2.5 / 3], rtol=1e-5)

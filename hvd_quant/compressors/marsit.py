@@ -18,9 +18,12 @@ Marsit's answer, as implemented here
       rank's bit survives with probability ``1 / n``, so the ±1 result is an unbiased
       estimate of the mean sign, and every hop stays at 1 bit per element with nothing
       decompressed.
-    * Global compensation: the residual is the deviation from the *global* result,
-      ``e = p - alpha * s_hat``, not from the local sign, so the average residual over
-      ranks carries exactly the deviation of the aggregated update.
+    * Compensation (error feedback) at the *global* scale ``alpha``. Two readings are
+      offered: ``"global"``, ``e = p - alpha * s_hat`` against the aggregated result, so
+      the ranks' average residual is exactly the deviation of the aggregated update;
+      and ``"local"`` (default), ``e = p - alpha * sign(p)``, whose average equals that
+      deviation in expectation (the selection is unbiased) while each rank's residual
+      stays bounded. See :class:`MarsitCompressor` for why and what was measured.
 
 Per step, per rank::
 
@@ -31,7 +34,8 @@ Per step, per rank::
             summed in rank order so every rank gets the same bits)
             or a constant (no float on the wire)
     out   = alpha * s_hat                 # returned as the mean-gradient estimate
-    e     = p - out                       # global compensation
+    e     = p - alpha * sign(p)           # compensation="local" (default)
+          = p - out                       # compensation="global"
 
 Caveat: the paper's Algorithm 1 was not available to us (only the abstract). The per-hop
 selection rule, the compensation ``e = p - alpha * s_hat`` and the choices of ``alpha`` are
@@ -106,16 +110,18 @@ class MarsitCompressor(Compressor):
 
     Parameters
     ----------
-    compensation : "global", "local", True or False
+    compensation : "local" (default), "global", True or False
         ``"global"`` (also ``True``): keep the residual ``e = p - alpha * s_hat``, the
-        deviation from the aggregated result every rank shares (our reading of the
-        paper's global compensation). ``"local"``: ``e = p - alpha * sign(p)``, the
-        deviation of what this rank put on the ring, with the shared ``alpha``; since the
-        ring's selection is unbiased, the ranks' mean residual equals the global
-        deviation in expectation, and each residual stays bounded. (With ``"global"`` each
-        rank's residual also accumulates ``sum_t (g_i - mean_j g_j)``, a random walk; see
-        the project's issue notes for measured accuracy of both.) ``False``: plain sign
-        of ``x``, stateless. State key ``"residual"``, per parameter.
+        deviation from the aggregated result every rank shares (our first reading of
+        the paper's global compensation). ``"local"``: ``e = p - alpha * sign(p)``, the
+        deviation of what this rank put on the ring, at the shared global ``alpha``;
+        since the ring's selection is unbiased, the ranks' mean residual equals the
+        global deviation ``mean(p) - alpha * s_hat`` in expectation, and each residual
+        stays bounded. With ``"global"`` each rank's residual also accumulates
+        ``sum_t (g_i - mean_j g_j)``, a random walk that swamps the signs: on the digits
+        example (2 ranks, 30 epochs, seed 0) it reached 92.5% test accuracy against
+        96.7% uncompressed, while ``"local"`` reached 97.2%. ``False``: plain sign of
+        ``x``, stateless. State key ``"residual"``, per parameter.
     scale : "mean_abs" or float
         ``"mean_abs"``: ``alpha`` per parameter is the mean over ranks of ``mean|p|``
         (one float32 allgather of one value per parameter). A float: constant ``alpha``
@@ -135,7 +141,7 @@ class MarsitCompressor(Compressor):
     name = "marsit"
     stateful = True
 
-    def __init__(self, compensation=True, scale="mean_abs", topology="ring", torus_rows=None,
+    def __init__(self, compensation="local", scale="mean_abs", topology="ring", torus_rows=None,
                  hop="marsit"):
         if scale != "mean_abs":
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:

@@ -1,0 +1,62 @@
+"""Horovod process sets for a 2D torus: rows, then columns.
+
+A torus allreduce (``Compression.marsit(topology="torus", torus_rows=R)``) runs its hops
+on row rings and column rings. Register the row and column sets when Horovod starts and
+the hops run inside those process sets::
+
+    hvd.init(process_sets=hvd_quant.torus_process_sets(rows=2, size=4))
+
+Without them, each row/column hop is routed through one global alltoall instead
+(:class:`hvd_quant.core.comm.RoutedGroup`); results are identical either way.
+"""
+
+_CREATED = []  # every ProcessSet made here; hvd.init() fills in their ids
+
+
+def torus_layout(rows, size):
+    """``(row_rank_lists, column_rank_lists)``: row ``i`` holds ranks ``i*cols ...``."""
+    if rows < 1 or size % rows:
+        raise ValueError(f"torus rows={rows} must divide the number of ranks ({size})")
+    cols = size // rows
+    row_lists = [list(range(i * cols, (i + 1) * cols)) for i in range(rows)]
+    col_lists = [list(range(j, size, cols)) for j in range(cols)]
+    return row_lists, col_lists
+
+
+def torus_process_sets(rows, size):
+    """ProcessSet objects for every row and column of a ``rows x (size // rows)`` torus,
+    to pass to ``hvd.init(process_sets=...)``. Rows or columns that would be the whole
+    world (or one rank) are left out; those hops use the global set or are no-ops."""
+    from horovod.common.process_sets import ProcessSet
+
+    row_lists, col_lists = torus_layout(rows, size)
+    sets = [ProcessSet(r) for r in row_lists + col_lists if 1 < len(r) < size]
+    _CREATED.extend(sets)
+    return sets
+
+
+def registered_set(ranks):
+    """The initialised ProcessSet made by :func:`torus_process_sets` with exactly these
+    ranks, or ``None``."""
+    for ps in _CREATED:
+        if ps.process_set_id is not None and list(ps.ranks) == sorted(ranks):
+            return ps
+    return None
+
+
+def torus_subgroups(comm, rows, make):
+    """``(row_comm, col_comm)`` over registered process sets, or ``None`` when ``comm`` is
+    not the global set or the sets were not registered. ``make(process_set)`` builds a
+    communicator of the caller's framework; both share ``comm``'s byte meter."""
+    if comm.process_set.process_set_id != 0:
+        return None
+    row_lists, col_lists = torus_layout(rows, comm.size)
+    cols = comm.size // rows
+    mine = (row_lists[comm.rank // cols], col_lists[comm.rank % cols])
+    found = [registered_set(r) for r in mine]
+    if any(ps is None for ps in found):
+        return None
+    pair = tuple(make(ps) for ps in found)
+    for c in pair:
+        c.meter = comm.meter
+    return pair
