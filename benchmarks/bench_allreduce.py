@@ -38,7 +38,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="1000000,16000000", help="floats, comma separated")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per rank (ranks share the machine's cores)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     hvd.init()
     n = hvd.size()
     B = TorchBackend()

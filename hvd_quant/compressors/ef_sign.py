@@ -18,16 +18,7 @@ under the ring-allgather cost model, against ``2 (n-1)/n * 4d`` for an fp32 allr
 
 from ..core.compressor import Compressor
 from ..core.packing import pack_signs, packed_sign_bytes, unpack_signs
-
-
-def segment_abs_mean(B, x, segments):
-    """float32 tensor of ``mean(|x|)`` over each segment (0 for empty segments)."""
-    means, offset = [], 0
-    for _, n in segments:
-        part = B.slice(x, offset, offset + n)
-        means.append(B.reshape(B.sum(B.abs(part)) / float(max(n, 1)), (1,)))
-        offset += n
-    return B.cast(B.concat(means), "float32")
+from ..core.segments import expand_segments, segment_abs_mean
 
 
 class EFSignCompressor(Compressor):
@@ -45,7 +36,8 @@ class EFSignCompressor(Compressor):
         p = x + ctx.state.get("residual")
         scales = segment_abs_mean(B, p, ctx.segments)
         bits = pack_signs(B, p)
-        ctx.state.set("residual", p - B.repeat(scales, counts) * unpack_signs(B, bits, d))
+        scale = expand_segments(B, scales, counts)
+        ctx.state.set("residual", p - B.where(B.greater_equal(p, B.zeros(1)), scale, -scale))
 
         # Phase 2: exchange sign bits and scales.
         all_bits = comm.allgather(bits, ctx.collective_name("signs"))
@@ -57,7 +49,7 @@ class EFSignCompressor(Compressor):
         total = None
         for r in range(comm.size):
             signs = unpack_signs(B, B.slice(all_bits, r * nbytes, (r + 1) * nbytes), d)
-            part = B.repeat(B.slice(all_scales, r * nseg, (r + 1) * nseg), counts) * signs
+            part = expand_segments(B, B.slice(all_scales, r * nseg, (r + 1) * nseg), counts) * signs
             total = part if total is None else total + part
         return total / float(comm.size)
 

@@ -53,7 +53,7 @@ from ..core.hops import HopOperator
 from ..core.packing import pack_signs, packed_sign_bytes, unpack_signs
 from ..core.comm import identical_sum
 from ..core.ring import ring_allreduce, torus_allreduce
-from .ef_sign import segment_abs_mean
+from ..core.segments import expand_segments, segment_abs_mean
 
 
 class MarsitSelect(HopOperator):
@@ -189,7 +189,7 @@ class MarsitCompressor(Compressor):
         if self.scale == "mean_abs":
             local = segment_abs_mean(B, p, segments)
             total = identical_sum(B, comm, local, ctx.collective_name("scale"))
-            alpha = B.repeat(total / float(comm.size), counts)
+            alpha = expand_segments(B, total / float(comm.size), counts)
         else:
             alpha = self.scale
 
@@ -207,7 +207,8 @@ class MarsitCompressor(Compressor):
         if self.compensation == "global":
             ctx.state.set("residual", p - out)
         elif self.compensation == "local":
-            ctx.state.set("residual", p - alpha * unpack_signs(B, bits, d))
+            own = B.where(B.greater_equal(p, B.zeros(1)), B.full(1, 1.0), B.full(1, -1.0))
+            ctx.state.set("residual", p - alpha * own)
         return out
 
     def wire_bytes(self, numel, world_size, segments=1):

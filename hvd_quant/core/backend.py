@@ -153,6 +153,18 @@ class Backend:
         """``n`` float32 samples from U[0, 1)."""
         raise NotImplementedError
 
+    def lookup(self, table, indices):
+        """``table[indices]``: rows of the constant 2-D numpy ``table`` picked by an integer
+        tensor, shape ``(len(indices), table.shape[1])``. The converted table is cached."""
+        raise NotImplementedError
+
+    def _cached_table(self, table, convert):
+        cache = self.__dict__.setdefault("_tables", {})
+        key = id(table)
+        if key not in cache:
+            cache[key] = (table, convert(table))  # keep table alive so the id stays valid
+        return cache[key][1]
+
     # --- bit packing (generic implementations; subclasses may override for speed) -------
     def packbits(self, bits):
         """Pack a uint8 0/1 tensor whose length is a multiple of 8; bit ``j`` of byte ``i``
@@ -263,6 +275,9 @@ class NumpyBackend(Backend):
 
     def uniform(self, gen, n):
         return gen.random(n, dtype=np.float32)
+
+    def lookup(self, table, indices):
+        return table[np.asarray(indices)]
 
     def packbits(self, bits):
         return np.packbits(np.asarray(bits, dtype=np.uint8), bitorder="little")

@@ -45,10 +45,16 @@ def unpack_bits(B, packed, numel):
     return B.slice(B.unpackbits(packed), 0, numel)
 
 
+# Row b holds the 8 signs (+1/-1, least significant bit first) of the byte value b.
+SIGN_TABLE = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1, 1.0, -1.0).astype(np.float32)
+
+
 def unpack_signs(B, packed, numel):
-    """Packed sign bits back to float32 ``+1`` / ``-1`` of length ``numel``."""
-    bits = B.cast(unpack_bits(B, packed, numel), "float32")
-    return bits * 2.0 - 1.0
+    """Packed sign bits back to float32 ``+1`` / ``-1`` of length ``numel``.
+
+    One table lookup per byte gives its 8 signs, so decoding is a single pass (no
+    shift, mask and cast passes over ``8 * len(packed)`` elements)."""
+    return B.slice(B.reshape(B.lookup(SIGN_TABLE, packed), (-1,)), 0, numel)
 
 
 def lanes_per_word(width):

@@ -102,6 +102,11 @@ class TFBackend(Backend):
     def left_shift(self, x, k):
         return tf.bitwise.left_shift(x, tf.cast(k, x.dtype))
 
+    def lookup(self, table, indices):
+        with tf.init_scope():  # a constant that outlives any one trace
+            t = self._cached_table(table, tf.constant)
+        return tf.gather(t, tf.cast(indices, tf.int32))
+
     def variable(self, initial):
         with tf.init_scope():
             return tf.Variable(initial, trainable=False, dtype=initial.dtype.name)

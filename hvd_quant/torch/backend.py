@@ -114,6 +114,10 @@ class TorchBackend(Backend):
     def uniform(self, gen, n):
         return torch.rand(n, generator=gen, dtype=torch.float32, device=self.device)
 
+    def lookup(self, table, indices):
+        t = self._cached_table(table, lambda a: torch.from_numpy(a).to(self.device))
+        return t[indices.long()]  # a uint8 index would be read as a boolean mask
+
     # Fast paths: uint8 arithmetic, no int32 detour.
     def packbits(self, bits):
         groups = bits.to(torch.uint8).reshape(-1, 8)
