@@ -44,6 +44,20 @@ def registered_set(ranks):
     return None
 
 
+class ProcessSetTorus:
+    """Mixin for Horovod communicators (torch and TF): torus rows and columns over
+    registered process sets, else the routed default of ``Communicator.subgroups``."""
+
+    def subgroups(self, rows):
+        """Row and column rings of a torus: over Horovod process sets when they were
+        registered with ``hvd.init(process_sets=hvd_quant.torus_process_sets(...))``,
+        else routed through global alltoalls (see ``Communicator.subgroups``)."""
+        cache = self.__dict__.setdefault("_torus", {})
+        if rows not in cache:
+            cache[rows] = torus_subgroups(self, rows, type(self)) or super().subgroups(rows)
+        return cache[rows]
+
+
 def torus_subgroups(comm, rows, make):
     """``(row_comm, col_comm)`` over registered process sets, or ``None`` when ``comm`` is
     not the global set or the sets were not registered. ``make(process_set)`` builds a

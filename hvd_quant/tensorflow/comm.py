@@ -4,13 +4,13 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from ..core.comm import Communicator
-from ..process_sets import torus_subgroups
+from ..process_sets import ProcessSetTorus
 
 # Horovod's TF allreduce kernel types (no int16, no bool).
 _ALLREDUCE_DTYPES = (tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64)
 
 
-class HorovodTFComm(Communicator):
+class HorovodTFComm(ProcessSetTorus, Communicator):
     """Collectives over a Horovod process set (the global one by default).
 
     Names are passed with ``ignore_name_scope=True`` so that the same call gets the same
@@ -57,13 +57,3 @@ class HorovodTFComm(Communicator):
         received, _ = hvd.alltoall(x, splits=splits, name=self._name(name), ignore_name_scope=True,
                                    process_set=self.process_set)
         return tf.reshape(received, [n if recv_numel is None else recv_numel])
-
-    def subgroups(self, rows):
-        """Row and column rings of a torus: over Horovod process sets when they were
-        registered with ``hvd.init(process_sets=hvd_quant.torus_process_sets(...))``,
-        else routed through global alltoalls (see :meth:`Communicator.subgroups`)."""
-        cache = self.__dict__.setdefault("_torus", {})
-        if rows not in cache:
-            cache[rows] = (torus_subgroups(self, rows, type(self))
-                           or Communicator.subgroups(self, rows))
-        return cache[rows]

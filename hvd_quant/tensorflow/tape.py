@@ -55,6 +55,8 @@ class DistributedGradientTape:
 
     def __getattr__(self, name):
         # watch(), stop_recording(), reset(), ... go to the wrapped tape.
+        if name == "_tape":  # not set yet (failed __init__): no recursion
+            raise AttributeError(name)
         return getattr(self._tape, name)
 
     def __enter__(self):

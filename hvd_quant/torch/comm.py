@@ -4,13 +4,13 @@ import torch
 import horovod.torch as hvd
 
 from ..core.comm import Communicator
-from ..process_sets import torus_subgroups
+from ..process_sets import ProcessSetTorus
 
 # Horovod's torch allreduce handles these dtypes only (no int8/uint8/bool: horovod #3661).
 _ALLREDUCE_DTYPES = (torch.int32, torch.int64, torch.float16, torch.float32, torch.float64)
 
 
-class HorovodTorchComm(Communicator):
+class HorovodTorchComm(ProcessSetTorus, Communicator):
     """Collectives over a Horovod process set (the global one by default)."""
 
     def __init__(self, process_set=None):
@@ -40,13 +40,3 @@ class HorovodTorchComm(Communicator):
         splits[dest] = x.numel()
         received, _ = hvd.alltoall(x, splits=splits, name=name, process_set=self.process_set)
         return received
-
-    def subgroups(self, rows):
-        """Row and column rings of a torus: over Horovod process sets when they were
-        registered with ``hvd.init(process_sets=hvd_quant.torus_process_sets(...))``,
-        else routed through global alltoalls (see :meth:`Communicator.subgroups`)."""
-        cache = self.__dict__.setdefault("_torus", {})
-        if rows not in cache:
-            cache[rows] = (torus_subgroups(self, rows, type(self))
-                           or Communicator.subgroups(self, rows))
-        return cache[rows]
