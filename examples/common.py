@@ -64,6 +64,16 @@ def digits_split(rank, size, seed=0):
     return (x[:cut][rank::size], y[:cut][rank::size]), (x[cut:], y[cut:])
 
 
+def describe(compression, world_size):
+    """One line on what goes on the wire, e.g. Global-QSGD's chosen width and levels."""
+    text = f"compression: {compression!r}"
+    resolve = getattr(compression.core, "resolve", None)
+    if resolve is not None:
+        width, levels = resolve(world_size)
+        text += f"; {world_size} ranks -> {width}-bit integers, {levels} levels per sign"
+    return text
+
+
 class Reporter:
     """Per-epoch lines on rank 0 and a JSON summary."""
 

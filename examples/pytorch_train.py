@@ -12,7 +12,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_quant.torch as hq
-from common import Reporter, digits_split, parse_args, parse_options
+from common import Reporter, describe, digits_split, parse_args, parse_options
 
 
 def main():
@@ -36,6 +36,8 @@ def main():
     fp32_bytes = 2.0 * (hvd.size() - 1) / hvd.size() * 4 * numel
     label = f"torch/{args.path}/{args.compression}" + "".join(f",{o}" for o in args.option)
     report = Reporter(args, hvd.rank(), hvd.size(), label)
+    if hvd.rank() == 0:
+        print(describe(compression, hvd.size()), flush=True)
     gen = torch.Generator().manual_seed(args.seed + hvd.rank())
     steps = len(x_train) // args.batch_size  # the same count on every rank
     steps = int(hvd.allreduce(torch.tensor(steps), op=hvd.Min, name="steps"))

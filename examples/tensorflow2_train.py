@@ -15,7 +15,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import hvd_quant.tensorflow as hq
-from common import Reporter, digits_split, parse_args, parse_options
+from common import Reporter, describe, digits_split, parse_args, parse_options
 
 
 def main():
@@ -55,6 +55,8 @@ def main():
     fp32_bytes = 2.0 * (hvd.size() - 1) / hvd.size() * 4 * numel
     label = f"tf/{args.path}/{args.compression}" + "".join(f",{o}" for o in args.option)
     report = Reporter(args, hvd.rank(), hvd.size(), label)
+    if hvd.rank() == 0:
+        print(describe(compression, hvd.size()), flush=True)
     rng = np.random.default_rng(args.seed + hvd.rank())
     steps = int(hvd.allreduce(tf.constant(len(x_train) // args.batch_size), op=hvd.Min, name="steps"))
     for epoch in range(1, args.epochs + 1):

@@ -101,9 +101,39 @@ def test_reduction_matches_numpy_oracle(job, label, name, options):
                 assert np.max(np.abs(value - truth)) <= bound
 
 
+def check_exact_cases(results, size):
+    """Global-QSGD worst cases under real Horovod: no overflow, exact where on the grid."""
+    for key, got in results.items():
+        name, norm, case = key.split("/")
+        got = np.array(got)
+        mean = np.mean([cases.exact_input(case, r, size) for r in range(size)], axis=0)
+        if case == "zeros":
+            assert np.all(got == 0), key
+        elif norm == "l2":  # the l2 scale is not a grid point: within one level
+            inputs = [cases.exact_input(case, r, size) for r in range(size)]
+            scale = np.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in inputs)) * (1 + 2 ** -8)
+            levels = hvd_quant.get(name, norm="l2").resolve(size)[1]
+            assert np.max(np.abs(got - mean)) <= scale / levels * (1 + 1e-6), key
+            assert np.all(np.sign(got) == np.sign(mean)) or case == "single", key
+        elif name == "global_qsgd_exp" and case == "at_max" and size > 2:
+            # Ring partial sums (2a, then 3a, ...) are rounded, unbiasedly, to powers of two:
+            # exact only for 2 ranks. Here: no overflow, signs and zeros kept.
+            nz = mean != 0
+            assert np.all(got[~nz] == 0) and np.all(np.sign(got[nz]) == np.sign(mean[nz])), key
+            assert np.all(np.abs(got) <= 2 * np.abs(mean).max()), key
+        else:  # max, and exponential where the sum is a power of two: exact
+            np.testing.assert_allclose(got, mean, rtol=1e-6, atol=0, err_msg=key)
+
+
+def test_global_qsgd_worst_cases_under_horovod(job):
+    for rank in job["ranks"]:
+        check_exact_cases(_ok(rank["exact"]), job["size"])
+
+
 def test_ring_equals_horovod_integer_sum_bit_for_bit(job):
     for d, res in _ok(job["ranks"][0]["ring_int_sum"]).items():
         assert res["ring"] == res["hvd"], f"ring sum differs at size {d}"
+        np.testing.assert_allclose(res["ring_float"], res["hvd_float"], rtol=1e-5, atol=1e-5)
         if "torus" in res:
             assert res["torus"] == res["hvd"]
 
@@ -166,15 +196,17 @@ def test_ring_and_torus_with_four_ranks(tmp_path):
         assert all(r["sums"][d][k] == ranks[0]["sums"][d][k] for d in map(str, cases.SIZES)
                    for k in ("ring", "torus", "torus_routed", "hvd"))
     sums = dict(ranks[0]["sums"])
+    for r in ranks:
+        check_exact_cases(r["sums"]["exact"], 4)
+    sums.pop("exact")
     marsit = sums.pop("marsit_torus")
     assert all(r["sums"]["marsit_torus"] == marsit for r in ranks) and len(marsit) == 1001
     assert sums.pop("row_is_process_set") and sums.pop("col_is_process_set")
     for d, res in sums.items():
         assert res["ring"] == res["hvd"] == res["torus"] == res["torus_routed"], d
     for r in ranks:  # a ring over a Horovod process set (this rank's torus row)
-        for d, res in r["sums"].items():
-            if isinstance(res, dict):
-                assert res["row_ring"] == res["row_hvd"], d
+        for d in map(str, cases.SIZES):
+            assert r["sums"][d]["row_ring"] == r["sums"][d]["row_hvd"], d
 
 
 def test_failing_rank_fails_the_job_fast():

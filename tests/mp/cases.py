@@ -33,3 +33,28 @@ def segments(numel):
     """Two named segments (one empty when numel < 2) to exercise per-segment state."""
     first = numel // 3
     return [("layer.a", first), ("layer.b", numel - first)]
+
+
+# Worst cases for Global-QSGD run under Horovod: every rank at the maximum (where the
+# reference code's 127/n levels wrap int8), all zeros, one non-zero element on one rank.
+EXACT_COMPRESSORS = [("global_qsgd", {}), ("global_qsgd", {"norm": "l2"}), ("global_qsgd_exp", {})]
+M = np.float32(0.75)
+
+
+def exact_input(case, rank, size):
+    if case == "at_max":
+        return np.array([M, -M, M, 0, -M], np.float32)
+    x = np.zeros(5, np.float32)
+    if case == "single" and rank == size - 1:
+        x[3] = -2.5
+    return x
+
+
+def run_exact_cases(reduce, to_numpy):
+    """``{"name/norm/case": list}`` of ``reduce(name, options, numpy_input)`` results."""
+    out = {}
+    for name, options in EXACT_COMPRESSORS:
+        for case in ("at_max", "zeros", "single"):
+            key = f"{name}/{options.get('norm', 'max')}/{case}"
+            out[key] = to_numpy(reduce(name, options, case)).astype(np.float64).tolist()
+    return out

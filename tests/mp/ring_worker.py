@@ -38,4 +38,11 @@ from hvd_quant.core.runner import CompressorRunner
 runner = CompressorRunner(hvd_quant.get("marsit", topology="torus", torus_rows=2), B, seed=3)
 x = torch.from_numpy(cases.rank_input(hvd.rank(), 1001, 0))
 out["marsit_torus"] = runner.reduce(x, comm, "mt", cases.segments(1001)).tolist()
+def reduce_exact(name, options, case):
+    r = CompressorRunner(hvd_quant.get(name, **options), B, seed=11)
+    return r.reduce(torch.from_numpy(cases.exact_input(case, hvd.rank(), 4)), comm,
+                    f"exact.{name}.{options}.{case}", [("v", 5)])
+
+
+out["exact"] = cases.run_exact_cases(reduce_exact, lambda t: t.numpy())
 Path(sys.argv[1]).joinpath(f"rank{hvd.rank()}.json").write_text(json.dumps({"sums": out}))

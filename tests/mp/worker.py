@@ -69,6 +69,14 @@ def reduce_cases():
     return out
 
 
+def exact_cases():
+    def reduce(name, options, case):
+        runner = CompressorRunner(__import__("hvd_quant").get(name, **options), B, seed=11)
+        x = tensor(cases.exact_input(case, RANK, SIZE))
+        return runner.reduce(x, Comm(), f"exact.{name}.{options}.{case}", [("v", 5)])
+    return cases.run_exact_cases(reduce, B.to_numpy)
+
+
 def ring_int_sum():
     comm = Comm()
     out = {}
@@ -76,7 +84,11 @@ def ring_int_sum():
         x = tensor(cases.rank_ints(RANK, d))
         r = ring.ring_allreduce(B, comm, x, ring.IntSum(), f"ringsum.{d}", B.generator(0))
         ref = hvd.allreduce(x, op=hvd.Sum, name=f"refsum.{d}")
-        out[str(d)] = {"ring": B.to_numpy(r).tolist(), "hvd": B.to_numpy(ref).tolist()}
+        xf = tensor(cases.rank_input(RANK, d, 0))
+        rf = ring.ring_allreduce(B, comm, xf, ring.FloatSum(), f"ringfloat.{d}", B.generator(0))
+        reff = hvd.allreduce(xf, op=hvd.Sum, name=f"reffloat.{d}")
+        out[str(d)] = {"ring": B.to_numpy(r).tolist(), "hvd": B.to_numpy(ref).tolist(),
+                       "ring_float": B.to_numpy(rf).tolist(), "hvd_float": B.to_numpy(reff).tolist()}
         if SIZE % 2 == 0:
             row, col = comm.subgroups(2)
             t = ring.torus_allreduce(B, row, col, x, ring.IntSum(), f"torussum.{d}", B.generator(0))
@@ -111,6 +123,7 @@ def non_float_passthrough():
 
 record("reduce", reduce_cases)
 record("ring_int_sum", ring_int_sum)
+record("exact", exact_cases)
 record("disagree_compressor", disagreeing_compressor)
 record("disagree_options", disagreeing_options)
 record("unknown_name", unknown_name)
