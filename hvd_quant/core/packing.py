@@ -40,11 +40,6 @@ def pack_signs(B, x):
     return B.packbits(B.pad(bits, (-d) % 8))
 
 
-def unpack_bits(B, packed, numel):
-    """The first ``numel`` bits of a packed uint8 tensor, as uint8 0/1."""
-    return B.slice(B.unpackbits(packed), 0, numel)
-
-
 # Row b holds the 8 signs (+1/-1, least significant bit first) of the byte value b.
 SIGN_TABLE = np.where((np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1, 1.0, -1.0).astype(np.float32)
 
@@ -62,11 +57,6 @@ def lanes_per_word(width):
     if width not in (2, 4, 8, 16):
         raise ValueError(f"lane width must be 2, 4, 8 or 16 bits, got {width}")
     return 32 // width
-
-
-def lane_sum_is_safe(width, total_bound):
-    """True when lanes whose sum over ranks is bounded by ``total_bound`` cannot overflow."""
-    return total_bound <= 2 ** (width - 1) - 1
 
 
 def packed_lane_words(numel, width):

@@ -107,7 +107,7 @@ class TFCompressor(CompressorHandle):
             self._comm = HorovodTFComm()
         runner = self.runner()
         with tf.init_scope():
-            runner.check_once(self._comm, "stock", 0, 0)
+            runner.check_once(self._comm, "stock")
         flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
         mean = runner.reduce(flat, self._comm, vname, [(vname, flat.shape.num_elements())])
         if op == hvd.Sum:

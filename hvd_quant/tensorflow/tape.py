@@ -94,8 +94,8 @@ class DistributedGradientTape:
             segments = [(names[i], int(np.prod(variables[i].shape))) for i in index]
             key = f"fused{gi}"
             with tf.init_scope():  # eager even while tracing: a one-off agreement check
-                self._runner.check_once(self._comm, key, _structure_digest(segments, group_vars),
-                                        _value_digest(group_vars))
+                self._runner.check_once(self._comm, key, lambda: (
+                    _structure_digest(segments, group_vars), _value_digest(group_vars)))
             parts = []
             for i in index:
                 g = grads[i]

@@ -88,7 +88,7 @@ class TorchCompressor(CompressorHandle):
         if self._comm is None:
             self._comm = HorovodTorchComm()
         runner = self.runner()
-        runner.check_once(self._comm, "stock", 0, 0)
+        runner.check_once(self._comm, "stock")
         flat = tensor.detach().reshape(-1).to(torch.float32)
         mean = runner.reduce(flat, self._comm, pname, [(pname, flat.numel())])
         if op == hvd.Sum:

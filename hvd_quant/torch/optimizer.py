@@ -58,19 +58,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if missing:
                 raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) "
                                  "the optimizer updates; pass model.named_parameters()")
-        self._names = [names.get(p, f"param.{i}") for i, p in enumerate(all_params)]
+        param_name = {p: names.get(p, f"param.{i}") for i, p in enumerate(all_params)}
         self._groups = _split_groups(all_params, groups)
+        # (parameter name, numel) per fused buffer: fixed for the optimizer's lifetime.
+        self._segments = [[(param_name[p], p.numel()) for p in group] for group in self._groups]
         self._should_sync = True
 
     # --- communication --------------------------------------------------------------------
     def synchronize(self):
         """Average every gradient over ranks now (``step()`` does this unless skipped)."""
-        index = {p: i for i, p in enumerate(p for g in self._groups for p in g)}
-        for gi, group in enumerate(self._groups):
-            segments = [(self._names[index[p]], p.numel()) for p in group]
+        for gi, (group, segments) in enumerate(zip(self._groups, self._segments)):
             key = f"fused{gi}"
-            self._runner.check_once(self._comm, key, _structure_digest(segments, group),
-                                    _value_digest(group))
+            self._runner.check_once(self._comm, key, lambda: (_structure_digest(segments, group),
+                                                              _value_digest(group)))
             grads = []
             for p in group:
                 g = p.grad
