@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project-local environment .venv with everything hvd_quant needs:
-# torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, tf-keras, numpy, pytest, scikit-learn (for the
-# examples' bundled data) and Horovod 0.28.1 built from source with Gloo.
+# torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, tf-keras, numpy, numba (fused CPU kernels),
+# pytest, hypothesis, scikit-learn (the examples' bundled data), matplotlib (benchmark plots)
+# and Horovod 0.28.1 built from source with Gloo.
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -11,6 +12,7 @@ py="$venv/bin/python"
 TORCH=torch==2.13.0          # always pinned: an unpinned torch pulls the CUDA build
 TF=tensorflow-cpu==2.21.0
 TFK=tf-keras==2.21.0
+NUMBA=numba==0.68.1          # the fused CPU kernels (hvd_quant/kernels); llvmlite comes with it
 
 if [ ! -x "$py" ]; then
     echo "[bootstrap] creating $venv"
@@ -31,8 +33,8 @@ for req in sys.argv[1:]:
 PYEOF
 }
 
-deps=("$TORCH" "$TF" "$TFK" numpy pytest pytest-timeout scikit-learn setuptools wheel \
-      psutil pyyaml cloudpickle packaging cffi)
+deps=("$TORCH" "$TF" "$TFK" "$NUMBA" numpy pytest pytest-timeout hypothesis scikit-learn matplotlib \
+      setuptools wheel psutil pyyaml cloudpickle packaging cffi)
 if ! have "${deps[@]}"; then
     echo "[bootstrap] installing torch, TensorFlow and test dependencies (a few minutes on a new machine)"
     # pip's local find-links config warns about every package it cannot find there.
