@@ -246,13 +246,21 @@ def test_wire_volume_matches_the_cost_model(topology, rows, n):
 
 
 def test_constant_scale_sends_only_sign_bits():
-    comp = MarsitCompressor(scale=0.01)
+    comp = MarsitCompressor(scale=0.01, check_finite=False)
     n = 4
     outs, _, meters = run_compressor(comp, random_xs(n, 1))
     np.testing.assert_allclose(np.abs(outs[0][0]), 0.01, rtol=1e-6)
     assert "allreduce" not in meters[0].by_kind and "allgather" not in meters[0].by_kind
     assert np.mean([m.bytes_sent for m in meters]) == pytest.approx(comp.wire_bytes(D, n, 3))
     assert comp.wire_bytes(D, n, 3) == pytest.approx(1.5 * packed_sign_bytes(D))
+
+
+def test_constant_scale_checks_finiteness_with_one_small_allreduce():
+    comp = MarsitCompressor(scale=0.01)  # check_finite=True by default
+    n = 4
+    _, _, meters = run_compressor(comp, random_xs(n, 1))
+    assert meters[0].by_kind["allreduce"] == pytest.approx(1.5 * 4)  # one float32 flag
+    assert np.mean([m.bytes_sent for m in meters]) == pytest.approx(comp.wire_bytes(D, n, 3))
 
 
 def test_without_compensation_is_stateless_plain_sign():

@@ -10,15 +10,20 @@ Per rank and per parameter tensor (a *segment* of the buffer)::
     q     = scale * sign(p)           # what this rank contributes (sign(0) = +1)
     e     = p - q                     # residual, kept locally, keyed by parameter name
 
-On the wire each rank sends its sign bits packed 8 per byte plus one float32 scale per
-segment, by allgather; every rank then decodes all ``n`` contributions and averages them,
-so all ranks hold bit-identical results. Bytes sent per rank: ``(n-1) * (ceil(d/8) + 4*S)``
-under the ring-allgather cost model, against ``2 (n-1)/n * 4d`` for an fp32 allreduce.
+On the wire each rank sends one float32 scale per segment, then its sign bits packed 8
+per byte, both by allgather; every rank then decodes all ``n`` contributions and averages
+them in rank order, so all ranks hold bit-identical results. Bytes sent per rank:
+``(n-1) * (ceil(d/8) + 4*S)`` under the ring-allgather cost model, against
+``2 (n-1)/n * 4d`` for an fp32 allreduce.
+
+Non-finite input: a NaN or inf in ``p`` makes its segment's scale non-finite; the scales
+travel first, so every rank sees it before touching its residual. Such a step returns
+NaN for the whole buffer on every rank and leaves every residual exactly as it was.
 """
 
 from ..core.compressor import Compressor
-from ..core.packing import pack_signs, packed_sign_bytes, unpack_signs
-from ..core.segments import expand_segments, segment_abs_mean
+from ..core.packing import packed_sign_bytes, sign_pack_residual, unpack_scaled_sum
+from ..core.segments import compensate_sums, segment_means
 
 
 class EFSignCompressor(Compressor):
@@ -29,29 +34,31 @@ class EFSignCompressor(Compressor):
 
     def reduce(self, x, ctx):
         B, comm = ctx.backend, ctx.comm
-        d = B.numel(x)
-        counts = [n for _, n in ctx.segments]
+        d, n = B.numel(x), comm.size
+        counts = [c for _, c in ctx.segments]
+        residual = ctx.state.get("residual")
 
-        # Phase 1: compensate and quantize locally.
-        p = x + ctx.state.get("residual")
-        scales = segment_abs_mean(B, p, ctx.segments)
-        bits = pack_signs(B, p)
-        scale = expand_segments(B, scales, counts)
-        ctx.state.set("residual", p - B.where(B.greater_equal(p, B.zeros(1)), scale, -scale))
+        # Phase 1: one scale per segment, mean |x + e| (float64 sums; non-finite if p is).
+        scales = segment_means(B, compensate_sums(B, x, residual, counts), counts)
 
-        # Phase 2: exchange sign bits and scales.
-        all_bits = comm.allgather(bits, ctx.collective_name("signs"))
+        # Phase 2: the scales go first, so every rank knows whether the step is finite.
         all_scales = comm.allgather(scales, ctx.collective_name("scales"))
+        finite = B.all_finite(all_scales)
 
-        # Phase 3: decode every rank's contribution and average, in rank order (so every
-        # rank computes the same float sum).
-        nbytes, nseg = packed_sign_bytes(d), len(counts)
-        total = None
-        for r in range(comm.size):
-            signs = unpack_signs(B, B.slice(all_bits, r * nbytes, (r + 1) * nbytes), d)
-            part = expand_segments(B, B.slice(all_scales, r * nseg, (r + 1) * nseg), counts) * signs
-            total = part if total is None else total + part
-        return total / float(comm.size)
+        # Phase 3: signs and the new residual, kept only on a finite step.
+        bits, residual = B.cond(
+            finite,
+            lambda: sign_pack_residual(B, x, residual, scales, counts, out=residual),
+            lambda: (B.zeros(packed_sign_bytes(d), "uint8"), residual))
+        ctx.state.set("residual", residual)
+        all_bits = comm.allgather(bits, ctx.collective_name("signs"))
+
+        # Phase 4: decode every rank's contribution in rank order. Scales are divided by
+        # n before the sum, so values near the float32 maximum do not overflow it.
+        return B.cond(finite,
+                      lambda: unpack_scaled_sum(B, all_bits, all_scales / float(n), counts, d),
+                      lambda: B.full(d, float("nan")))
 
     def wire_bytes(self, numel, world_size, segments=1):
         return float((world_size - 1) * (packed_sign_bytes(numel) + 4 * segments))
+

@@ -47,7 +47,8 @@ uniform grid (2**-23 or 2**-24) are taken as 0 (bias below that grid times the o
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
 from ..core.ring import ring_allreduce
-from .global_qsgd import global_scale, normalise
+from ..core.rng import draws
+from .global_qsgd import FLOAT32_MAX, global_scale, normalise
 
 #: Largest world size: fresh values keep codes ``n..127``, i.e. at least 24 binades.
 EXP_MAX_WORLD = 104
@@ -83,14 +84,33 @@ def exp_encode(B, x, scale, world_size, u):
     return B.cast(code + negative * 128, "uint8")
 
 
+def encode(B, x, scale, world_size, rng):
+    """:func:`exp_encode` with one call of ``rng``'s stream for the draws (fused
+    primitive ``exp_encode``)."""
+    key = rng.next_key(B)
+    fast = B.kernel("exp_encode", x)
+    if fast is not None:
+        return fast(x, B.item(scale), world_size, key)
+    return exp_encode(B, x, scale, world_size, draws(B, key, B.numel(x)))
+
+
 def exp_decode(B, codes, scale, world_size):
-    """float32 mean estimate ``scale * 2**(n-1) / n * value(codes)`` (``n = world_size``)."""
+    """float32 mean estimate ``value(codes) * 2**(n-1) / n * scale`` (``n = world_size``).
+
+    Multiplied in that order, so a scale near the float32 maximum does not overflow the
+    factor; an estimate beyond the float32 range saturates at the maximum. Fused
+    primitive ``exp_decode``.
+    """
+    factor = 2.0 ** (world_size - 1) / world_size
+    fast = B.kernel("exp_decode", codes)
+    if fast is not None:
+        return fast(codes, factor, B.item(scale))
     c = B.cast(codes, "int32")
     mag_code = B.bitwise_and(c, _shift(B, 127))
     mag = B.bitcast(B.left_shift(128 - mag_code, _shift(B, 23)), "float32")  # 2**(1-c)
     mag = B.where(B.less(mag_code, _shift(B, 1)), B.zeros(1), mag)
     sign = 1.0 - 2.0 * B.cast(B.right_shift(c, _shift(B, 7)), "float32")
-    return mag * sign * (scale * (2.0 ** (world_size - 1) / world_size))
+    return B.clip(mag * sign * factor * scale, -FLOAT32_MAX, FLOAT32_MAX)
 
 
 def combine_codes(B, a, b, u):
@@ -128,7 +148,11 @@ class ExpDitheringSum(HopOperator):
     unit = 1
 
     def combine(self, B, own, own_count, received, received_count, rng):
-        return combine_codes(B, own, received, B.uniform(rng, B.numel(own)))
+        key = rng.next_key(B)
+        fast = B.kernel("exp_combine", own, received)
+        if fast is not None:
+            return fast(own, received, key)
+        return combine_codes(B, own, received, draws(B, key, B.numel(own)))
 
 
 class GlobalQSGDExpCompressor(Compressor):
@@ -150,13 +174,16 @@ class GlobalQSGDExpCompressor(Compressor):
 
     def reduce(self, x, ctx):
         B, comm = ctx.backend, ctx.comm
-        n = comm.size
+        n, d = comm.size, B.numel(x)
         self.validate(n)
-        scale = global_scale(B, comm, x, "max", ctx.collective_name("scale"))
-        codes = exp_encode(B, x, scale, n, B.uniform(ctx.rng, B.numel(x)))
+        # Phase 1: the global max (its allreduce also carries the non-finite flag).
+        scale, _, finite = global_scale(B, comm, x, "max", ctx.collective_name("scale"))
+        # Phase 2: encode (zeros on a non-finite step), then the ring of stochastic sums.
+        codes = B.cond(finite, lambda: encode(B, x, scale, n, ctx.rng),
+                       lambda: encode(B, B.zeros(d), scale, n, ctx.rng))
         total = ring_allreduce(B, comm, codes, ExpDitheringSum(), ctx.collective_name("codes"),
                                ctx.rng)
-        return exp_decode(B, total, scale, n)
+        return B.cond(finite, lambda: exp_decode(B, total, scale, n), lambda: B.full(d, float("nan")))
 
     def wire_bytes(self, numel, world_size, segments=1):
         """Average bytes sent per rank: the fp32 scale by allreduce, one byte per element

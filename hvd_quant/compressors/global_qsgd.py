@@ -41,19 +41,26 @@ else 16. Transport: the ``w``-bit integers go natively when the communicator sum
 (:func:`~hvd_quant.core.packing.pack_lanes`; torch's Horovod sums only int32/int64),
 which is exact under the same bound.
 
-Limits: inputs must be finite, and for ``norm="l2"`` ``||x||^2`` must not overflow
-float32. Stochastic rounding is exact up to the grid of ``U[0, 1)`` (2**-23 or 2**-24).
+Non-finite input: a rank whose input holds inf or NaN poisons the scale collective
+(``+inf`` max, or a non-finite l2 sum), so every rank knows; that step returns NaN for the
+whole buffer on every rank and the integers carry zeros. ``||x||^2`` is summed in float64
+(no overflow), and an l2 scale above ``2**126`` is handled by an exact power-of-two
+rescaling (:func:`finish_scale`). Stochastic rounding is exact up to the grid of
+``U[0, 1)`` (``2**-24``).
 """
 
 import math
 
-from ..core.compressor import Compressor
 from ..core.comm import identical_sum
+from ..core.compressor import Compressor
 from ..core.packing import pack_lanes, packed_lane_words, unpack_lanes
+from ..core.rng import draws
+from ..core.segments import compensate_sums
 
 #: Smallest normal float32: the scale is raised to at least this, so all-zero buffers
 #: (scale 0) give zeros instead of 0/0, with no branch on tensor values.
 FLOAT32_TINY = 1.1754944e-38
+FLOAT32_MAX = 3.4028235e38
 #: Inflation of the l2 scale that absorbs float32 rounding in ``sqrt(sum ||x_i||^2)``.
 L2_SCALE_MARGIN = 1.0 + 2.0 ** -8
 NORMS = ("max", "l2")
@@ -100,26 +107,59 @@ def resolve_width_levels(norm, world_size, bits=None, levels=None):
         f"use fewer levels, bits=16 or bits=None")
 
 
+def absmax_finite(B, x):
+    """``(max |x|, all finite)``: shape-(1,) float32 (the max over finite elements) and a
+    boolean scalar. Fused primitive ``absmax_finite``."""
+    fast = B.kernel("absmax_finite", x)
+    if fast is not None:
+        m, ok = fast(x)
+        return B.full(1, float(m)), B.constant([ok], "bool")
+    return B.reshape(B.cast(B.max(B.abs(x)), "float32"), (1,)), B.all_finite(x)
+
+
 def local_scale_stat(B, x, norm):
-    """This rank's share of the global scale, shape (1,): ``max|x|`` or ``||x||^2``."""
-    stat = B.max(B.abs(x)) if norm == "max" else B.sum(x * x)
-    return B.reshape(B.cast(stat, "float32"), (1,))
+    """This rank's share of the global scale, shape (1,): ``max|x|`` (float32, ``+inf``
+    when ``x`` holds inf or NaN) or ``||x||^2`` (float64: it cannot overflow, since every
+    float32 squared fits in float64 many times over)."""
+    if norm == "max":
+        m, ok = absmax_finite(B, x)
+        return B.where(ok, m, B.full(1, float("inf")))
+    return compensate_sums(B, x, None, [B.numel(x)], squares=True)
 
 
 def finish_scale(B, reduced, norm):
-    """Global scale from the allreduced statistic, raised to at least ``FLOAT32_TINY``."""
-    scale = reduced if norm == "max" else B.sqrt(reduced) * L2_SCALE_MARGIN
+    """``(scale, pre)`` from the reduced statistic: the float32 global scale, raised to at
+    least ``FLOAT32_TINY``, and the power of two ``pre`` the input is multiplied by
+    before it is divided by the scale.
+
+    ``pre`` is 1 except when an l2 norm exceeds ``2**126`` (inputs near the float32
+    maximum): then both the norm and the input are scaled by ``2**-64``, exactly, so the
+    scale stays a float32 and ``x * pre / scale`` is the same ratio. Elements below
+    ``2**-85`` then flush to zero: less than ``2**-211`` of the scale.
+    """
+    if norm == "max":
+        scale, pre = B.cast(reduced, "float32"), B.full(1, 1.0)
+    else:
+        norm64 = B.sqrt(reduced) * L2_SCALE_MARGIN
+        huge = B.greater_equal(norm64, B.full(1, 2.0 ** 126, "float64"))
+        pre = B.where(huge, B.full(1, 2.0 ** -64), B.full(1, 1.0))
+        scale = B.cast(norm64 * B.cast(pre, "float64"), "float32")
     tiny = B.full(1, FLOAT32_TINY)
-    return B.where(B.less(scale, tiny), tiny, scale)
+    return B.where(B.less(scale, tiny), tiny, scale), pre
 
 
 def global_scale(B, comm, x, norm, name):
-    """One scalar collective (allreduce-max, or an identical sum of squares) -> shape-(1,)
-    float32 scale."""
+    """One scalar collective -> ``(scale, pre, finite)``.
+
+    ``max``: an allreduce-max of ``max|x|`` (exact in any order). ``l2``: an allgather of
+    every rank's float64 ``||x||^2``, summed in rank order so every rank has the same
+    grid. A rank whose input holds inf or NaN contributes ``+inf`` (max) or a non-finite
+    sum (l2), so ``finite`` is False on every rank at once, with no collective of its own.
+    """
     stat = local_scale_stat(B, x, norm)
-    # max is exact in any order; a float sum is not, and every rank needs the same grid.
     reduced = comm.allreduce(stat, "max", name) if norm == "max" else identical_sum(B, comm, stat, name)
-    return finish_scale(B, reduced, norm)
+    scale, pre = finish_scale(B, reduced, norm)
+    return scale, pre, B.all_finite(reduced)
 
 
 def normalise(B, x, scale):
@@ -160,17 +200,40 @@ def linear_dequantize(B, q_sum, scale, levels, count):
     return B.cast(q_sum, "float32") * (scale / float(levels * count))
 
 
-def integer_allreduce(B, comm, q, width, name):
-    """Exact sum over ranks of ``width``-bit signed integers, as int32 (or int8/16).
+def quantize(B, comm, x, scale, pre, levels, width, rng):
+    """The wire tensor of ``x``'s levels: ``width``-bit integers, native when ``comm``
+    sums ``int{width}``, else packed into int32 lanes (offset on rank 0 only).
 
-    Native when the communicator sums ``int{width}``; otherwise packed into int32 lanes,
-    with the lane offset added on rank 0 only.
+    One pass with the fused primitives ``quantize_ints`` / ``quantize_lanes``; the
+    generic path is :func:`linear_quantize` then :func:`~hvd_quant.core.packing.pack_lanes`,
+    with the same random draws (one call of ``rng``).
     """
-    native = f"int{width}"
-    if native in comm.allreduce_int_dtypes:
-        return comm.allreduce(B.cast(q, native), "sum", name)
-    words = pack_lanes(B, q, width, add_offset=comm.rank == 0)
-    return unpack_lanes(B, comm.allreduce(words, "sum", name), B.numel(q), width)
+    native = f"int{width}" in comm.allreduce_int_dtypes
+    key = rng.next_key(B)
+    fast = B.kernel("quantize_ints" if native else "quantize_lanes", x)
+    if fast is not None:
+        if native:
+            return fast(x, B.item(pre), B.item(scale), levels, key, f"int{width}")
+        return fast(x, B.item(pre), B.item(scale), levels, key, width, comm.rank == 0)
+    u = draws(B, key, B.numel(x))
+    q = linear_quantize(B, x * pre, scale, levels, u, f"int{width}" if native else "int32")
+    return q if native else pack_lanes(B, q, width, add_offset=comm.rank == 0)
+
+
+def dequantize(B, comm, total, numel, scale, pre, levels, width):
+    """The mean estimate from the allreduced wire tensor of :func:`quantize` (fused
+    primitives ``dequantize_ints`` / ``dequantize_lanes``). With ``pre != 1`` the result
+    is scaled back and saturates at the float32 maximum instead of overflowing."""
+    native = f"int{width}" in comm.allreduce_int_dtypes
+    factor = scale / float(levels * comm.size)
+    fast = B.kernel("dequantize_ints" if native else "dequantize_lanes", total)
+    if fast is not None:
+        out = fast(total, B.item(factor)) if native else fast(total, numel, width, B.item(factor))
+    else:
+        q = total if native else unpack_lanes(B, total, numel, width)
+        out = B.cast(q, "float32") * factor
+    return B.cond(B.less(pre, B.full(1, 1.0)),
+                  lambda: B.clip(out * (1.0 / pre), -FLOAT32_MAX, FLOAT32_MAX), lambda: out)
 
 
 def int_payload_bytes(numel, width, int_dtypes):
@@ -224,12 +287,19 @@ class GlobalQSGDCompressor(Compressor):
 
     def reduce(self, x, ctx):
         B, comm = ctx.backend, ctx.comm
-        n = comm.size
-        width, levels = self.resolve(n)
-        scale = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"))
-        q = linear_quantize(B, x, scale, levels, B.uniform(ctx.rng, B.numel(x)))
-        total = integer_allreduce(B, comm, q, width, ctx.collective_name("levels"))
-        return linear_dequantize(B, total, scale, levels, n)
+        d = B.numel(x)
+        width, levels = self.resolve(comm.size)
+        # Phase 1: the global scale (one scalar collective; it also says whether any
+        # rank's input holds inf or NaN).
+        scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"))
+        # Phase 2: stochastic rounding onto the shared grid; zeros on a non-finite step,
+        # so no NaN is ever turned into an in-range integer.
+        wire = B.cond(finite, lambda: quantize(B, comm, x, scale, pre, levels, width, ctx.rng),
+                      lambda: quantize(B, comm, B.zeros(d), scale, pre, levels, width, ctx.rng))
+        # Phase 3: Horovod sums the integers; every rank decodes the same sum.
+        total = comm.allreduce(wire, "sum", ctx.collective_name("levels"))
+        return B.cond(finite, lambda: dequantize(B, comm, total, d, scale, pre, levels, width),
+                      lambda: B.full(d, float("nan")))
 
     def wire_bytes(self, numel, world_size, segments=1, int_dtypes=("int32", "int64")):
         """Bytes sent per rank: the integers by allreduce, plus the fp32 scale (allreduce
@@ -240,5 +310,5 @@ class GlobalQSGDCompressor(Compressor):
         """
         width, _ = self.resolve(world_size)
         ring = 2.0 * (world_size - 1) / world_size
-        scale = ring * 4 if self.norm == "max" else (world_size - 1) * 4.0
+        scale = ring * 4 if self.norm == "max" else (world_size - 1) * 8.0  # float64 l2 sum
         return ring * int_payload_bytes(numel, width, int_dtypes) + scale if world_size > 1 else 0.0

@@ -45,15 +45,17 @@ full-precision synchronisation or layer-wise details of the original are not rep
 
 Wire: ``2 (n - 1) / n * ceil(d / 8)`` bytes per rank for the signs (the ring's cost, at
 1 bit per element on every hop), plus an allgather of one float32 scale per parameter
-when ``scale="mean_abs"`` (``(n - 1) * 4`` bytes per parameter).
+when ``scale="mean_abs"`` (``(n - 1) * 4`` bytes per parameter), or a 4-byte allreduce
+(the non-finite check) with a constant scale.
 """
 
+from ..core.comm import identical_sum, all_ranks_finite
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
-from ..core.packing import pack_signs, packed_sign_bytes, unpack_signs
-from ..core.comm import identical_sum
+from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, unpack_scaled_sum,
+                            unpack_signs)
 from ..core.ring import ring_allreduce, torus_allreduce
-from ..core.segments import expand_segments, segment_abs_mean
+from ..core.segments import compensate_sums, segment_means
 
 
 class MarsitSelect(HopOperator):
@@ -73,6 +75,9 @@ class MarsitSelect(HopOperator):
 
     def combine(self, B, own, own_count, received, received_count, rng):
         keep_own = own_count / float(own_count + received_count)
+        fast = B.kernel("marsit_select", own, received)
+        if fast is not None:
+            return fast(own, received, keep_own, rng.next_key(B))
         draws = B.uniform(rng, 8 * B.numel(own))
         mask = B.packbits(B.cast(B.less(draws, B.full(1, keep_own)), "uint8"))
         return B.bitwise_or(B.bitwise_and(own, mask),
@@ -135,6 +140,15 @@ class MarsitCompressor(Compressor):
     hop : "marsit" or "cascade"
         Per-hop operator: :class:`MarsitSelect` (unbiased) or :class:`CascadingSign`
         (the cascading-compression baseline).
+    check_finite : bool
+        Only with a constant ``scale``: agree on whether any rank's input holds inf or
+        NaN with one 4-byte allreduce per step (default). With ``scale="mean_abs"`` the
+        scale allgather carries that information for free and this option is unused.
+        Without the check, a non-finite input still returns NaN only where the constant
+        scale cannot reveal it: nothing, so such a step would pass silently.
+
+    Non-finite input: if any rank's ``x + e`` holds inf or NaN, every rank returns NaN
+    for the whole buffer and no residual changes.
     """
 
     multi_hop = True
@@ -142,7 +156,7 @@ class MarsitCompressor(Compressor):
     stateful = True
 
     def __init__(self, compensation="local", scale="mean_abs", topology="ring", torus_rows=None,
-                 hop="marsit"):
+                 hop="marsit", check_finite=True):
         if scale != "mean_abs":
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
                 raise ValueError(f"scale must be 'mean_abs' or a positive number, got {scale!r}")
@@ -163,12 +177,14 @@ class MarsitCompressor(Compressor):
         self.torus_rows = torus_rows if topology == "torus" else None
         self.hop = hop
         self.op = _HOPS[hop]()
+        self.check_finite = bool(check_finite)
         # Without compensation there is nothing to keep: no state store, no stable names.
         self.stateful = bool(self.compensation)
 
     def options(self):
         return {"compensation": self.compensation, "scale": self.scale,
-                "topology": self.topology, "torus_rows": self.torus_rows, "hop": self.hop}
+                "topology": self.topology, "torus_rows": self.torus_rows, "hop": self.hop,
+                "check_finite": self.check_finite}
 
     def validate(self, world_size):
         if self.topology == "torus" and world_size % self.torus_rows:
@@ -176,22 +192,35 @@ class MarsitCompressor(Compressor):
 
     def reduce(self, x, ctx):
         B, comm = ctx.backend, ctx.comm
-        d = B.numel(x)
+        d, n = B.numel(x), comm.size
         segments = ctx.segments or [("", d)]
-        counts = [n for _, n in segments]
+        counts = [c for _, c in segments]
+        residual = ctx.state.get("residual") if self.compensation else None
 
-        # Phase 1: compensate and take signs locally.
-        p = (x + ctx.state.get("residual")) if self.compensation else x
-        bits = pack_signs(B, p)
-
-        # Phase 2: the scale. One small float allgather (summed identically on every
-        # rank), or none for a constant.
+        # Phase 1: the scale alpha per segment, the mean over ranks of mean |x + e| (one
+        # small float allgather, summed identically on every rank). Its values double as
+        # the non-finite flag. A constant alpha sends no float: then the flag costs one
+        # 4-byte allreduce of its own, unless check_finite=False.
         if self.scale == "mean_abs":
-            local = segment_abs_mean(B, p, segments)
-            total = identical_sum(B, comm, local, ctx.collective_name("scale"))
-            alpha = expand_segments(B, total / float(comm.size), counts)
+            local = segment_means(B, compensate_sums(B, x, residual, counts), counts)
+            alpha = identical_sum(B, comm, local / float(n), ctx.collective_name("scale"))
+            finite = B.all_finite(alpha)
         else:
-            alpha = self.scale
+            alpha = B.full(len(counts), self.scale)
+            finite = (all_ranks_finite(B, comm, x, ctx.collective_name("finite")) if self.check_finite
+                      else B.all_finite(alpha))
+
+        # Phase 2: sign bits of p = x + e; with local compensation the new residual
+        # p - alpha * sign(p) comes out of the same pass. Kept only on a finite step.
+        nbytes = packed_sign_bytes(d)
+        if self.compensation == "local":
+            bits, residual = B.cond(
+                finite, lambda: sign_pack_residual(B, x, residual, alpha, counts, out=residual),
+                lambda: (B.zeros(nbytes, "uint8"), residual))
+            ctx.state.set("residual", residual)
+        else:
+            p = x if residual is None else x + residual
+            bits = pack_signs(B, p)
 
         # Phase 3: multi-hop allreduce of the sign bits, 1 bit per element on every hop.
         name = ctx.collective_name("signs")
@@ -200,21 +229,19 @@ class MarsitCompressor(Compressor):
             agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
         else:
             agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
-        out = alpha * unpack_signs(B, agg, d)
+        out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d),
+                     lambda: B.full(d, float("nan")))
 
-        # Phase 4: compensation, against the aggregated result every rank shares
-        # ("global") or against this rank's own contribution at the shared scale ("local").
+        # Phase 4: global compensation, against the aggregated result every rank shares.
         if self.compensation == "global":
-            ctx.state.set("residual", p - out)
-        elif self.compensation == "local":
-            own = B.where(B.greater_equal(p, B.zeros(1)), B.full(1, 1.0), B.full(1, -1.0))
-            ctx.state.set("residual", p - alpha * own)
+            ctx.state.set("residual", B.cond(finite, lambda: p - out, lambda: residual))
         return out
 
     def wire_bytes(self, numel, world_size, segments=1):
         ring = 2.0 * (world_size - 1) / world_size * packed_sign_bytes(numel)
-        scales = (world_size - 1) * 4 * segments if self.scale == "mean_abs" else 0  # allgather
-        return ring + scales
+        if self.scale == "mean_abs":
+            return ring + (world_size - 1) * 4 * segments  # allgather of the scales
+        return ring + (2.0 * (world_size - 1) / world_size * 4 if self.check_finite else 0)
 
 
 class CascadingSignCompressor(MarsitCompressor):
@@ -227,9 +254,10 @@ class CascadingSignCompressor(MarsitCompressor):
 
     name = "cascading_sign"
 
-    def __init__(self, compensation=False, scale="mean_abs", topology="ring", torus_rows=None):
+    def __init__(self, compensation=False, scale="mean_abs", topology="ring", torus_rows=None,
+                 check_finite=True):
         super().__init__(compensation=compensation, scale=scale, topology=topology,
-                         torus_rows=torus_rows, hop="cascade")
+                         torus_rows=torus_rows, hop="cascade", check_finite=check_finite)
 
     def options(self):
         opts = super().options()

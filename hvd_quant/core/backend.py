@@ -12,6 +12,8 @@ Dtypes are named by strings (``"float32"``, ``"uint8"``, ``"int8"``, ``"int16"``
 
 import numpy as np
 
+from .rng import CounterRNG, draws
+
 _BIT_WEIGHTS = np.array([1, 2, 4, 8, 16, 32, 64, 128], dtype=np.uint8)
 
 
@@ -53,6 +55,10 @@ class Backend:
     def to_numpy(self, x):
         raise NotImplementedError
 
+    def item(self, x):
+        """The Python number held by a one-element tensor (eager only)."""
+        return self.to_numpy(x).reshape(-1)[0].item()
+
     def numel(self, x):
         raise NotImplementedError
 
@@ -86,6 +92,10 @@ class Backend:
         """``values[i]`` repeated ``counts[i]`` times (counts: Python ints)."""
         raise NotImplementedError
 
+    def arange(self, n, dtype="int64"):
+        """``0, 1, ..., n - 1``."""
+        raise NotImplementedError
+
     # --- arithmetic and reductions ----------------------------------------------------
     def abs(self, x):
         raise NotImplementedError
@@ -109,6 +119,16 @@ class Backend:
     def where(self, cond, a, b):
         raise NotImplementedError
 
+    def all_finite(self, x):
+        """A boolean scalar tensor: no element of ``x`` is inf or NaN (True for empty)."""
+        raise NotImplementedError
+
+    def cond(self, pred, true_fn, false_fn):
+        """``true_fn()`` if the boolean scalar ``pred`` holds, else ``false_fn()``: a Python
+        branch eagerly, ``tf.cond`` in a TensorFlow graph. Both must return tensors of
+        the same shapes and dtypes. Never put a collective in only one branch."""
+        return true_fn() if bool(pred) else false_fn()
+
     def greater_equal(self, a, b):
         raise NotImplementedError
 
@@ -123,6 +143,9 @@ class Backend:
         raise NotImplementedError
 
     def bitwise_not(self, a):
+        raise NotImplementedError
+
+    def bitwise_xor(self, a, b):
         raise NotImplementedError
 
     def right_shift(self, x, k):
@@ -146,12 +169,27 @@ class Backend:
 
     # --- randomness ---------------------------------------------------------------------
     def generator(self, seed):
-        """A random-number generator object seeded by an int."""
-        raise NotImplementedError
+        """This rank's random stream seeded by an int: a counter-based generator
+        (:mod:`hvd_quant.core.rng`) whose draws are identical on every backend."""
+        return CounterRNG(seed)
 
     def uniform(self, gen, n):
-        """``n`` float32 samples from U[0, 1)."""
-        raise NotImplementedError
+        """``n`` float32 samples from U[0, 1) (multiples of ``2**-24``): one call of
+        ``gen``'s stream (:func:`hvd_quant.core.rng.hash_bits`)."""
+        return draws(self, gen.next_key(self), n)
+
+    # --- fused kernels --------------------------------------------------------------------
+    def kernel(self, name, *tensors):
+        """A fast implementation of the fused primitive ``name`` for these tensors, or
+        ``None`` to use the generic one built from the operations above.
+
+        Fused primitives are named one-pass operations (sign + pack, stochastic rounding
+        + lane packing, ...) whose generic implementation sits next to the algorithm that
+        uses it; :mod:`hvd_quant.kernels` lists them and holds the fast CPU versions. The
+        numpy backend returns ``None`` for all: it is the oracle the kernels are tested
+        against.
+        """
+        return None
 
     def lookup(self, table, indices):
         """``table[indices]``: rows of the constant 2-D numpy ``table`` picked by an integer
@@ -228,6 +266,9 @@ class NumpyBackend(Backend):
     def repeat(self, values, counts):
         return np.repeat(values, counts)
 
+    def arange(self, n, dtype="int64"):
+        return np.arange(n, dtype=dtype)
+
     def abs(self, x):
         return np.abs(x)
 
@@ -249,6 +290,9 @@ class NumpyBackend(Backend):
     def where(self, cond, a, b):
         return np.where(cond, a, b)
 
+    def all_finite(self, x):
+        return np.bool_(np.isfinite(x).all())
+
     def greater_equal(self, a, b):
         return np.greater_equal(a, b)
 
@@ -264,17 +308,14 @@ class NumpyBackend(Backend):
     def bitwise_not(self, a):
         return np.invert(a)
 
+    def bitwise_xor(self, a, b):
+        return np.bitwise_xor(a, b)
+
     def right_shift(self, x, k):
         return np.right_shift(x, k)
 
     def left_shift(self, x, k):
         return np.left_shift(x, k)
-
-    def generator(self, seed):
-        return np.random.default_rng(seed)
-
-    def uniform(self, gen, n):
-        return gen.random(n, dtype=np.float32)
 
     def lookup(self, table, indices):
         return table[np.asarray(indices)]

@@ -132,6 +132,16 @@ def identical_sum(B, comm, x, name):
     return total
 
 
+def all_ranks_finite(B, comm, x, name):
+    """A boolean scalar tensor, identical on every rank: no rank's ``x`` holds inf or NaN.
+
+    One 4-byte allreduce (max of a 0/1 flag). Methods whose existing collectives carry a
+    float that a non-finite input would poison use that instead, at no extra cost.
+    """
+    flag = B.where(B.all_finite(x), B.zeros(1), B.full(1, 1.0))
+    return B.less(comm.allreduce(flag, "max", name), B.full(1, 0.5))
+
+
 class RoutedGroup(Communicator):
     """A sub-group whose hops are routed through the parent's ``sendrecv``.
 

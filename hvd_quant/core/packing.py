@@ -27,6 +27,8 @@ import math
 
 import numpy as np
 
+from .segments import expand_segments, segment_bounds
+
 
 def packed_sign_bytes(numel):
     """Bytes used by :func:`pack_signs` for ``numel`` elements."""
@@ -34,10 +36,31 @@ def packed_sign_bytes(numel):
 
 
 def pack_signs(B, x):
-    """Sign bits of the float tensor ``x`` (1 for ``x >= 0``), packed 8 per byte."""
+    """Sign bits of the float tensor ``x`` (1 for ``x >= 0``), packed 8 per byte.
+    Fused primitive ``sign_pack``."""
+    fast = B.kernel("sign_pack", x)
+    if fast is not None:
+        return fast(x)
     d = B.numel(x)
     bits = B.cast(B.greater_equal(x, B.zeros(1)), "uint8")
     return B.packbits(B.pad(bits, (-d) % 8))
+
+
+def sign_pack_residual(B, x, e, scales, counts, out=None):
+    """With ``p = x + e`` (``e`` may be ``None``), the packed sign bits of ``p`` and the
+    error-feedback residual ``p - scale * sign(p)``, one float32 scale per segment
+    (``counts`` elements each). Fused primitive ``sign_pack_residual``: one pass, where
+    the generic path makes several.
+
+    ``out`` (typically ``e``, the state buffer) may receive the residual in place on the
+    fast path; callers must use the returned residual either way.
+    """
+    fast = B.kernel("sign_pack_residual", x, e, scales)
+    if fast is not None:
+        return fast(x, e, scales, segment_bounds(counts), out=out)
+    p = x if e is None else x + e
+    scale = expand_segments(B, scales, counts)
+    return pack_signs(B, p), p - B.where(B.greater_equal(p, B.zeros(1)), scale, -scale)
 
 
 # Row b holds the 8 signs (+1/-1, least significant bit first) of the byte value b.
@@ -50,6 +73,36 @@ def unpack_signs(B, packed, numel):
     One table lookup per byte gives its 8 signs, so decoding is a single pass (no
     shift, mask and cast passes over ``8 * len(packed)`` elements)."""
     return B.slice(B.reshape(B.lookup(SIGN_TABLE, packed), (-1,)), 0, numel)
+
+
+def unpack_scaled_sum(B, packed, scales, counts, numel, base=None):
+    """``sum_r scales[r, seg(i)] * sign_r(i)`` over the ``R`` rows of packed sign bits.
+
+    Parameters
+    ----------
+    packed : uint8 tensor of ``R * ceil(numel / 8)`` bytes (e.g. an allgather of packed signs)
+    scales : float32 tensor of ``R * len(counts)`` scales, row-major
+    counts : list of int
+        Segment sizes (summing to ``numel``).
+    base : float32 tensor of ``numel`` elements or None
+        Added after the sum (a server-side residual, say).
+
+    The rows are summed in row order in float32, so every rank that decodes the same
+    rows gets bit-identical results. Fused primitive ``unpack_scaled_sum``.
+    """
+    nbytes, nseg = packed_sign_bytes(numel), len(counts)
+    rows = B.numel(packed) // nbytes if nbytes else 0
+    fast = B.kernel("unpack_scaled_sum", packed, scales)
+    if fast is not None:
+        return fast(packed, scales, segment_bounds(counts), numel, base=base)
+    total = None
+    for r in range(rows):
+        signs = unpack_signs(B, B.slice(packed, r * nbytes, (r + 1) * nbytes), numel)
+        part = expand_segments(B, B.slice(scales, r * nseg, (r + 1) * nseg), counts) * signs
+        total = part if total is None else total + part
+    if total is None:
+        total = B.zeros(numel)
+    return total if base is None else total + base
 
 
 def lanes_per_word(width):

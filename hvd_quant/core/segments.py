@@ -5,15 +5,39 @@ compressors keep one scale per segment so that layers of different magnitude do 
 share one.
 """
 
+import numpy as np
 
-def segment_abs_mean(B, x, segments):
-    """float32 tensor of ``mean(|x|)`` over each segment (0 for empty segments)."""
-    means, offset = [], 0
-    for _, n in segments:
-        part = B.slice(x, offset, offset + n)
-        means.append(B.reshape(B.sum(B.abs(part)) / float(max(n, 1)), (1,)))
+
+def segment_bounds(counts):
+    """int64 numpy array of segment offsets: ``[0, c0, c0 + c1, ..., sum(counts)]``."""
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+
+
+def compensate_sums(B, x, e, counts, squares=False):
+    """Per segment, the float64 sum of ``|p|`` (or of ``p**2`` with ``squares=True``),
+    where ``p = x + e`` (``e`` may be ``None``: then ``p`` is ``x``).
+
+    The sums accumulate in float64, so a scale computed from them neither overflows for
+    values near the float32 maximum nor loses digits on large buffers. A non-finite
+    element makes its segment's sum non-finite, which is how the sign methods learn of
+    inf and NaN without a pass of their own. Fused primitive ``compensate_sums``.
+    """
+    fast = B.kernel("compensate_sums", x, e)
+    if fast is not None:
+        return fast(x, e, segment_bounds(counts), squares=squares)
+    p = x if e is None else x + e  # the fast path never stores p (see sign_pack_residual)
+    sums, offset = [], 0
+    for n in counts:
+        part = B.cast(B.slice(p, offset, offset + n), "float64")
+        sums.append(B.reshape(B.sum(part * part if squares else B.abs(part)), (1,)))
         offset += n
-    return B.cast(B.concat(means), "float32")
+    return B.concat(sums) if sums else B.zeros(0, "float64")
+
+
+def segment_means(B, sums, counts):
+    """float32 ``sums[s] / counts[s]`` (0 for empty segments)."""
+    sizes = np.maximum(np.asarray(counts, np.float64), 1.0)
+    return B.cast(sums / B.constant(sizes, "float64"), "float32")
 
 
 def expand_segments(B, per_segment, counts):

@@ -8,6 +8,31 @@ import numpy as np
 import tensorflow as tf
 
 from ..core.backend import Backend
+from ..core.rng import CounterRNG, call_key_tensor
+
+
+class TFCounterRNG(CounterRNG):
+    """:class:`~hvd_quant.core.rng.CounterRNG` whose call counter is a ``tf.Variable``, so
+    that a traced ``tf.function`` draws new numbers on every run (a Python counter would
+    be frozen into the graph at trace time)."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        with tf.init_scope():
+            self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_quant_rng_calls")
+
+    @property
+    def calls(self):
+        return int(self.counter.numpy())
+
+    @calls.setter
+    def calls(self, value):
+        if hasattr(self, "counter"):
+            self.counter.assign(int(value))
+
+    def next_key(self, B):
+        call = self.counter.assign_add(1) - 1
+        return tf.reshape(call_key_tensor(B, self.key, tf.reshape(call, [1])), [1])
 
 
 class TFBackend(Backend):
@@ -60,6 +85,9 @@ class TFBackend(Backend):
     def repeat(self, values, counts):
         return tf.repeat(values, tf.constant(counts, dtype=tf.int64))
 
+    def arange(self, n, dtype="int64"):
+        return tf.range(n, dtype=dtype)
+
     def abs(self, x):
         return tf.abs(x)
 
@@ -81,6 +109,14 @@ class TFBackend(Backend):
     def where(self, cond, a, b):
         return tf.where(cond, a, b)
 
+    def all_finite(self, x):
+        return tf.reduce_all(tf.math.is_finite(x))
+
+    def cond(self, pred, true_fn, false_fn):
+        if tf.executing_eagerly():
+            return true_fn() if bool(pred) else false_fn()
+        return tf.cond(tf.reshape(pred, []), true_fn, false_fn)
+
     def greater_equal(self, a, b):
         return tf.greater_equal(a, b)
 
@@ -95,6 +131,9 @@ class TFBackend(Backend):
 
     def bitwise_not(self, a):
         return tf.bitwise.invert(a)
+
+    def bitwise_xor(self, a, b):
+        return tf.bitwise.bitwise_xor(a, b)
 
     def right_shift(self, x, k):
         return tf.bitwise.right_shift(x, tf.cast(k, x.dtype))
@@ -118,8 +157,4 @@ class TFBackend(Backend):
         return var.assign(value)
 
     def generator(self, seed):
-        with tf.init_scope():
-            return tf.random.Generator.from_seed(int(seed))
-
-    def uniform(self, gen, n):
-        return gen.uniform([n], dtype=tf.float32)
+        return TFCounterRNG(seed)

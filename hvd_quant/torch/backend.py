@@ -3,6 +3,7 @@
 import numpy as np
 import torch
 
+from .. import kernels as _kernels
 from ..core.backend import Backend
 
 _DTYPES = {
@@ -64,6 +65,9 @@ class TorchBackend(Backend):
     def repeat(self, values, counts):
         return torch.repeat_interleave(values, torch.as_tensor(counts, device=values.device))
 
+    def arange(self, n, dtype="int64"):
+        return torch.arange(n, dtype=_DTYPES[dtype], device=self.device)
+
     def abs(self, x):
         return x.abs()
 
@@ -87,6 +91,9 @@ class TorchBackend(Backend):
     def where(self, cond, a, b):
         return torch.where(cond, a, b)
 
+    def all_finite(self, x):
+        return torch.isfinite(x).all()
+
     def greater_equal(self, a, b):
         return torch.ge(a, b)
 
@@ -102,17 +109,28 @@ class TorchBackend(Backend):
     def bitwise_not(self, a):
         return torch.bitwise_not(a)
 
+    def bitwise_xor(self, a, b):
+        return torch.bitwise_xor(a, b)
+
     def right_shift(self, x, k):
         return torch.bitwise_right_shift(x, k)
 
     def left_shift(self, x, k):
         return torch.bitwise_left_shift(x, k)
 
-    def generator(self, seed):
-        return torch.Generator(device=self.device).manual_seed(int(seed))
+    def kernel(self, name, *tensors):
+        """The numba CPU kernel ``name`` for CPU tensors (see :mod:`hvd_quant.kernels`),
+        called on zero-copy numpy views; ``None`` on other devices."""
+        if self.device.type != "cpu" or not _kernels.enabled():
+            return None
+        if any(torch.is_tensor(t) and t.device.type != "cpu" for t in tensors):
+            return None
+        fn = getattr(_kernels.cpu_module(), name)
 
-    def uniform(self, gen, n):
-        return torch.rand(n, generator=gen, dtype=torch.float32, device=self.device)
+        def call(*args, **kwargs):
+            _kernels.set_threads(torch.get_num_threads())
+            return _to_torch(fn(*map(_to_numpy, args), **{k: _to_numpy(v) for k, v in kwargs.items()}))
+        return call
 
     def lookup(self, table, indices):
         t = self._cached_table(table, lambda a: torch.from_numpy(a).to(self.device))
@@ -126,3 +144,17 @@ class TorchBackend(Backend):
     def unpackbits(self, packed):
         shifts = _BIT_SHIFTS.to(packed.device)
         return ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)
+
+
+def _to_numpy(value):
+    if torch.is_tensor(value):
+        return value.detach().contiguous().numpy()  # shares memory with a contiguous CPU tensor
+    return value
+
+
+def _to_torch(value):
+    if isinstance(value, tuple):
+        return tuple(_to_torch(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    return value

@@ -1,0 +1,135 @@
+"""Fused kernels: the hot paths of every method as one-pass CPU loops.
+
+The algorithms are written once against :class:`~hvd_quant.core.backend.Backend`. A few
+steps of them are *fused primitives*: named operations that a generic implementation
+builds from several backend operations (several passes over memory, full-size int32 or
+float temporaries), and that a fast kernel does in one pass. Each generic implementation
+asks ``B.kernel(name, *tensors)`` first and uses the fast one when the backend offers it:
+
+====================== ========================================== =============================
+primitive              generic twin                               used by
+====================== ========================================== =============================
+``sign_pack``          ``core.packing.pack_signs``                every sign method
+``sign_pack_residual`` ``core.packing.sign_pack_residual``        ef_sign, marsit, onebit
+``unpack_scaled_sum``  ``core.packing.unpack_scaled_sum``         ef_sign, marsit, onebit
+``compensate_sums``    ``core.segments.compensate_sums``          ef_sign, marsit, onebit
+``absmax_finite``      ``compressors.global_qsgd.absmax_finite``  global_qsgd(_exp)
+``quantize_lanes``     ``compressors.global_qsgd.quantize``       global_qsgd (int32 lanes)
+``quantize_ints``      ``compressors.global_qsgd.quantize``       global_qsgd (native ints)
+``dequantize_lanes``   ``compressors.global_qsgd.dequantize``     global_qsgd (int32 lanes)
+``dequantize_ints``    ``compressors.global_qsgd.dequantize``     global_qsgd (native ints)
+``exp_encode``         ``compressors.exp_dithering.exp_encode``   global_qsgd_exp
+``exp_combine``        ``compressors.exp_dithering.combine_codes`` global_qsgd_exp (every hop)
+``exp_decode``         ``compressors.exp_dithering.exp_decode``   global_qsgd_exp
+``marsit_select``      ``compressors.marsit.MarsitSelect``        marsit (every hop)
+``uniform``            ``Backend.uniform``                        random draws
+====================== ========================================== =============================
+
+Fast kernels exist for CPU tensors (numba, :mod:`hvd_quant.kernels.cpu`): the torch
+backend uses them for CPU tensors; CUDA tensors and TensorFlow graphs keep the generic
+path; the numpy backend is the oracle and never uses them (:class:`NumpyKernelBackend`
+does, for tests and benchmarks). Random draws come from the counter-based generator of
+:mod:`hvd_quant.core.rng`, so kernel and oracle draw identical numbers whatever the
+thread count. Set ``HVD_QUANT_KERNELS=0`` to force the generic path everywhere.
+"""
+
+import os
+import time
+
+from ..core.backend import NumpyBackend
+
+#: Every fused primitive with a fast CPU kernel.
+NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
+         "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
+         "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
+         "uniform")
+
+_cpu = None
+_state = {"checked": False, "ok": False, "why": ""}
+
+
+def enabled():
+    """True when the numba kernels can be used (numba imports and they are not disabled
+    with ``HVD_QUANT_KERNELS=0``)."""
+    if not _state["checked"]:
+        _state["checked"] = True
+        if os.environ.get("HVD_QUANT_KERNELS", "1") == "0":
+            _state["why"] = "disabled by HVD_QUANT_KERNELS=0"
+        else:
+            try:
+                cpu_module()
+                _state["ok"] = True
+            except ImportError as exc:  # numba missing: the generic path still works
+                _state["why"] = f"numba is not importable ({exc})"
+    return _state["ok"]
+
+
+def why_disabled():
+    enabled()
+    return _state["why"]
+
+
+def cpu_module():
+    global _cpu
+    if _cpu is None:
+        from . import cpu
+        _cpu = cpu
+    return _cpu
+
+
+def set_threads(n):
+    """Use ``n`` numba threads in this Python thread's kernel calls (at most numba's
+    pool size). Ranks that share a machine should split its cores between them."""
+    import numba
+
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+
+
+def warm_up():
+    """Compile (or load from numba's on-disk cache) every kernel now, so that the first
+    training step does not pay for it. Returns the seconds it took.
+
+    A fresh machine pays about a second per kernel signature once; later processes load
+    the cached machine code in milliseconds.
+    """
+    import numpy as np
+
+    if not enabled():
+        return 0.0
+    start = time.perf_counter()
+    x = np.linspace(-1, 1, 24, dtype=np.float32)
+    k = cpu_module()
+    bounds = np.array([0, 10, 24], np.int64)
+    bits = k.sign_pack(x)
+    k.sign_pack_residual(x, None, np.ones(2, np.float32), bounds)
+    k.sign_pack_residual(x, x.copy(), np.ones(2, np.float32), bounds)
+    k.unpack_scaled_sum(np.stack([bits, bits]), np.ones((2, 2), np.float32), bounds, 24,
+                        base=np.zeros(24, np.float32))
+    k.unpack_scaled_sum(bits, np.ones(2, np.float32), bounds, 24)
+    k.compensate_sums(x, x.copy(), bounds)
+    k.compensate_sums(x, None, bounds, squares=True)
+    k.absmax_finite(x)
+    for width in (8, 16):
+        w = k.quantize_lanes(x, 1.0, 1.0, 3, 1, width, True)
+        k.dequantize_lanes(w, 24, width, 0.5)
+    for dtype in (np.int8, np.int16, np.int32):
+        k.dequantize_ints(k.quantize_ints(x, 1.0, 1.0, 3, 1, dtype), 0.5)
+    codes = k.exp_encode(x, 1.0, 2, 1)
+    k.exp_decode(k.exp_combine(codes, codes, 2), 1.0, 1.0)
+    k.marsit_select(bits, bits, 0.5, 3)
+    k.uniform(1, 8)
+    return time.perf_counter() - start
+
+
+class NumpyKernelBackend(NumpyBackend):
+    """The numpy backend with the fast CPU kernels switched on.
+
+    The plain :class:`~hvd_quant.core.backend.NumpyBackend` is the oracle; this one runs
+    the same algorithms through the kernels, so tests can compare the two on identical
+    inputs and seeds, and benchmarks can time the kernels without a framework.
+    """
+
+    name = "numpy+kernels"
+
+    def kernel(self, name, *tensors):
+        return getattr(cpu_module(), name) if enabled() else None

@@ -1,0 +1,405 @@
+"""Fused CPU kernels (numba): one pass over memory per primitive, no full-size temporaries.
+
+Each function here is the fast twin of a generic implementation written with
+:class:`~hvd_quant.core.backend.Backend` operations; the docstring names that twin, and
+``tests/test_kernels.py`` checks the pair on the numpy oracle: bit for bit wherever the
+result does not depend on the order of a float sum, and with the same random draws
+(:mod:`hvd_quant.core.rng`), since both compute draw ``i`` of a call from ``(key, i)``
+alone. Float sums that set a scale (``sum |p|``, ``sum p**2``) accumulate in float64
+over fixed blocks of :data:`BLOCK` elements, so they do not depend on the thread count
+either; they agree with the generic float64 sums to a few units of float64 rounding.
+
+Functions take and return numpy arrays (torch CPU tensors are passed as zero-copy
+``tensor.numpy()`` views by :mod:`hvd_quant.torch.backend`). Arrays are 1-D, C-contiguous,
+float32 unless stated. ``parallel=True`` loops run on numba's threads (see
+:func:`hvd_quant.kernels.set_threads`); ``cache=True`` keeps compiled code on disk, so the
+compile cost (about a second per kernel) is paid once per machine, and
+:func:`hvd_quant.kernels.warm_up` pays it before training starts.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+BLOCK = 1 << 16
+_MASK = np.uint64(0xFFFFFFFF)
+_M1 = np.uint64(0x7FEB352D)
+_M2 = np.uint64(0x846CA68B)
+_S8, _S15, _S16 = np.uint64(8), np.uint64(15), np.uint64(16)
+_U24 = np.float32(2.0 ** -24)
+_OPTS = dict(cache=True, nogil=True)
+
+
+# --- random draws (hvd_quant.core.rng) ---------------------------------------------------
+@njit(inline="always", **_OPTS)
+def _mix32(x):
+    x ^= x >> _S16
+    x = (x * _M1) & _MASK
+    x ^= x >> _S15
+    x = (x * _M2) & _MASK
+    x ^= x >> _S16
+    return x
+
+
+@njit(inline="always", **_OPTS)
+def _uniform(key, i):
+    """Draw ``i`` of the call with key ``key`` (uint64 < 2**32): rng.uniform_from_bits."""
+    h = _mix32(_mix32(np.uint64(i) ^ key) ^ key)
+    return np.float32(h >> _S8) * _U24
+
+
+@njit(parallel=True, **_OPTS)
+def _uniform_fill(key, out):
+    k = np.uint64(key)
+    for i in prange(out.size):
+        out[i] = _uniform(k, i)
+
+
+def uniform(key, n):
+    """``Backend.uniform``: ``n`` draws of the call with key ``key``."""
+    out = np.empty(n, np.float32)
+    _uniform_fill(key, out)
+    return out
+
+
+# --- sign bits (hvd_quant.core.packing) -------------------------------------------------
+@njit(parallel=True, **_OPTS)
+def _sign_pack(x, out):
+    d = x.size
+    for b in prange(out.size):
+        base = 8 * b
+        v = 0
+        for j in range(min(8, d - base)):
+            v |= np.int32(x[base + j] >= 0) << j
+        out[b] = np.uint8(v)
+
+
+def sign_pack(x):
+    """``packing.pack_signs``: bit ``x >= 0``, 8 per byte, least significant first."""
+    out = np.empty((x.size + 7) // 8, np.uint8)
+    _sign_pack(x, out)
+    return out
+
+
+@njit(parallel=True, **_OPTS)
+def _sign_pack_residual(x, e, scales, bounds, bits, resid):
+    # p = x + e is recomputed here rather than stored by the pass that summed it: the
+    # same float32 add gives the same p, and no buffer of p is written or read.
+    d = x.size
+    nseg = scales.size
+    has_e = e.size > 0
+    for b in prange(bits.size):
+        base = 8 * b
+        s = 0
+        while s + 1 < nseg and bounds[s + 1] <= base:
+            s += 1
+        v = 0
+        for j in range(min(8, d - base)):
+            i = base + j
+            while bounds[s + 1] <= i:
+                s += 1
+            p = x[i] + e[i] if has_e else x[i]
+            if p >= 0:
+                v |= 1 << j
+                resid[i] = p - scales[s]
+            else:
+                resid[i] = p - (-scales[s])
+        bits[b] = np.uint8(v)
+
+
+def sign_pack_residual(x, e, scales, bounds, out=None):
+    """``packing.sign_pack_residual``: with ``p = x + e`` (``e`` may be ``None``), the
+    packed sign bits of ``p`` and the residual ``p - where(p >= 0, scale, -scale)``, one
+    float32 scale per segment (``bounds``: int64 segment offsets). ``out`` (may be ``e``
+    itself) receives the residual in place."""
+    bits = np.empty((x.size + 7) // 8, np.uint8)
+    resid = np.empty_like(x) if out is None else out
+    if x.size:
+        _sign_pack_residual(x, np.empty(0, np.float32) if e is None else e,
+                            np.ascontiguousarray(scales, dtype=np.float32), bounds, bits, resid)
+    return bits, resid
+
+
+@njit(parallel=True, **_OPTS)
+def _unpack_scaled_sum(packed, scales, bounds, d, base, out):
+    nrows = packed.shape[0]
+    nseg = scales.shape[1]
+    nblocks = (d + BLOCK - 1) // BLOCK
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(d, lo + BLOCK)
+        s = 0
+        while s + 1 < nseg and bounds[s + 1] <= lo:
+            s += 1
+        for i in range(lo, hi):
+            while bounds[s + 1] <= i:
+                s += 1
+            byte, bit = i >> 3, i & 7
+            sc = scales[0, s]
+            acc = sc if (packed[0, byte] >> bit) & 1 else -sc
+            for r in range(1, nrows):
+                sc = scales[r, s]
+                acc += sc if (packed[r, byte] >> bit) & 1 else -sc
+            if base.size:
+                acc += base[i]
+            out[i] = acc
+
+
+def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None):
+    """``packing.unpack_scaled_sum``: ``sum_r scales[r, seg(i)] * sign_r(i)`` for rows
+    ``r`` of packed sign bytes, summed in row order in float32, plus ``base`` (if given)
+    after the sum."""
+    out = np.empty(d, np.float32) if out is None else out
+    if d == 0:
+        return out
+    packed = np.ascontiguousarray(packed).reshape(-1, (d + 7) // 8)
+    scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(packed.shape[0], -1)
+    _unpack_scaled_sum(packed, scales, bounds, d, np.empty(0, np.float32) if base is None else base, out)
+    return out
+
+
+# --- sums that set scales -----------------------------------------------------------------
+@njit(parallel=True, **_OPTS)
+def _compensate_sums(x, e, lo, hi, squares):
+    n = hi - lo
+    nblocks = (n + BLOCK - 1) // BLOCK
+    partial = np.zeros(max(nblocks, 1), np.float64)
+    has_e = e.size > 0
+    for blk in prange(nblocks):
+        a = lo + blk * BLOCK
+        b = min(hi, a + BLOCK)
+        acc = 0.0
+        for i in range(a, b):
+            w = np.float64(x[i] + e[i] if has_e else x[i])
+            acc += w * w if squares else abs(w)
+        partial[blk] = acc
+    total = 0.0
+    for blk in range(nblocks):  # fixed order: the same sum for any thread count
+        total += partial[blk]
+    return total
+
+
+def compensate_sums(x, e, bounds, squares=False):
+    """``segments.compensate_sums``: per segment, the float64 sum of ``|p|`` (or of
+    ``p**2``) for ``p = x + e`` (``e`` may be ``None``)."""
+    e_arr = np.empty(0, np.float32) if e is None else e
+    return np.array([_compensate_sums(x, e_arr, bounds[s], bounds[s + 1], squares)
+                     for s in range(bounds.size - 1)], np.float64)
+
+
+@njit(parallel=True, **_OPTS)
+def _absmax(x):
+    n = x.size
+    nblocks = (n + BLOCK - 1) // BLOCK
+    mx = np.zeros(max(nblocks, 1), np.float32)
+    bad = np.zeros(max(nblocks, 1), np.bool_)
+    for blk in prange(nblocks):
+        a = blk * BLOCK
+        b = min(n, a + BLOCK)
+        m = np.float32(0)
+        nonfinite = False
+        for i in range(a, b):
+            v = abs(x[i])
+            if not (v <= np.float32(3.4028235e38)):  # inf and NaN
+                nonfinite = True
+            elif v > m:
+                m = v
+        mx[blk] = m
+        bad[blk] = nonfinite
+    return mx.max(), not bad.any()
+
+
+def absmax_finite(x):
+    """``global_qsgd.absmax_finite``: ``(max |x|, all finite)``; the max ignores
+    non-finite elements."""
+    if x.size == 0:
+        return np.float32(0), True
+    m, ok = _absmax(x)
+    return np.float32(m), bool(ok)
+
+
+# --- Global-QSGD linear dithering (hvd_quant.compressors.global_qsgd) ----------------------
+@njit(parallel=True, **_OPTS)
+def _quantize_lanes(x, pre, scale, levels, key, width, lanes, offset, words):
+    d = x.size
+    k = np.uint64(key)
+    for w in prange(words.size):
+        acc = np.int64(0)
+        for j in range(lanes):
+            i = w * lanes + j
+            q = 0
+            if i < d:
+                v = (x[i] * pre) / scale
+                v = min(max(v, np.float32(-1.0)), np.float32(1.0)) * levels
+                low = np.floor(v)
+                q = np.int64(low) + np.int64(_uniform(k, i) < v - low)
+            acc += q << (width * j)
+        words[w] = np.int32(acc + offset)
+
+
+def quantize_lanes(x, pre, scale, levels, key, width, add_offset):
+    """``global_qsgd.quantize``: stochastically rounded levels of ``x * pre / scale``
+    (``linear_quantize``), packed ``32 // width`` per int32 word (``packing.pack_lanes``)."""
+    lanes = 32 // width
+    offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1)) if add_offset else 0
+    words = np.empty((x.size + lanes - 1) // lanes, np.int32)
+    _quantize_lanes(x, np.float32(pre), np.float32(scale), np.float32(levels), key, width, lanes,
+                    offset, words)
+    return words
+
+
+@njit(parallel=True, **_OPTS)
+def _quantize_ints(x, pre, scale, levels, key, out):
+    k = np.uint64(key)
+    for i in prange(x.size):
+        v = (x[i] * pre) / scale
+        v = min(max(v, np.float32(-1.0)), np.float32(1.0)) * levels
+        low = np.floor(v)
+        out[i] = np.int64(low) + np.int64(_uniform(k, i) < v - low)
+
+
+def quantize_ints(x, pre, scale, levels, key, dtype):
+    """``global_qsgd.quantize``: stochastically rounded levels of ``x * pre / scale`` as
+    ``dtype`` (``linear_quantize``)."""
+    out = np.empty(x.size, dtype)
+    _quantize_ints(x, np.float32(pre), np.float32(scale), np.float32(levels), key, out)
+    return out
+
+
+@njit(parallel=True, **_OPTS)
+def _dequantize_lanes(words, numel, width, lanes, factor, out):
+    mask = (1 << width) - 1
+    half = 1 << (width - 1)
+    top = width * (lanes - 1)
+    for w in prange(words.size):
+        word = np.int64(words[w])
+        for j in range(lanes):
+            i = w * lanes + j
+            if i < numel:
+                if j == lanes - 1:
+                    lane = np.int32(words[w]) >> top  # arithmetic shift of the int32 word
+                else:
+                    lane = ((word >> (width * j)) & mask) - half
+                out[i] = np.float32(lane) * factor
+
+
+def dequantize_lanes(words, numel, width, factor):
+    """``packing.unpack_lanes`` + ``global_qsgd.linear_dequantize``: lane sums of int32
+    ``words`` times the float32 ``factor``."""
+    out = np.empty(numel, np.float32)
+    _dequantize_lanes(words, numel, width, 32 // width, np.float32(factor), out)
+    return out
+
+
+@njit(parallel=True, **_OPTS)
+def _dequantize_ints(q, factor, out):
+    for i in prange(q.size):
+        out[i] = np.float32(q[i]) * factor
+
+
+def dequantize_ints(q, factor):
+    """``global_qsgd.linear_dequantize`` of native integer sums."""
+    out = np.empty(q.size, np.float32)
+    _dequantize_ints(q, np.float32(factor), out)
+    return out
+
+
+# --- Global-QSGD exponential dithering (hvd_quant.compressors.exp_dithering) ---------------
+@njit(parallel=True, **_OPTS)
+def _exp_encode(x, scale, step, key, out):
+    k = np.uint64(key)
+    for i in prange(x.size):
+        z = x[i] / scale
+        z = min(max(z, np.float32(-1.0)), np.float32(1.0)) * step
+        mag = abs(z)
+        bits = np.float32(mag).view(np.int32)
+        expo = bits >> 23
+        u = _uniform(k, i)
+        if expo >= 1:
+            p = np.float32(bits & 0x7FFFFF) * np.float32(2.0 ** -23)
+            code = 128 - expo - np.int32(u < p)
+        else:
+            p = mag * np.float32(2.0 ** 126)
+            code = np.int32(u < p) * 127
+        if code >= 1 and z < 0:
+            code += 128
+        out[i] = np.uint8(code)
+
+
+def exp_encode(x, scale, world_size, key):
+    """``exp_dithering.exp_encode``: uint8 codes of ``x / (scale * 2**(n-1))``."""
+    out = np.empty(x.size, np.uint8)
+    _exp_encode(x, np.float32(scale), np.float32(2.0 ** (1 - world_size)), key, out)
+    return out
+
+
+@njit(parallel=True, **_OPTS)
+def _exp_combine(a, b, key, out):
+    k = np.uint64(key)
+    for i in prange(a.size):
+        va, vb = np.int32(a[i]), np.int32(b[i])
+        ca, cb = va & 127, vb & 127
+        if cb < 1:  # a zero operand passes the other through (b's check wins, as generic)
+            out[i] = a[i]
+            continue
+        if ca < 1:
+            out[i] = b[i]
+            continue
+        sa, sb = va >> 7, vb >> 7
+        e = ca if ca < cb else cb
+        sign = sa if ca < cb else sb
+        d = abs(ca - cb)
+        same = sa == sb
+        if not same and d == 0:
+            out[i] = 0
+            continue
+        t = min(max(d if same else d - 1, 0), 126)
+        thr = np.float32(1.0) - np.int32((127 - t) << 23).view(np.float32)
+        jump = np.int32(_uniform(k, i) >= thr)
+        out[i] = np.uint8(sign * 128 + (e - jump if same else e + jump))
+
+
+def exp_combine(a, b, key):
+    """``exp_dithering.combine_codes``: unbiased stochastic sum of two code arrays."""
+    out = np.empty(a.size, np.uint8)
+    _exp_combine(a, b, key, out)
+    return out
+
+
+@njit(parallel=True, **_OPTS)
+def _exp_decode(codes, factor, scale, out):
+    top = np.float32(3.4028235e38)
+    for i in prange(codes.size):
+        c = np.int32(codes[i])
+        mc = c & 127
+        mag = np.float32(0) if mc < 1 else np.int32((128 - mc) << 23).view(np.float32)
+        sign = np.float32(1.0) - np.float32(2.0) * np.float32(c >> 7)
+        out[i] = min(max(mag * sign * factor * scale, -top), top)
+
+
+def exp_decode(codes, factor, scale):
+    """``exp_dithering.exp_decode``: ``value(code) * factor * scale`` (float32, in that
+    order), saturated at the float32 maximum; ``factor = 2**(n-1) / n``."""
+    out = np.empty(codes.size, np.float32)
+    _exp_decode(codes, np.float32(factor), np.float32(scale), out)
+    return out
+
+
+# --- Marsit's per-hop bit selection (hvd_quant.compressors.marsit) --------------------------
+@njit(parallel=True, **_OPTS)
+def _marsit_select(own, recv, keep, key, out):
+    k = np.uint64(key)
+    for b in prange(own.size):
+        m = 0
+        for j in range(8):
+            if _uniform(k, 8 * b + j) < keep:
+                m |= 1 << j
+        mask = np.uint8(m)
+        out[b] = (own[b] & mask) | (recv[b] & ~mask)
+
+
+def marsit_select(own, recv, keep, key):
+    """``marsit.MarsitSelect.combine``: each bit from ``own`` with probability ``keep``
+    (draw ``8 * byte + bit`` of the call), else from ``recv``."""
+    out = np.empty(own.size, np.uint8)
+    _marsit_select(own, recv, np.float32(keep), key, out)
+    return out

@@ -1,0 +1,222 @@
+"""Fused CPU kernels (hvd_quant.kernels.cpu) against their generic twins on the numpy oracle.
+
+Bit for bit wherever the result does not depend on the order of a float sum, with the
+same random draws (both sides compute draw ``i`` from the call key and ``i`` alone), and
+independent of numba's thread count.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hvd_quant
+from hvd_quant import kernels
+from hvd_quant.compressors import exp_dithering as ed
+from hvd_quant.compressors import global_qsgd as gq
+from hvd_quant.compressors.marsit import MarsitSelect
+from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, unpack_lanes,
+                                    unpack_scaled_sum)
+from hvd_quant.core.rng import CounterRNG, draws
+from hvd_quant.core.runner import CompressorRunner
+from hvd_quant.core.segments import compensate_sums, segment_bounds
+from hvd_quant.core.simulate import ThreadWorld
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason=f"kernels off: {kernels.why_disabled()}")
+
+B = NumpyBackend()
+K = kernels.NumpyKernelBackend()
+SIZES = [0, 1, 7, 8, 9, 1001, 3 * kernels.cpu_module().BLOCK + 5]
+
+
+def data(d, seed=0, specials=False):
+    x = np.random.default_rng(seed).standard_normal(d).astype(np.float32)
+    if specials and d >= 8:
+        x[:4] = [0.0, -0.0, 1e-45, -1e-45]  # both zeros and subnormals
+    return x
+
+
+def split(d):
+    """Three segments, one of them empty, none aligned to bytes."""
+    a = d // 3
+    return [a, 0, d - a]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    kernels.set_threads(request.param)
+    yield request.param
+    kernels.set_threads(2)
+
+
+@pytest.mark.parametrize("d", SIZES)
+def test_sign_pack_and_residual_are_bit_exact(d, threads):
+    x, e = data(d, 1, specials=True), data(d, 2)
+    counts = split(d)
+    scales = np.array([0.5, 2.0, 0.25], np.float32)
+    np.testing.assert_array_equal(kernels.cpu_module().sign_pack(x), pack_signs(B, x))
+    for resid in (e, None):
+        bits_k, res_k = sign_pack_residual(K, x, resid, scales, counts)
+        bits_g, res_g = sign_pack_residual(B, x, resid, scales, counts)
+        np.testing.assert_array_equal(bits_k, bits_g)
+        np.testing.assert_array_equal(res_k, res_g)
+    # In place into the residual buffer (the fast path's use of ``out``).
+    buf = e.copy()
+    bits_k, res_k = sign_pack_residual(K, x, buf, scales, counts, out=buf)
+    assert res_k is buf
+    np.testing.assert_array_equal(buf, sign_pack_residual(B, x, e, scales, counts)[1])
+
+
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_unpack_scaled_sum_is_bit_exact(d, rows, threads):
+    counts = split(d)
+    packed = np.concatenate([pack_signs(B, data(d, 10 + r)) for r in range(rows)])
+    scales = np.random.default_rng(3).random(rows * 3).astype(np.float32)
+    base = data(d, 4)
+    for b in (None, base):
+        np.testing.assert_array_equal(unpack_scaled_sum(K, packed, scales, counts, d, base=b),
+                                      unpack_scaled_sum(B, packed, scales, counts, d, base=b))
+
+
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("squares", [False, True])
+def test_compensate_sums_match_in_float64(d, squares, threads):
+    x, e = data(d, 5), data(d, 6)
+    for resid in (e, None):
+        got = compensate_sums(K, x, resid, split(d), squares)
+        np.testing.assert_allclose(got, compensate_sums(B, x, resid, split(d), squares), rtol=1e-12)
+
+
+def test_sums_do_not_depend_on_the_thread_count():
+    x = data(5 * kernels.cpu_module().BLOCK + 3, 7)
+    out = []
+    for n in (1, 2):
+        kernels.set_threads(n)
+        out.append((compensate_sums(K, x, None, [x.size], True), gq.absmax_finite(K, x)[0]))
+    np.testing.assert_array_equal(out[0][0], out[1][0])
+    np.testing.assert_array_equal(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_non_finite_inputs_are_flagged(bad):
+    x = data(1001, 8)
+    x[500] = bad
+    m, ok = gq.absmax_finite(K, x)
+    assert not ok and np.isfinite(m)
+    assert not np.isfinite(compensate_sums(K, x, None, [1001])[0])
+    assert not np.isfinite(compensate_sums(K, x, None, [1001], squares=True)[0])
+
+
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("width,native", [(8, False), (16, False), (8, True), (16, True)])
+@pytest.mark.parametrize("pre", [1.0, 2.0 ** -64])
+def test_quantize_and_dequantize_are_bit_exact(d, width, native, pre, threads):
+    class Comm:
+        rank, size = 0, 3
+        allreduce_int_dtypes = ("int8", "int16", "int32") if native else ("int32",)
+
+    x = data(d, 9) * np.float32(1 / pre)
+    scale, levels = np.full(1, np.abs(x).max() * pre if d else 1.0, np.float32), 42
+    pre_t = np.full(1, pre, np.float32)
+    wire_k = gq.quantize(K, Comm, x, scale, pre_t, levels, width, CounterRNG(5))
+    wire_g = gq.quantize(B, Comm, x, scale, pre_t, levels, width, CounterRNG(5))
+    assert wire_k.dtype == wire_g.dtype
+    np.testing.assert_array_equal(wire_k, wire_g)
+    total = wire_g * 3 if native else wire_g  # any integer tensor decodes the same way
+    np.testing.assert_array_equal(gq.dequantize(K, Comm, total, d, scale, pre_t, levels, width),
+                                  gq.dequantize(B, Comm, total, d, scale, pre_t, levels, width))
+
+
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_exponential_dithering_is_bit_exact(d, n, threads):
+    x = data(d, 11, specials=True)
+    scale = np.full(1, np.abs(x).max() if d else 1.0, np.float32)
+    a_k, a_g = ed.encode(K, x, scale, n, CounterRNG(3)), ed.encode(B, x, scale, n, CounterRNG(3))
+    np.testing.assert_array_equal(a_k, a_g)
+    b = ed.encode(B, data(d, 12), scale, n, CounterRNG(4))
+    op = ed.ExpDitheringSum()
+    c_k, c_g = op.combine(K, a_g, 1, b, 1, CounterRNG(6)), op.combine(B, a_g, 1, b, 1, CounterRNG(6))
+    np.testing.assert_array_equal(c_k, c_g)
+    np.testing.assert_array_equal(ed.exp_decode(K, c_g, scale, n), ed.exp_decode(B, c_g, scale, n))
+
+
+def test_exp_combine_covers_every_pair_of_codes():
+    a, b = (np.repeat(np.arange(256, dtype=np.uint8), 256), np.tile(np.arange(256, dtype=np.uint8), 256))
+    keep = ((a & 127) > 0) | (a == 0)  # code 128 ("negative zero") is never produced
+    keep &= ((b & 127) > 0) | (b == 0)
+    a, b = a[keep], b[keep]
+    op = ed.ExpDitheringSum()
+    for seed in range(3):
+        np.testing.assert_array_equal(op.combine(K, a, 1, b, 1, CounterRNG(seed)),
+                                      op.combine(B, a, 1, b, 1, CounterRNG(seed)))
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 9, 70001])
+@pytest.mark.parametrize("counts", [(1, 1), (1, 2), (3, 1)])
+def test_marsit_select_is_bit_exact(nbytes, counts, threads):
+    own, recv = (np.random.default_rng(s).integers(0, 256, nbytes).astype(np.uint8) for s in (1, 2))
+    op = MarsitSelect()
+    np.testing.assert_array_equal(op.combine(K, own, counts[0], recv, counts[1], CounterRNG(7)),
+                                  op.combine(B, own, counts[0], recv, counts[1], CounterRNG(7)))
+
+
+def test_uniform_draws_equal_the_generator():
+    for n in (0, 1, 1000):
+        np.testing.assert_array_equal(kernels.cpu_module().uniform(12345, n), draws(B, 12345, n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.integers(0, 300), seed=st.integers(0, 2 ** 31), nseg=st.integers(1, 5),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e3, 1e30]))
+def test_sign_kernels_on_random_shapes(d, seed, nseg, scale):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(d) * scale).astype(np.float32)
+    cuts = np.sort(rng.integers(0, d + 1, nseg - 1))
+    counts = np.diff(np.concatenate([[0], cuts, [d]])).tolist()
+    scales = rng.random(nseg).astype(np.float32)
+    for got, want in zip(sign_pack_residual(K, x, None, scales, counts),
+                         sign_pack_residual(B, x, None, scales, counts)):
+        np.testing.assert_array_equal(got, want)
+    packed = pack_signs(B, x)
+    np.testing.assert_array_equal(unpack_scaled_sum(K, packed, scales, counts, d),
+                                  unpack_scaled_sum(B, packed, scales, counts, d))
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.integers(0, 300), seed=st.integers(0, 2 ** 31), width=st.sampled_from([8, 16]),
+       levels=st.integers(1, 63), offset=st.booleans())
+def test_lane_kernels_on_random_shapes(d, seed, width, levels, offset):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(d).astype(np.float32)
+    scale = np.full(1, max(np.abs(x).max(initial=0.0), 1e-30), np.float32)
+    words = kernels.cpu_module().quantize_lanes(x, 1.0, scale[0], levels, 99, width, offset)
+    q = gq.linear_quantize(B, x, scale, levels, draws(B, 99, d))
+    np.testing.assert_array_equal(words, pack_lanes(B, q, width, offset))
+    if offset:
+        np.testing.assert_array_equal(
+            kernels.cpu_module().dequantize_lanes(words, d, width, 0.25),
+            unpack_lanes(B, words, d, width).astype(np.float32) * np.float32(0.25))
+
+
+COMPRESSORS = [("ef_sign", {}), ("marsit", {}), ("marsit", {"compensation": "global"}),
+               ("marsit", {"scale": 0.01}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"}),
+               ("global_qsgd_exp", {})]
+
+
+@pytest.mark.parametrize("name,opts", COMPRESSORS, ids=[f"{n}-{o}" for n, o in COMPRESSORS])
+@pytest.mark.parametrize("n", [2, 3])
+def test_compressors_through_kernels_equal_the_oracle(name, opts, n):
+    """Whole reductions, three steps (state carried): kernels and oracle agree."""
+    d, segs = 2000, [("a", 700), ("b", 1300)]
+    xs = [[data(d, 100 * r + s) for s in range(3)] for r in range(n)]
+    results = []
+    for backend in (B, K):
+        runners = [CompressorRunner(hvd_quant.get(name, **opts), backend, seed=3) for _ in range(n)]
+        results.append(ThreadWorld(n).run(lambda c: [runners[c.rank].reduce(xs[c.rank][s], c, "buf", segs)
+                                                      for s in range(3)]))
+    for step in range(3):
+        # Scales come from float64 sums in different orders: equal to float32 rounding.
+        np.testing.assert_allclose(results[1][0][step], results[0][0][step], rtol=1e-6, atol=1e-7)
