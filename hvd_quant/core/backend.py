@@ -79,6 +79,10 @@ class Backend:
     def slice(self, x, start, stop):
         raise NotImplementedError
 
+    def slice_columns(self, x, start, stop):
+        """Columns ``start:stop`` of a 2-D tensor."""
+        return x[:, start:stop]
+
     def pad(self, x, n):
         """Append ``n`` zeros."""
         if n == 0:
@@ -122,6 +126,20 @@ class Backend:
     def all_finite(self, x):
         """A boolean scalar tensor: no element of ``x`` is inf or NaN (True for empty)."""
         raise NotImplementedError
+
+    def select(self, cond, a, b):
+        """``a if cond else b`` for scalars: Python numbers eagerly; TensorFlow graphs use
+        ``tf.where`` (counters there are tensors)."""
+        return a if bool(cond) else b
+
+    def minimum(self, a, b):
+        """The smaller of two scalars (Python numbers eagerly, tensors in graphs)."""
+        return a if bool(a <= b) else b
+
+    def logical_and(self, a, b):
+        """``a and b`` for boolean scalars (Python bools or one-element tensors); a
+        boolean tensor in TensorFlow graphs."""
+        return bool(a) and bool(b)
 
     def cond(self, pred, true_fn, false_fn):
         """``true_fn()`` if the boolean scalar ``pred`` holds, else ``false_fn()``: a Python

@@ -15,6 +15,7 @@ class WireMeter:
 
     * allreduce of ``b`` bytes (ring): ``2 * (n - 1) / n * b``
     * allgather of a ``b``-byte contribution (ring): ``(n - 1) * b``
+    * alltoall of ``b`` bytes in ``n`` equal chunks: ``(n - 1) / n * b`` (the own chunk stays)
     * point-to-point send of ``b`` bytes: ``b``
     """
 
@@ -53,6 +54,11 @@ class Communicator:
 
     def allgather(self, x, name):
         """Concatenation of every rank's ``x`` in rank order (all the same length)."""
+        raise NotImplementedError
+
+    def alltoall(self, x, name):
+        """``x`` cut into ``size`` equal chunks; chunk ``j`` goes to rank ``j``. Returns the
+        chunks this rank received, concatenated in rank order (same length as ``x``)."""
         raise NotImplementedError
 
     def sendrecv(self, x, dest, source, name, recv_numel=None):
@@ -110,6 +116,10 @@ class Communicator:
     def _count_allgather(self, nbytes):
         self.meter.add("allgather", float((self.size - 1) * nbytes))
 
+    def _count_alltoall(self, nbytes):
+        if self.size > 1:
+            self.meter.add("alltoall", (self.size - 1) / self.size * nbytes)
+
     def _count_send(self, nbytes, dest):
         if dest != self.rank:
             self.meter.add("sendrecv", float(nbytes))
@@ -142,6 +152,42 @@ def all_ranks_finite(B, comm, x, name):
     return B.less(comm.allreduce(flag, "max", name), B.full(1, 0.5))
 
 
+def gather_blocks(B, comm, x, name):
+    """Every rank's ``x`` (same length everywhere), concatenated in rank order.
+
+    ``comm.allgather`` where the communicator has one; over a :class:`RoutedGroup`, a ring
+    of ``n - 1`` sendrecv hops that forwards each block unchanged (same bytes)."""
+    if not isinstance(comm, RoutedGroup):
+        return comm.allgather(x, name)
+    n, r = comm.size, comm.rank
+    blocks = [None] * n
+    blocks[r] = x
+    for s in range(n - 1):
+        send_i, recv_i = (r - s) % n, (r - s - 1) % n
+        blocks[recv_i] = comm.sendrecv(blocks[send_i], (r + 1) % n, (r - 1) % n,
+                                       f"{name}.ag{s}", recv_numel=B.numel(x))
+    return B.concat(blocks)
+
+
+def exchange_blocks(B, comm, x, name):
+    """Alltoall of ``x`` cut into ``n`` equal blocks: block ``j`` goes to rank ``j``;
+    returns the blocks received, in source-rank order.
+
+    ``comm.alltoall`` where the communicator has one; over a :class:`RoutedGroup`,
+    ``n - 1`` rounds of sendrecv, round ``s`` sending to rank ``r + s`` (same bytes)."""
+    if not isinstance(comm, RoutedGroup):
+        return comm.alltoall(x, name)
+    n, r = comm.size, comm.rank
+    k = B.numel(x) // n
+    received = [None] * n
+    received[r] = B.slice(x, r * k, (r + 1) * k)
+    for s in range(1, n):
+        dest, source = (r + s) % n, (r - s) % n
+        received[source] = comm.sendrecv(B.slice(x, dest * k, (dest + 1) * k), dest, source,
+                                         f"{name}.a2a{s}", recv_numel=k)
+    return B.concat(received)
+
+
 class RoutedGroup(Communicator):
     """A sub-group whose hops are routed through the parent's ``sendrecv``.
 
@@ -149,7 +195,8 @@ class RoutedGroup(Communicator):
     hop at the same time (all rows of a torus step together), so one parent ``sendrecv``
     in which each rank sends to its successor *within its group* is one hop of every
     group at once. Under Horovod that is a single alltoall with one non-empty split per
-    rank: no extra process sets are needed. Only ``sendrecv`` is offered.
+    rank: no extra process sets are needed. Only ``sendrecv`` is offered;
+    :func:`gather_blocks` and :func:`exchange_blocks` build allgather and alltoall from it.
     """
 
     def __init__(self, parent, members):

@@ -107,6 +107,17 @@ class ThreadComm(Communicator):
             raise CollectiveMismatch(f"allgather {name!r}: ranks contributed different shapes")
         return np.concatenate(parts)
 
+    def alltoall(self, x, name):
+        x = np.asarray(x)
+        if x.size % self.size:
+            raise ValueError(f"alltoall {name!r}: {x.size} elements do not split into {self.size} chunks")
+        self._count_alltoall(x.nbytes)
+        parts = self._exchange("alltoall", name, x)
+        if len({p.shape for p in parts}) != 1:
+            raise CollectiveMismatch(f"alltoall {name!r}: ranks contributed different shapes")
+        k = x.size // self.size
+        return np.concatenate([p[self.rank * k:(self.rank + 1) * k] for p in parts])
+
     def sendrecv(self, x, dest, source, name, recv_numel=None):
         x = np.asarray(x)
         self._count_send(x.nbytes, dest)

@@ -22,6 +22,7 @@ primitive              generic twin                               used by
 ``exp_combine``        ``compressors.exp_dithering.combine_codes`` global_qsgd_exp (every hop)
 ``exp_decode``         ``compressors.exp_dithering.exp_decode``   global_qsgd_exp
 ``marsit_select``      ``compressors.marsit.MarsitSelect``        marsit (every hop)
+``binsgdm_encode``     ``optimizers.binsgdm.binary_randomize``    BinSGDM
 ``uniform``            ``Backend.uniform``                        random draws
 ====================== ========================================== =============================
 
@@ -42,7 +43,7 @@ from ..core.backend import NumpyBackend
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
-         "uniform")
+         "binsgdm_encode", "uniform")
 
 _cpu = None
 _state = {"checked": False, "ok": False, "why": ""}
@@ -117,6 +118,7 @@ def warm_up():
     codes = k.exp_encode(x, 1.0, 2, 1)
     k.exp_decode(k.exp_combine(codes, codes, 2), 1.0, 1.0)
     k.marsit_select(bits, bits, 0.5, 3)
+    k.binsgdm_encode(x, x.copy(), np.abs(x), 0.9, 5)
     k.uniform(1, 8)
     return time.perf_counter() - start
 

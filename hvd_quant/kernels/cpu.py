@@ -456,3 +456,33 @@ def marsit_select(own, recv, keep, key):
     out = np.empty(own.size, np.uint8)
     _marsit_select(own, recv, np.float32(keep), key, out)
     return out
+
+
+# --- BinSGDM's binary randomization (hvd_quant.optimizers.binsgdm) ------------------------
+@njit(parallel=True, **_OPTS)
+def _binsgdm_encode(g, m, b, beta, one_minus_beta, key, m_out, b_out, bits):
+    d = g.size
+    k = np.uint64(key)
+    for byte in prange(bits.size):
+        v = 0
+        for j in range(min(8, d - 8 * byte)):
+            i = 8 * byte + j
+            mi = m[i] * beta + g[i] * one_minus_beta
+            bi = b[i] * beta + abs(g[i]) * one_minus_beta
+            m_out[i] = mi
+            b_out[i] = bi
+            z = mi / bi if np.float32(0) < bi else np.float32(0)
+            z = min(max(z, np.float32(-1.0)), np.float32(1.0))
+            if _uniform(k, i) < (z + np.float32(1.0)) * np.float32(0.5):
+                v |= 1 << j
+        bits[byte] = np.uint8(v)
+
+
+def binsgdm_encode(g, m, b, beta, key):
+    """``binsgdm.binary_randomize``: the new momentum and |g| average (fresh arrays: the
+    caller stores them only if the step is finite everywhere) and the packed bits of
+    ``q = +1`` with probability ``(1 + m/b) / 2``."""
+    m_out, b_out = np.empty_like(g), np.empty_like(g)
+    bits = np.empty((g.size + 7) // 8, np.uint8)
+    _binsgdm_encode(g, m, b, np.float32(beta), np.float32(1.0 - beta), key, m_out, b_out, bits)
+    return m_out, b_out, bits

@@ -112,6 +112,22 @@ class TFBackend(Backend):
     def all_finite(self, x):
         return tf.reduce_all(tf.math.is_finite(x))
 
+    def select(self, cond, a, b):
+        if tf.executing_eagerly():
+            return super().select(cond, a, b)
+        a, b = _same_dtype(a, b)
+        return tf.where(tf.reshape(cond, []), a, b)
+
+    def minimum(self, a, b):
+        if tf.executing_eagerly():
+            return super().minimum(a, b)
+        return tf.minimum(*_same_dtype(a, b))
+
+    def logical_and(self, a, b):
+        if tf.executing_eagerly():
+            return super().logical_and(a, b)
+        return tf.logical_and(tf.reshape(tf.cast(a, tf.bool), []), tf.reshape(tf.cast(b, tf.bool), []))
+
     def cond(self, pred, true_fn, false_fn):
         if tf.executing_eagerly():
             return true_fn() if bool(pred) else false_fn()
@@ -158,3 +174,12 @@ class TFBackend(Backend):
 
     def generator(self, seed):
         return TFCounterRNG(seed)
+
+
+def _same_dtype(a, b):
+    """Two scalars as tensors of one dtype (the dtype of whichever is a tensor)."""
+    if tf.is_tensor(a) or isinstance(a, tf.Variable):
+        return a, tf.cast(b, a.dtype)
+    if tf.is_tensor(b) or isinstance(b, tf.Variable):
+        return tf.cast(a, b.dtype), b
+    return tf.convert_to_tensor(a), tf.convert_to_tensor(b)

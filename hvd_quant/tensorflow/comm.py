@@ -47,6 +47,13 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
         self._count_allgather(self._nbytes(x))
         return hvd.allgather(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
 
+    def alltoall(self, x, name):
+        if self.size == 1:
+            return tf.identity(x)
+        self._count_alltoall(self._nbytes(x))
+        out = hvd.alltoall(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
+        return tf.reshape(out, [x.shape.num_elements()])
+
     def sendrecv(self, x, dest, source, name, recv_numel=None):
         if self.size == 1:
             return tf.identity(x)

@@ -31,6 +31,12 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
         self._count_allgather(x.numel() * x.element_size())
         return hvd.allgather(x, name=name, process_set=self.process_set)
 
+    def alltoall(self, x, name):
+        if self.size == 1:
+            return x.clone()
+        self._count_alltoall(x.numel() * x.element_size())
+        return hvd.alltoall(x, name=name, process_set=self.process_set)
+
     def sendrecv(self, x, dest, source, name, recv_numel=None):
         if self.size == 1:
             return x.clone()

@@ -1,0 +1,228 @@
+"""The optimizer layer: update rules that own their communication, written once.
+
+A compressor (:mod:`hvd_quant.compressors`) averages gradients and leaves the update to
+any optimizer. The methods here cannot work that way: 1-bit Adam compresses the
+*momentum*, 0/1 Adam skips communication on local steps and compresses accumulated
+*updates*, BinSGDM communicates a randomized sign of an Adam-like ratio. So the update
+rule and its collectives live together in a :class:`Rule`, written against
+:class:`~hvd_quant.core.backend.Backend` like everything else, and thin adapters make a
+rule a ``torch.optim.Optimizer`` (:mod:`hvd_quant.torch.optimizers`) or a Keras 3
+optimizer (:mod:`hvd_quant.tensorflow.optimizers`); :mod:`hvd_quant.optimizers.oracle`
+runs it on numpy arrays for the tests.
+
+One rule instance serves one optimizer; it sees one *parameter group* at a time as two
+flat float32 tensors (the parameters ``x`` and this rank's gradient ``g``, concatenated in
+a fixed order), plus the group's flat state in a :class:`GroupState`. Under DeepSpeed's
+fp16 optimizer, which 1-bit Adam and 0/1 Adam are used with, each parameter group is
+likewise one flat fp32 tensor: so one scale per group and step, as there.
+
+Non-finite gradients: a step whose averaged (or, on a local step, local) values are not
+finite changes nothing. Rules compute new values first and store them with one
+:meth:`GroupState.commit` guarded by a finiteness flag that every rank shares: it comes
+with the round's own collective (the fp32 average, the compressed allreduce's scale
+gather), so it costs nothing extra. Local steps have no collective; their flag is the
+rank's own, and only that rank's values stay put (counters advance on every rank, so
+the schedule stays in step).
+
+Control flow that depends on the schedule (which step is a full-precision round, a local
+step, a sync) is written with ``B.cond``: a Python ``if`` eagerly, ``tf.cond`` inside a
+TensorFlow graph (counters are then ``tf.Variable`` s). The schedule depends only on
+counters every rank holds identically, so every rank takes the same branch and issues the
+same collectives in the same order, which is what lets collectives sit inside a branch.
+"""
+
+#: What a step did on the wire: DeepSpeed's initialisation step, a full-precision
+#: allreduce, a 1-bit compressed allreduce, or nothing (a local step).
+KINDS = ("init", "full", "onebit", "local")
+
+
+class GroupState:
+    """The persistent state of one parameter group, held by an adapter.
+
+    Slots are flat tensors (float32 unless declared otherwise); scalars are counters and
+    sums (Python numbers eagerly, ``tf.Variable`` s under TensorFlow). Rules read with
+    :meth:`slot` / :meth:`scalar` and write with :meth:`set_slot` / :meth:`set_scalar`;
+    writes may happen inside a ``B.cond`` branch.
+    """
+
+    def slot(self, name):
+        raise NotImplementedError
+
+    def set_slot(self, name, value):
+        raise NotImplementedError
+
+    def scalar(self, name):
+        raise NotImplementedError
+
+    def set_scalar(self, name, value):
+        raise NotImplementedError
+
+    def commit(self, ok, slots=None, scalars=None):
+        """Store ``slots`` and ``scalars`` (dicts of new values) if ``ok`` holds, else keep
+        the old ones and count a skipped step. ``ok`` is False when a gradient or an
+        averaged value was not finite: the step then leaves no trace in the state."""
+        raise NotImplementedError
+
+    def count(self, kind, nbytes):
+        """Record that this step was a ``kind`` step sending ``nbytes`` bytes (per group:
+        the adapter keeps totals per optimizer)."""
+        raise NotImplementedError
+
+
+class StepContext:
+    """What one :meth:`Rule.step` of one group may use.
+
+    Attributes
+    ----------
+    B : Backend
+    comm : Communicator
+    state : GroupState
+    g : float32 tensor
+        This rank's gradient of the group, flat (zeros for parameters without one).
+    x : float32 tensor
+        The group's parameters, flat.
+    lr : float or scalar tensor
+        The group's learning rate for this step (schedulers may change it every step).
+    hp : dict
+        The group's other hyper-parameters (``betas``, ``eps``, ``weight_decay``...).
+    mask : float32 tensor or None
+        DeepSpeed's ``exp_avg_mask`` for this group, flat, or None.
+    name : str
+        Prefix of this group's collective names, identical on every rank.
+    rng : generator
+        This rank's random stream (``B.generator``), for randomized rules.
+    """
+
+    def __init__(self, B, comm, state, g, x, lr, hp, name, rng=None, mask=None):
+        self.B, self.comm, self.state = B, comm, state
+        self.g, self.x, self.lr, self.hp = g, x, lr, hp
+        self.name, self.rng, self.mask = name, rng, mask
+
+    def collective_name(self, phase):
+        return f"hvd_quant.{self.name}.{phase}"
+
+
+class Rule:
+    """An update rule with its own communication. Subclasses define the class attributes
+    and :meth:`step`.
+
+    Attributes
+    ----------
+    name : str
+        Short name (``"zero_one_adam"``), also the first field of the agreement check.
+    param_slots : tuple of str
+        Slots with one float32 element per parameter element (moments, accumulators).
+    """
+
+    name = "abstract"
+    param_slots = ()
+
+    def __init__(self, **options):
+        self._options = dict(options)
+
+    def options(self):
+        """Options that every rank must share (checked on the first step)."""
+        return dict(self._options)
+
+    def extra_slots(self, numel, world_size):
+        """``{name: size}`` of flat float32 slots whose size is not the group's
+        (DeepSpeed's padded error buffers)."""
+        return {}
+
+    def scalars(self):
+        """``{name: initial value}`` of the group's counters (ints) and sums (floats)."""
+        return {}
+
+    def validate(self, world_size):
+        """Raise ``ValueError`` when the options cannot work with ``world_size`` ranks."""
+
+    def step(self, ctx):
+        """Update the group: return the new flat parameters (float32)."""
+        raise NotImplementedError
+
+    def wire_bytes(self, kind, numel, world_size):
+        """Bytes one rank sends in a ``kind`` step of a group of ``numel`` elements."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options().items()))
+        return f"{type(self).__name__}({opts})"
+
+
+def keep_if(B, ok, new, old):
+    """``new`` if ``ok`` else ``old`` (a tensor; eagerly a Python branch)."""
+    return B.cond(ok, lambda: new, lambda: old)
+
+
+def full_precision_mean(B, comm, g, name):
+    """fp32 average of ``g`` over ranks, bit-identical on every rank.
+
+    A ring allreduce whose allgather phase copies the reduced chunks (see
+    :mod:`hvd_quant.core.ring`), so every rank ends with the same bits; Horovod's own
+    float allreduce over Gloo was seen to round differently on different ranks, which
+    would let the ranks' parameters drift apart. Same bytes as Horovod's allreduce.
+    """
+    from ..core.ring import FloatSum, ring_allreduce
+
+    if comm.size == 1:
+        return g
+    return ring_allreduce(B, comm, g, FloatSum(), name, None) * (1.0 / comm.size)
+
+
+def full_precision_bytes(numel, world_size):
+    """Bytes one rank sends in :func:`full_precision_mean`."""
+    return 2.0 * (world_size - 1) / world_size * 4 * numel if world_size > 1 else 0.0
+
+
+def initial_state(rule, numel, world_size):
+    """``(slots, scalars)`` of a new group: float32 numpy zeros for every slot, and the
+    rule's initial counters. Adapters copy these into their own tensors/variables."""
+    import numpy as np
+
+    sizes = {name: numel for name in rule.param_slots}
+    sizes.update(rule.extra_slots(numel, world_size))
+    return {name: np.zeros(size, np.float32) for name, size in sizes.items()}, dict(rule.scalars())
+
+
+class EagerGroupState(GroupState):
+    """A :class:`GroupState` over plain dicts, for eager backends (numpy, torch).
+
+    ``slots`` maps names to tensors; writes copy in place when ``in_place`` (torch: the
+    optimizer's per-parameter state tensors are views into these flat buffers), else
+    rebind. ``kinds``, ``bytes_sent`` and ``skipped`` record what each step did.
+    """
+
+    def __init__(self, slots, scalars, in_place=False):
+        self.slots, self.scalars = slots, scalars
+        self.in_place = in_place
+        self.kinds, self.bytes_sent, self.skipped = [], 0.0, 0
+
+    def slot(self, name):
+        return self.slots[name]
+
+    def set_slot(self, name, value):
+        current = self.slots[name]
+        if self.in_place:
+            if value is not current:
+                current.copy_(value)
+        else:
+            self.slots[name] = value
+
+    def scalar(self, name):
+        return self.scalars[name]
+
+    def set_scalar(self, name, value):
+        self.scalars[name] = value.item() if hasattr(value, "item") else value
+
+    def commit(self, ok, slots=None, scalars=None):
+        if not bool(ok):
+            self.skipped += 1
+            return
+        for name, value in (slots or {}).items():
+            self.set_slot(name, value)
+        for name, value in (scalars or {}).items():
+            self.set_scalar(name, value)
+
+    def count(self, kind, nbytes):
+        self.kinds.append(kind)
+        self.bytes_sent += float(nbytes)

@@ -1,0 +1,134 @@
+"""1-bit Adam: Adam during a full-precision warm-up, then the momentum at 1 bit.
+
+Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication
+Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021 (arXiv
+2102.02888). Semantics follow DeepSpeed's ``deepspeed/runtime/fp16/onebit/adam.py``
+(``OnebitAdam.step``), read from its source; the code here is ours.
+
+Per parameter group, ``step`` counting every call including the first::
+
+    step 1 (DeepSpeed's initialisation step): one compressed allreduce of the (zero)
+        momentum; nothing else changes, the gradient is not used
+    warm-up, while frozen is False (the engine averages g in fp32 first):
+        m = beta1 m + (1 - beta1) g_avg
+        v = beta2 v + (1 - beta2) g_avg**2
+    after it (v frozen, no fp32 allreduce):
+        m = beta1 m + (1 - beta1) g_local
+        m = compressed_allreduce(m; worker and server error)     (n > 1 only)
+        m = m * exp_avg_mask                                      (if given)
+    update = m / (sqrt(v) + eps) + weight_decay * x               (no bias correction)
+    x      = x - lr * update
+    frozen = True once step >= freeze_step (checked at the end of the step)
+
+A step whose averaged gradient (warm-up) or compressed momentum is not finite on any rank
+changes nothing, on every rank (see :mod:`hvd_quant.optimizers.base`).
+
+So steps ``2 .. freeze_step`` are Adam on averaged gradients and every later step sends
+1 bit per element (:mod:`hvd_quant.core.onebit`).
+
+Deliberate departures from DeepSpeed, and why:
+
+* Error buffers survive ``load_state_dict`` (DeepSpeed resets them on load, because it
+  saves rank 0's only); our checkpoints are per rank, so a restored run continues
+  bit-identically.
+* The warm-up's fp32 average is our own ring allreduce (identical bits on every rank)
+  rather than the engine's allreduce.
+"""
+
+from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
+from .base import Rule, full_precision_bytes, full_precision_mean, keep_if
+
+
+class OnebitAdamRule(Rule):
+    """DeepSpeed's ``OnebitAdam`` update for one flat parameter group.
+
+    Parameters
+    ----------
+    freeze_step : int
+        Step (counting the initialisation step) after which the variance is frozen and
+        the momentum is compressed. DeepSpeed's default is 100000; its tutorials warm
+        up for 15-25% of the total steps.
+    """
+
+    name = "onebit_adam"
+    param_slots = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, freeze_step=100000):
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
+            raise ValueError(f"freeze_step must be an int >= 0, got {freeze_step!r}")
+        super().__init__(freeze_step=freeze_step)
+        self.freeze_step = freeze_step
+
+    def extra_slots(self, numel, world_size):
+        total = padded_size(numel, world_size)
+        return {"worker_error": total, "server_error": total // world_size}
+
+    def scalars(self):
+        return {"step": 0, "initialized": 0, "frozen": 0}
+
+    def wire_bytes(self, kind, numel, world_size):
+        if kind == "full":
+            return full_precision_bytes(numel, world_size)
+        if kind in ("onebit", "init"):
+            return compressed_allreduce_bytes(numel, world_size)
+        return 0.0
+
+    def step(self, ctx):
+        B, st, comm = ctx.B, ctx.state, ctx.comm
+        n, d = comm.size, B.numel(ctx.x)
+        beta1, beta2 = ctx.hp["betas"]
+        step = st.scalar("step") + 1
+
+        def compress(value):
+            out, worker, server, finite = compressed_allreduce(
+                B, comm, value, st.slot("worker_error"), st.slot("server_error"),
+                ctx.collective_name("momentum"))
+            # The error buffers are already left untouched on a non-finite step.
+            st.commit(True, {"worker_error": worker, "server_error": server})
+            return out, finite
+
+        def masked(m):
+            # Applied with any number of ranks, as DeepSpeed does.
+            return m * ctx.mask if ctx.mask is not None else m
+
+        def initialisation():
+            # DeepSpeed's first step: the zero momentum goes through the compressed
+            # allreduce once (it stays zero, so do both error buffers); no update.
+            m = compress(st.slot("exp_avg"))[0] if n > 1 else st.slot("exp_avg")
+            st.count("init", self.wire_bytes("init", d, n))
+            st.commit(True, {"exp_avg": masked(m)}, {"step": step, "initialized": 1})
+            return ctx.x
+
+        def apply(m, v):
+            upd = m / (B.sqrt(v) + ctx.hp["eps"])
+            if ctx.hp["weight_decay"] > 0.0:
+                upd = upd + ctx.x * ctx.hp["weight_decay"]
+            return ctx.x - upd * ctx.lr
+
+        def warm_up():
+            g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
+            st.count("full", self.wire_bytes("full", d, n))
+            m = st.slot("exp_avg") * beta1 + g * (1.0 - beta1)
+            v = st.slot("exp_avg_sq") * beta2 + g * g * (1.0 - beta2)
+            ok = B.all_finite(g)
+            # Compression starts after the step at which step >= freeze_step.
+            st.commit(ok, {"exp_avg": m, "exp_avg_sq": v},
+                      {"step": step, "frozen": B.select(step >= self.freeze_step, 1, 0)})
+            return keep_if(B, ok, apply(m, v), ctx.x)
+
+        def compressed():
+            m = st.slot("exp_avg") * beta1 + ctx.g * (1.0 - beta1)
+            if n > 1:
+                m, ok = compress(m)
+                st.count("onebit", self.wire_bytes("onebit", d, n))
+            else:
+                ok = B.all_finite(m)
+                st.count("local", 0.0)
+            m = masked(m)
+            st.commit(ok, {"exp_avg": m}, {"step": step})
+            return keep_if(B, ok, apply(m, st.slot("exp_avg_sq")), ctx.x)
+
+        def train_step():
+            return B.cond(st.scalar("frozen") > 0, compressed, warm_up)
+
+        return B.cond(st.scalar("initialized") > 0, train_step, initialisation)

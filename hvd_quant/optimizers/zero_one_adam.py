@@ -1,0 +1,230 @@
+"""0/1 Adam: variance freezing and 1-bit synchronisation of accumulated local updates.
+
+Lu, Li, Zhang, De Sa, He, "Maximizing Communication Efficiency for Large-scale Training
+via 0/1 Adam", ICLR 2023 (arXiv 2202.06009). Semantics follow DeepSpeed's
+``deepspeed/runtime/fp16/onebit/zoadam.py`` (``ZeroOneAdam.step``), read from its source;
+the code here is ours. Notation: ``m = exp_avg``, ``v = exp_avg_sq``,
+``u = momentum_accumulator``, ``lrs`` (Γ) the sum of learning rates since the last sync.
+
+Per parameter group, ``step`` counting every call including the first::
+
+    step 1 (initialisation): the zero accumulator goes through the compressed allreduce
+        once; nothing else changes and the gradient is not used.
+
+    Phase A (not frozen; no local steps):
+        if step % var_interval == 0:            (a full-precision round: fp32 average of g)
+            v = beta2 v + (1 - beta2) g_avg**2;  m = beta1 m + (1 - beta1) g_avg
+        else:                                   (a 1-bit round: the gradient is compressed)
+            m = beta1 m + (1 - beta1) compressed_allreduce(g) [* exp_avg_mask]
+        x -= lr * (m / (sqrt(v) + eps) + weight_decay * x)
+        variance schedule: after a full round var_counter += 1; when it reaches
+        var_update_scaler (kappa): var_counter = 0, var_interval *= 2. So the gaps
+        between full rounds are 1 (kappa times), 2 (kappa times), 4, ...
+
+    at the end of the first step with step > var_freeze_step: frozen, and both error
+    buffers are zeroed once (they now compensate a different quantity).
+
+    Phase B (frozen v; no collective except at syncs):
+        m = beta1 m + (1 - beta1) g_local;   lrs += lr
+        delta = lr * (m / (sqrt(v) + eps) + weight_decay * x);  x -= delta;  u -= delta
+        if step % local_step_interval == 0:     (a sync: 1-bit round of the accumulation)
+            x -= u                               (back to x at the last sync)
+            u  = compressed_allreduce(u * (sqrt(v) + eps)) [* exp_avg_mask]
+            m  = -(u / lrs)                      (momentum re-estimated from the average)
+            x += u / (sqrt(v) + eps)
+            u = 0;  lrs = 0
+        local-step schedule: local_step_counter += 1 every Phase-B step; when it reaches
+        local_step_scaler: local_step_counter = 0 and
+        local_step_interval = min(local_step_clipper, 2 * local_step_interval).
+
+No bias correction; weight decay enters the update as above (so it also enters u).
+
+A round whose averaged values are not finite on any rank changes nothing on any rank; a
+local step whose gradient is not finite changes nothing on that rank but its counters
+(see :mod:`hvd_quant.optimizers.base`).
+
+Deliberate departures from DeepSpeed, and why:
+
+* World size 1: DeepSpeed skips the momentum update on Phase-A 1-bit rounds when there
+  is one rank (the update sits inside its ``size > 1`` branch). Here the momentum is
+  updated with the local gradient, so one rank is plain local Adam with the same
+  schedule, as a user would expect.
+* ``load_state_dict`` keeps the error buffers and the accumulator (DeepSpeed drops them,
+  which discards local updates not yet synchronised); checkpoints are per rank, and a
+  restored run continues bit-identically.
+* Phase A's fp32 average is our ring allreduce (identical bits on every rank) instead of
+  the engine's allreduce.
+"""
+
+from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
+from .base import Rule, full_precision_bytes, full_precision_mean, keep_if
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class ZeroOneAdamRule(Rule):
+    """DeepSpeed's ``ZeroOneAdam`` update for one flat parameter group.
+
+    Parameters (DeepSpeed's names and defaults)
+    ----------
+    var_freeze_step : int
+        The last step of variance updates (``max T_v``), usually the end of the learning
+        rate warm-up (default 100000).
+    var_update_scaler : int
+        kappa: full-precision rounds per interval before the interval doubles (16).
+    local_step_scaler : int
+        Phase-B steps between doublings of the local-step interval (32678).
+    local_step_clipper : int
+        H: the largest local-step interval (16).
+    """
+
+    name = "zero_one_adam"
+    param_slots = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
+
+    def __init__(self, var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
+                 local_step_clipper=16):
+        if isinstance(var_freeze_step, bool) or not isinstance(var_freeze_step, int) or var_freeze_step < 0:
+            raise ValueError(f"var_freeze_step must be an int >= 0, got {var_freeze_step!r}")
+        super().__init__(var_freeze_step=var_freeze_step,
+                         var_update_scaler=_positive_int("var_update_scaler", var_update_scaler),
+                         local_step_scaler=_positive_int("local_step_scaler", local_step_scaler),
+                         local_step_clipper=_positive_int("local_step_clipper", local_step_clipper))
+        self.var_freeze_step = var_freeze_step
+        self.var_update_scaler = var_update_scaler
+        self.local_step_scaler = local_step_scaler
+        self.local_step_clipper = local_step_clipper
+
+    def extra_slots(self, numel, world_size):
+        total = padded_size(numel, world_size)
+        return {"worker_error": total, "server_error": total // world_size}
+
+    def scalars(self):
+        return {"step": 0, "initialized": 0, "frozen": 0,
+                "var_interval": 1, "var_counter": 0,
+                "local_step_interval": 1, "local_step_counter": 0, "lrs": 0.0}
+
+    def wire_bytes(self, kind, numel, world_size):
+        if kind == "full":
+            return full_precision_bytes(numel, world_size)
+        if kind in ("onebit", "init"):
+            return compressed_allreduce_bytes(numel, world_size)
+        return 0.0
+
+    def step(self, ctx):
+        B, st, comm = ctx.B, ctx.state, ctx.comm
+        n, d = comm.size, B.numel(ctx.x)
+        beta1, beta2 = ctx.hp["betas"]
+        eps, wd = ctx.hp["eps"], ctx.hp["weight_decay"]
+        step = st.scalar("step") + 1
+
+        def compress(value, phase):
+            out, worker, server, finite = compressed_allreduce(
+                B, comm, value, st.slot("worker_error"), st.slot("server_error"),
+                ctx.collective_name(phase))
+            # The error buffers are already left untouched on a non-finite step.
+            st.commit(True, {"worker_error": worker, "server_error": server})
+            return (out * ctx.mask if ctx.mask is not None else out), finite
+
+        def update(x, m, v):
+            """DeepSpeed's ``lr * (m / (sqrt(v) + eps) + weight_decay * x)``."""
+            upd = m / (B.sqrt(v) + eps)
+            if wd > 0.0:
+                upd = upd + x * wd
+            return upd * ctx.lr
+
+        def initialisation():
+            u = st.slot("momentum_accumulator")
+            if n > 1:  # the zero accumulator through the compressed allreduce, once
+                u = compress(u, "sync")[0]
+            st.count("init", self.wire_bytes("init", d, n))
+            st.commit(True, {"momentum_accumulator": u}, {"step": step, "initialized": 1})
+            return ctx.x
+
+        # --- Phase A: full-precision rounds at exponentially sparser steps, 1-bit between.
+        def phase_a():
+            var_step = step % st.scalar("var_interval") == 0
+
+            def full_round():
+                g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
+                st.count("full", self.wire_bytes("full", d, n))
+                v = st.slot("exp_avg_sq") * beta2 + g * g * (1.0 - beta2)
+                return g, v, B.all_finite(g)
+
+            def onebit_round():
+                if n > 1:
+                    g, ok = compress(ctx.g, "grad_onebit")
+                    st.count("onebit", self.wire_bytes("onebit", d, n))
+                else:  # one rank: local Adam (DeepSpeed skips the momentum update here)
+                    g, ok = ctx.g, B.all_finite(ctx.g)
+                    st.count("local", 0.0)
+                return g, st.slot("exp_avg_sq"), ok
+
+            g, v, ok = B.cond(var_step, full_round, onebit_round)
+            m = st.slot("exp_avg") * beta1 + g * (1.0 - beta1)
+            x = ctx.x - update(ctx.x, m, v)
+            # Variance schedule: kappa full rounds per interval, then the interval doubles.
+            count = B.select(var_step, st.scalar("var_counter") + 1, st.scalar("var_counter"))
+            doubled = count == self.var_update_scaler
+            scalars = {"step": step, "var_counter": B.select(doubled, 0, count),
+                       "var_interval": B.select(doubled, st.scalar("var_interval") * 2,
+                                                st.scalar("var_interval"))}
+            st.commit(ok, {"exp_avg": m, "exp_avg_sq": v}, scalars)
+            # At the end of the first step past var_freeze_step: freeze, and zero both
+            # error buffers once (they will compensate a different quantity).
+            B.cond(B.logical_and(ok, step > self.var_freeze_step), freeze, lambda: None)
+            return keep_if(B, ok, x, ctx.x)
+
+        def freeze():
+            st.commit(True, {"worker_error": B.zeros(B.numel(st.slot("worker_error"))),
+                             "server_error": B.zeros(B.numel(st.slot("server_error")))},
+                      {"frozen": 1})
+
+        # --- Phase B: local steps; every local_step_interval steps, a 1-bit sync.
+        def phase_b():
+            m = st.slot("exp_avg") * beta1 + ctx.g * (1.0 - beta1)
+            lrs = st.scalar("lrs") + ctx.lr
+            delta = update(ctx.x, m, st.slot("exp_avg_sq"))
+            x = ctx.x - delta
+            u = st.slot("momentum_accumulator") - delta
+            # Local-step schedule: the interval doubles every local_step_scaler steps, up
+            # to local_step_clipper. It advances on every rank, finite or not, so that all
+            # ranks agree on which step syncs.
+            count = st.scalar("local_step_counter") + 1
+            doubled = count == self.local_step_scaler
+            interval = st.scalar("local_step_interval")
+            schedule = {"local_step_counter": B.select(doubled, 0, count),
+                        "local_step_interval": B.select(
+                            doubled, B.minimum(interval * 2, self.local_step_clipper), interval)}
+
+            def local():
+                st.count("local", 0.0)
+                ok = B.all_finite(ctx.g)  # this rank's own: no collective on a local step
+                st.commit(True, None, dict(schedule, step=step))
+                st.commit(ok, {"exp_avg": m, "momentum_accumulator": u}, {"lrs": lrs})
+                return keep_if(B, ok, x, ctx.x)
+
+            def sync():
+                denom = B.sqrt(st.slot("exp_avg_sq")) + eps
+                w = u * denom
+                if n > 1:
+                    w, ok = compress(w, "sync")
+                    st.count("onebit", self.wire_bytes("onebit", d, n))
+                else:
+                    ok = B.all_finite(w)
+                    st.count("local", 0.0)
+                synced = (x - u) + w / denom  # back to the last sync, then the average
+                st.commit(ok, {"exp_avg": -(w / lrs),
+                               "momentum_accumulator": B.zeros(d)},
+                          dict(schedule, step=step, lrs=0.0))
+                return keep_if(B, ok, synced, ctx.x)
+
+            return B.cond(step % interval == 0, sync, local)
+
+        def train_step():
+            return B.cond(st.scalar("frozen") > 0, phase_b, phase_a)
+
+        return B.cond(st.scalar("initialized") > 0, train_step, initialisation)

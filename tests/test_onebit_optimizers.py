@@ -1,0 +1,223 @@
+"""The 1-bit compressed allreduce, 1-bit Adam and 0/1 Adam against DeepSpeed's rules.
+
+hvd_quant's rules run on simulated ranks (ThreadWorld, numpy oracle and numpy + fused
+kernels); tests/deepspeed_reference.py transcribes DeepSpeed's code for all ranks at once.
+Gradients are dyadic (multiples of 2**-10), so fp32 sums over ranks are exact in any order
+and the comparisons can be bit for bit.
+"""
+
+import numpy as np
+import pytest
+
+import deepspeed_reference as ds
+from hvd_quant import kernels
+from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
+from hvd_quant.core.simulate import ThreadWorld
+from hvd_quant.optimizers import OnebitAdamRule, ZeroOneAdamRule
+from hvd_quant.optimizers.oracle import OracleOptimizer
+
+BACKENDS = [NumpyBackend()] + ([kernels.NumpyKernelBackend()] if kernels.enabled() else [])
+BACKEND_IDS = [b.name for b in BACKENDS]
+HP = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def dyadic(shape, seed):
+    return (np.random.default_rng(seed).integers(-1024, 1025, shape) / 1024.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("n,expected", [(1, 8), (2, 16), (3, 72), (4, 32), (5, 200), (8, 64)])
+def test_padding_follows_deepspeed(n, expected):
+    assert padded_size(1, n) == expected == ds.padded_size(1, n)
+    for d in (0, 7, 1000, 4099):
+        assert padded_size(d, n) == ds.padded_size(d, n) or d == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("d", [1, 7, 100, 1001])
+def test_compressed_allreduce_equals_deepspeed(backend, n, d):
+    steps = 4
+    data = [[np.random.default_rng(100 * r + s).standard_normal(d).astype(np.float32)
+             for s in range(steps)] for r in range(n)]
+    total = padded_size(d, n)
+    ref_w = [np.zeros(total, np.float32) for _ in range(n)]
+    ref_s = [np.zeros(total // n, np.float32) for _ in range(n)]
+    expected = [ds.compressed_allreduce([data[r][s] for r in range(n)], ref_w, ref_s)[0]
+                for s in range(steps)]
+
+    def body(comm):
+        w, e = np.zeros(total, np.float32), np.zeros(total // n, np.float32)
+        outs = []
+        for s in range(steps):
+            out, w, e, finite = compressed_allreduce(backend, comm, data[comm.rank][s], w, e, f"c{s}")
+            assert finite
+            outs.append(out)
+        return outs, w, e
+
+    world = ThreadWorld(n)
+    results = world.run(body)
+    for rank, (outs, w, e) in enumerate(results):
+        for s in range(steps):
+            np.testing.assert_array_equal(outs[s], expected[s])  # every rank, bit for bit
+        np.testing.assert_array_equal(w, ref_w[rank])
+        np.testing.assert_array_equal(e, ref_s[rank])
+    for m in world.meters:
+        assert m.bytes_sent == pytest.approx(steps * compressed_allreduce_bytes(d, n))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_compressed_allreduce_non_finite_leaves_errors_untouched(bad):
+    n, d = 3, 50
+    total = padded_size(d, n)
+    w0 = [np.random.default_rng(r).standard_normal(total).astype(np.float32) for r in range(n)]
+    e0 = [np.random.default_rng(9 + r).standard_normal(total // n).astype(np.float32) for r in range(n)]
+
+    def body(comm):
+        x = np.ones(d, np.float32)
+        if comm.rank == 1:
+            x[17] = bad
+        return compressed_allreduce(NumpyBackend(), comm, x, w0[comm.rank].copy(),
+                                    e0[comm.rank].copy(), "c")
+
+    for rank, (out, w, e, finite) in enumerate(ThreadWorld(n).run(body)):
+        assert not finite and np.isnan(out).all()
+        np.testing.assert_array_equal(w, w0[rank])
+        np.testing.assert_array_equal(e, e0[rank])
+
+
+def run_rule(rule_factory, n, grads, lrs, hp=HP, backend=None, mask=None, x0=None):
+    """Each rank's OracleOptimizer over the steps; returns the per-rank optimizers."""
+    d = grads[0][0].size
+    x0 = dyadic(d, 7) if x0 is None else x0
+
+    def body(comm):
+        opt = OracleOptimizer(rule_factory(), x0, comm, hp, backend=backend, mask=mask)
+        for s, lr in enumerate(lrs):
+            opt.step(grads[comm.rank][s], lr)
+        return opt
+
+    return ThreadWorld(n).run(body), x0
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("wd,masked", [(0.0, False), (0.01, True)])
+def test_onebit_adam_equals_deepspeed(backend, n, wd, masked):
+    d, steps, freeze = 300, 12, 5
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    mask = (np.arange(d) % 7 != 0).astype(np.float32) if masked else None
+    hp = dict(HP, weight_decay=wd)
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze), n, grads, [1e-2] * steps,
+                        hp, backend, mask)
+    ref = ds.OnebitAdam([x0] * n, 1e-2, freeze, weight_decay=wd, mask=mask)
+    for s in range(steps):
+        ref.step([grads[r][s] for r in range(n)])
+    for rank, opt in enumerate(opts):
+        np.testing.assert_array_equal(opt.x, ref.x[rank])
+        np.testing.assert_array_equal(opt.state.slots["exp_avg"], ref.state[rank]["exp_avg"])
+        np.testing.assert_array_equal(opt.state.slots["exp_avg_sq"], ref.state[rank]["exp_avg_sq"])
+        np.testing.assert_array_equal(opt.state.slots["worker_error"], ref.state[rank]["worker_error"])
+        assert opt.state.kinds == ref.kinds
+    assert opts[0].state.kinds == ["init"] + ["full"] * (freeze - 1) + ["onebit"] * (steps - freeze)
+    for a in opts[1:]:
+        np.testing.assert_array_equal(a.x, opts[0].x)  # ranks agree after the warm-up too
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("wd,masked", [(0.0, False), (0.01, True)])
+def test_zero_one_adam_equals_deepspeed(backend, n, wd, masked):
+    d, steps = 200, 40
+    options = dict(var_freeze_step=14, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    lrs = [1e-2 * (1.0 - s / (2 * steps)) for s in range(steps)]  # a scheduler: lr changes
+    mask = (np.arange(d) % 5 != 0).astype(np.float32) if masked else None
+    hp = dict(HP, weight_decay=wd)
+    opts, x0 = run_rule(lambda: ZeroOneAdamRule(**options), n, grads, lrs, hp, backend, mask)
+    ref = ds.ZeroOneAdam([x0] * n, lrs[0], weight_decay=wd, mask=mask, **options)
+    for s in range(steps):
+        ref.step([grads[r][s] for r in range(n)], lrs[s])
+    for rank, opt in enumerate(opts):
+        st, rs = opt.state, ref.state[rank]
+        np.testing.assert_array_equal(opt.x, ref.x[rank])
+        for key in ("exp_avg", "exp_avg_sq", "momentum_accumulator", "worker_error", "server_error"):
+            np.testing.assert_array_equal(st.slots[key], rs[key], err_msg=key)
+        for key in ("step", "var_interval", "var_counter", "local_step_interval", "local_step_counter"):
+            assert st.scalars[key] == rs[key], key
+        assert st.scalars["lrs"] == pytest.approx(rs["lrs"], rel=1e-12)
+        assert st.kinds == ref.kinds
+    kinds = opts[0].state.kinds
+    # The schedule as DeepSpeed defines it: full rounds at gaps 1, 1, 2, 2, 4, 4 ... until
+    # var_freeze_step; then local steps with syncs every 1, 2, 4 (clipped) steps.
+    assert kinds[:15] == ["init", "full", "full", "full", "onebit", "full", "onebit", "full",
+                          "onebit", "onebit", "onebit", "full", "onebit", "onebit", "onebit"]
+    assert "local" in kinds[15:] and kinds.count("onebit") > 8
+    for a in opts[1:]:
+        assert not np.array_equal(a.x, opts[0].x) or kinds[-1] == "onebit"  # local steps differ
+
+
+def test_zero_one_adam_one_rank_is_local_adam_with_the_schedule():
+    d, steps = 64, 30
+    options = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+    grads = [[dyadic(d, s) for s in range(steps)]]
+    opts, x0 = run_rule(lambda: ZeroOneAdamRule(**options), 1, grads, [1e-2] * steps)
+    ref = ds.ZeroOneAdam([x0], 1e-2, one_rank_updates_momentum=True, **options)
+    for s in range(steps):
+        ref.step([grads[0][s]])
+    np.testing.assert_array_equal(opts[0].x, ref.x[0])
+    assert set(opts[0].state.kinds) == {"init", "full", "local"}
+    assert opts[0].state.bytes_sent == 0.0
+
+
+def test_onebit_adam_one_rank_sends_nothing():
+    grads = [[dyadic(32, s) for s in range(8)]]
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=3), 1, grads, [1e-2] * 8)
+    ref = ds.OnebitAdam([x0], 1e-2, 3)
+    for s in range(8):
+        ref.step([grads[0][s]])
+    np.testing.assert_array_equal(opts[0].x, ref.x[0])
+    assert opts[0].state.bytes_sent == 0.0
+
+
+def test_bytes_and_rounds_follow_the_schedule():
+    n, d, steps = 3, 1000, 30
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    rule = ZeroOneAdamRule(var_freeze_step=8, var_update_scaler=2, local_step_scaler=4, local_step_clipper=8)
+    opts, _ = run_rule(lambda: ZeroOneAdamRule(**rule.options()), n, grads, [1e-2] * steps)
+    kinds = opts[0].state.kinds
+    expected = sum(rule.wire_bytes(k, d, n) for k in kinds)
+    assert opts[0].state.bytes_sent == pytest.approx(expected)
+    full = rule.wire_bytes("full", d, n)
+    assert rule.wire_bytes("onebit", d, n) < full / 20  # ~1/32 of fp32
+    assert rule.wire_bytes("local", d, n) == 0
+
+
+@pytest.mark.parametrize("rule_factory,where", [
+    (lambda: OnebitAdamRule(freeze_step=4), 2),          # a warm-up (fp32) step
+    (lambda: OnebitAdamRule(freeze_step=4), 6),          # a compressed step
+    (lambda: ZeroOneAdamRule(var_freeze_step=6, var_update_scaler=1), 2),  # a full round
+    (lambda: ZeroOneAdamRule(var_freeze_step=6, var_update_scaler=1), 3),  # a 1-bit round
+    (lambda: ZeroOneAdamRule(var_freeze_step=3, local_step_scaler=100), 6),  # a sync (interval 1)
+])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_step_leaves_no_trace(rule_factory, where, bad):
+    """One rank, one element: every rank skips the step, state and parameters untouched,
+    and the run then continues exactly like a run without that step."""
+    n, d, steps = 3, 40, 10
+    grads = [[dyadic(d, 100 * r + s) for s in range(steps)] for r in range(n)]
+    bad_grads = [list(g) for g in grads]
+    bad_grads[1] = list(grads[1])
+    poisoned = grads[1][where].copy()
+    poisoned[5] = bad
+    bad_grads[1].insert(where, poisoned)  # an extra, poisoned step on rank 1
+    for r in (0, 2):
+        bad_grads[r].insert(where, grads[r][where])
+    lrs = [1e-2] * steps
+    clean, _ = run_rule(rule_factory, n, grads, lrs)
+    skipped, _ = run_rule(rule_factory, n, bad_grads, lrs + [1e-2])
+    for a, b in zip(clean, skipped):
+        np.testing.assert_array_equal(a.x, b.x)
+        assert b.state.skipped == 1
+        for key, value in a.state.slots.items():
+            np.testing.assert_array_equal(value, b.state.slots[key], err_msg=key)
