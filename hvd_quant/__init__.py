@@ -16,8 +16,9 @@ package imports without torch, TensorFlow or Horovod.
 """
 
 from .core.compressor import Compressor
-from .process_sets import torus_process_sets
+from .process_sets import node_process_sets, torus_process_sets
 from .registry import available, get, register
 
 __version__ = "0.1.0"
-__all__ = ["Compressor", "available", "get", "register", "torus_process_sets", "__version__"]
+__all__ = ["Compressor", "available", "get", "node_process_sets", "register", "torus_process_sets",
+           "__version__"]

@@ -35,6 +35,15 @@ def torus_process_sets(rows, size):
     return sets
 
 
+def node_process_sets(ranks_per_node, size):
+    """ProcessSet objects for the hierarchical 1-bit allreduce (BinSGDM): every node's
+    ranks, and every group of ranks that share a local rank, with ``ranks_per_node``
+    contiguous ranks per node. Pass them to ``hvd.init(process_sets=...)``."""
+    if ranks_per_node < 1 or size % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the number of ranks ({size})")
+    return torus_process_sets(size // ranks_per_node, size)
+
+
 def registered_set(ranks):
     """The initialised ProcessSet made by :func:`torus_process_sets` with exactly these
     ranks, or ``None``."""

@@ -9,5 +9,7 @@ from .backend import TorchBackend
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
 from .optimizer import DistributedOptimizer
+from .optimizers import BinSGDM, OnebitAdam, ZeroOneAdam
 
-__all__ = ["Compression", "DistributedOptimizer", "HorovodTorchComm", "TorchBackend", "TorchCompressor"]
+__all__ = ["BinSGDM", "Compression", "DistributedOptimizer", "HorovodTorchComm", "OnebitAdam",
+           "TorchBackend", "TorchCompressor", "ZeroOneAdam"]

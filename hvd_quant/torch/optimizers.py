@@ -1,0 +1,308 @@
+"""``torch.optim.Optimizer`` s that own their communication: 1-bit Adam, 0/1 Adam, BinSGDM.
+
+Thin adapters around the rules of :mod:`hvd_quant.optimizers` (written once, shared with
+the Keras optimizers). Use them instead of ``torch.optim.Adam`` *and without* a
+``DistributedOptimizer`` wrapper: ``step()`` communicates what the method sends (fp32
+averages, 1-bit rounds, nothing on local steps)::
+
+    hvd.init()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd_quant.torch.ZeroOneAdam(model.parameters(), lr=1e-3,
+                                      named_parameters=model.named_parameters(),
+                                      var_freeze_step=1000, local_step_scaler=1000)
+    ...
+    loss.backward()
+    opt.step()
+
+Each parameter group is one flat float32 buffer (DeepSpeed's fp16 optimizer flattens
+each group the same way), in the group's parameter order. Parameters without a gradient
+count as zeros on that rank. Parameters that are not float32 (``half``, ``bfloat16``)
+are updated through a float32 master copy kept in the state.
+
+State: ``state_dict()["state"]`` holds one entry per group, ``"hvd_quant.group{i}"``:
+flat tensors (moments, error buffers, master weights) and the counters, all of this
+rank's own (error buffers and, on local steps, moments differ between ranks): save one
+file per rank. A run restored from it continues bit-identically.
+
+``bytes_sent``, ``comm_rounds``, ``step_kinds`` (``"init"``, ``"full"``, ``"onebit"``,
+``"local"`` per step) and ``skipped_steps`` (steps left out because some rank's values
+were not finite) show what each step did.
+
+Loss scaling: the optimizers accept ``torch.amp.GradScaler`` (``scaler.step(opt)``): they
+unscale the gradients themselves and skip a step whose gradients overflowed on any rank,
+on every rank at once. (GradScaler's own bookkeeping sees only this rank's overflow, so
+the ranks' loss scales may differ after such a step; results do not depend on it.)
+"""
+
+import torch
+import horovod.torch as hvd
+
+from ..core.runner import RankDisagreement, check_agreement, digest63
+from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
+from ..optimizers.base import EagerGroupState, StepContext, initial_state
+from .backend import TorchBackend
+from .comm import HorovodTorchComm
+
+_STATE_KEY = "hvd_quant.group{}"
+
+
+class RuleOptimizer(torch.optim.Optimizer):
+    """Base of the optimizers below: runs a :class:`~hvd_quant.optimizers.base.Rule` on
+    every parameter group. Not for direct use; see :class:`ZeroOneAdam` and friends."""
+
+    # GradScaler hands us grad_scale and found_inf instead of skipping step() itself:
+    # skipping must be decided on every rank together (see the module docstring).
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0):
+        super().__init__(params, defaults)
+        self._rule = rule
+        self._comm = HorovodTorchComm(process_set if process_set is not None else hvd.global_process_set)
+        self._rule.validate(self._comm.size)
+        self._B = TorchBackend()
+        self._seed = int(seed)
+        self._names = _parameter_names(self.param_groups, named_parameters)
+        self._groups = {}
+        self._checked = False
+        self._restored = False
+        self.step_kinds, self.bytes_sent, self.comm_rounds, self.skipped_steps = [], 0.0, 0, 0
+
+    # --- state ------------------------------------------------------------------------
+    def _group_state(self, gi, group):
+        """The EagerGroupState of group ``gi`` (flat tensors in ``self.state``)."""
+        if gi in self._groups:
+            return self._groups[gi]
+        key = _STATE_KEY.format(gi)
+        params = group["params"]
+        numel = sum(p.numel() for p in params)
+        saved = self.state.get(key)
+        if saved is None:
+            slots, scalars = initial_state(self._rule, numel, self._comm.size)
+            slots = {k: torch.from_numpy(v) for k, v in slots.items()}
+            if any(p.dtype != torch.float32 for p in params):
+                slots["master"] = _flat(params).clone()
+            self.state[key] = saved = {"slots": slots, "scalars": scalars}
+        _check_saved_group(saved, self._rule, numel, self._comm.size, gi)
+        self._groups[gi] = EagerGroupState(saved["slots"], saved["scalars"], in_place=True)
+        return self._groups[gi]
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._groups = {}  # rebuilt from the loaded flat tensors on the next step
+        # A restored run may hold per-rank parameters legitimately (0/1 Adam between
+        # syncs): the first-step check then compares everything but the values.
+        self._restored = True
+        for key, value in list(self.state.items()):
+            if isinstance(key, str) and key.startswith("hvd_quant.group"):
+                value["slots"] = {k: v.detach().to(torch.float32).clone() for k, v in value["slots"].items()}
+
+    # --- the step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._checked:
+            self._check_ranks()
+        scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
+        inv_scale = None if scale is None else 1.0 / float(scale)
+        kinds, nbytes = [], 0.0
+        for gi, group in enumerate(self.param_groups):
+            st = self._group_state(gi, group)
+            before_kinds, before_bytes, before_skips = len(st.kinds), st.bytes_sent, st.skipped
+            g = _flat_grads(group["params"], inv_scale)
+            x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
+            mask = group.get("exp_avg_mask")
+            ctx = StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group),
+                              f"opt.g{gi}", mask=None if mask is None else mask.reshape(-1).float())
+            new_x = self._rule.step(ctx)
+            if "master" in st.slots:
+                st.set_slot("master", new_x)
+            _write_back(group["params"], new_x)
+            kinds.append(st.kinds[-1] if len(st.kinds) > before_kinds else "local")
+            nbytes += st.bytes_sent - before_bytes
+            self.skipped_steps += int(st.skipped > before_skips) if gi == 0 else 0
+        self.step_kinds.append(kinds[0] if kinds else "local")
+        self.bytes_sent += nbytes
+        self.comm_rounds += int(bool(kinds) and kinds[0] != "local")
+        return loss
+
+    def _check_ranks(self):
+        """First step: every rank must use the same method, options, hyper-parameters,
+        parameter structure and parameter values (one small allgather)."""
+        import numpy as np
+
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "exp_avg_mask")}
+                 for g in self.param_groups]
+        fingerprint = digest63(repr(self._rule), repr(sorted(self._rule.options().items())),
+                               repr([sorted(h.items()) for h in hyper]))
+        structure = digest63(*(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._named_params()))
+        values = 0 if self._restored else digest63(
+            *(p.detach().cpu().contiguous().numpy().tobytes() for _, p in self._named_params()))
+        row = torch.tensor([fingerprint, structure, values], dtype=torch.int64)
+        gathered = self._comm.allgather(row, "hvd_quant.optimizer.check").numpy()
+        check_agreement(
+            np.asarray(gathered).reshape(self._comm.size, 3),
+            ["the optimizer, its options or its hyper-parameters (learning rates included)",
+             "the model's parameter names/shapes/dtypes", "the model's parameter values"],
+            [f"This rank uses {self._rule!r} with {hyper}; construct the optimizer the same "
+             "way on every rank.", "Build the same model on every rank.",
+             "Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), root_rank=0)."])
+        self._checked = True
+
+    def _named_params(self):
+        return [(self._names[p], p) for g in self.param_groups for p in g["params"]]
+
+    def __repr__(self):
+        return f"hvd_quant.torch.{type(self).__name__}({self._rule!r}, lr={self.defaults['lr']})"
+
+
+class OnebitAdam(RuleOptimizer):
+    """1-bit Adam (DeepSpeed's ``OnebitAdam``): Adam for ``freeze_step`` steps with fp32
+    averaging, then the momentum through the 1-bit compressed allreduce with a frozen
+    variance. See :mod:`hvd_quant.optimizers.onebit_adam` for the exact rule."""
+
+    def __init__(self, params, lr=1e-3, named_parameters=None, freeze_step=100000,
+                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
+                 process_set=None, amsgrad=False):
+        if amsgrad:
+            raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
+        super().__init__(params, OnebitAdamRule(freeze_step=freeze_step),
+                         _defaults(lr, betas, eps, weight_decay, bias_correction),
+                         named_parameters, process_set)
+
+
+class ZeroOneAdam(RuleOptimizer):
+    """0/1 Adam (DeepSpeed's ``ZeroOneAdam``): variance updates at exponentially sparser
+    fp32 rounds with 1-bit rounds between, until ``var_freeze_step``; then local steps and
+    a 1-bit sync of the accumulated update every H steps, H doubling every
+    ``local_step_scaler`` steps up to ``local_step_clipper``. See
+    :mod:`hvd_quant.optimizers.zero_one_adam` for the exact rule.
+
+    A param group may carry ``exp_avg_mask`` (a tensor with the group's number of
+    elements, in parameter order): the 1-bit results are multiplied by it, as in
+    DeepSpeed. 1-bit compression cannot represent exact zeros, so parameters whose
+    momentum is always zero (e.g. embedding rows that never occur) would otherwise
+    accumulate compression error; mask them with 0.
+    """
+
+    def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, var_freeze_step=100000, var_update_scaler=16,
+                 local_step_scaler=32678, local_step_clipper=16, bias_correction=True,
+                 process_set=None, amsgrad=False):
+        if amsgrad:
+            raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
+        rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
+                               local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
+        super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
+                         named_parameters, process_set)
+
+
+class BinSGDM(RuleOptimizer):
+    """BinSGDM / Birder: a 1-bit adaptive optimizer with no warm-up; every rank sends
+    +-1 per element (a randomized sign of ``m / b``) through the hierarchical 1-bit
+    allreduce. See :mod:`hvd_quant.optimizers.binsgdm` (a reconstruction).
+
+    ``ranks_per_node``: ranks per node of the hierarchy; ``None`` takes Horovod's local
+    size when ranks are laid out node by node (``rank = cross_rank * local_size +
+    local_rank``), else the flat 1-bit allgather. For the intra- and inter-node groups to
+    run over Horovod process sets, register them at start-up:
+    ``hvd.init(process_sets=hvd_quant.node_process_sets(ranks_per_node, size))``.
+    """
+
+    def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
+                 weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None):
+        beta = _single_beta(betas, beta)
+        if ranks_per_node is None:
+            ranks_per_node = _horovod_ranks_per_node()
+        super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
+                         dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
+                         named_parameters, process_set, seed=seed)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def _defaults(lr, betas, eps, weight_decay, bias_correction):
+    if not lr >= 0.0:
+        raise ValueError(f"invalid learning rate: {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+    # bias_correction is accepted for DeepSpeed compatibility; neither method uses it.
+    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                bias_correction=bias_correction)
+
+
+def _single_beta(betas, beta):
+    values = set(float(b) for b in ((beta,) if beta is not None else betas))
+    if len(values) != 1 or not 0.0 <= next(iter(values)) < 1.0:
+        raise ValueError("BinSGDM uses one beta for the momentum and the |g| average "
+                         f"(so that |m| <= b); got betas={betas}, beta={beta}")
+    return values.pop()
+
+
+def _horovod_ranks_per_node():
+    """Horovod's local size when the ranks are laid out node by node, else None (flat)."""
+    local, cross = hvd.local_size(), hvd.cross_size()
+    if local > 1 and cross > 1 and hvd.rank() == hvd.cross_rank() * local + hvd.local_rank():
+        return local
+    return None
+
+
+def _hyper(group):
+    return {"betas": tuple(group["betas"]), "eps": group.get("eps", 0.0),
+            "weight_decay": group.get("weight_decay", 0.0)}
+
+
+def _parameter_names(groups, named_parameters):
+    params = [p for g in groups for p in g["params"]]
+    if named_parameters is None:
+        return {p: f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    names = {p: n for n, p in named}
+    missing = [i for i, p in enumerate(params) if p not in names]
+    if missing:
+        raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) the "
+                         "optimizer updates; pass model.named_parameters()")
+    return names
+
+
+def _flat(params):
+    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params]) if params else torch.zeros(0)
+
+
+def _flat_grads(params, inv_scale):
+    parts = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            parts.append(torch.zeros(p.numel(), dtype=torch.float32))
+            continue
+        if g.is_sparse:
+            raise RuntimeError("hvd_quant's 1-bit optimizers do not support sparse gradients "
+                               "(as in DeepSpeed); use a dense embedding (sparse=False)")
+        parts.append(g.detach().reshape(-1).to(torch.float32))
+    flat = torch.cat(parts) if parts else torch.zeros(0)
+    return flat * inv_scale if inv_scale is not None else flat
+
+
+def _write_back(params, flat):
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
+
+
+def _check_saved_group(saved, rule, numel, world_size, gi):
+    slots, _ = initial_state(rule, numel, world_size)
+    for name, zeros in slots.items():
+        have = saved["slots"].get(name)
+        if have is None or have.numel() != zeros.size:
+            raise ValueError(
+                f"optimizer state of group {gi} does not fit: slot {name!r} has "
+                f"{None if have is None else have.numel()} elements, expected {zeros.size} "
+                f"({numel} parameters, {world_size} ranks). Checkpoints are per rank and "
+                "per world size.")
+
+
+__all__ = ["BinSGDM", "OnebitAdam", "RankDisagreement", "RuleOptimizer", "ZeroOneAdam"]
