@@ -221,3 +221,21 @@ def test_a_non_finite_step_leaves_no_trace(rule_factory, where, bad):
         assert b.state.skipped == 1
         for key, value in a.state.slots.items():
             np.testing.assert_array_equal(value, b.state.slots[key], err_msg=key)
+
+
+def test_zero_one_adam_exact_sync_leaves_ranks_identical():
+    """DeepSpeed's x - u agrees across ranks only to rounding; exact_sync bit for bit, and
+    otherwise the same trajectory."""
+    n, d, steps = 3, 300, 30
+    options = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=100, local_step_clipper=4)
+    grads = [[np.random.default_rng(100 * r + s).standard_normal(d).astype(np.float32) for s in range(steps)]
+             for r in range(n)]
+    lrs = [1e-2] * steps
+    plain, _ = run_rule(lambda: ZeroOneAdamRule(**options), n, grads, lrs)
+    exact, _ = run_rule(lambda: ZeroOneAdamRule(exact_sync=True, **options), n, grads, lrs)
+    assert exact[0].state.kinds[-1] == "onebit"  # the last step is a sync (interval 1)
+    for opt in exact[1:]:
+        np.testing.assert_array_equal(opt.x, exact[0].x)
+    assert any(not np.array_equal(o.x, plain[0].x) for o in plain[1:])  # DeepSpeed's rounding
+    for a, b in zip(plain, exact):
+        np.testing.assert_allclose(a.x, b.x, rtol=1e-4, atol=1e-5)

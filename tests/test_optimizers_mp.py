@@ -125,3 +125,43 @@ def test_bad_input_fails_clearly_on_every_rank(job):
             assert err["error"] == "RankDisagreement" and "learning rates" in err["message"], err
         err = rank["sparse"]
         assert err["error"] == "RuntimeError" and "sparse" in err["message"]
+
+
+TF_WORKER = HERE / "mp" / "optim_worker_tf.py"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["tf-np2", "tf-np3"])
+def tf_job(request, tmp_path_factory):
+    n = request.param
+    out = tmp_path_factory.mktemp(f"optimtf{n}")
+    run_horovod(TF_WORKER, n, [out], timeout=600)
+    return {"size": n, "ranks": load_rank_results(out, n)}
+
+
+@pytest.mark.parametrize("name", list(cases.CONFIGS))
+def test_keras_optimizers_equal_the_oracle_eagerly_and_in_tf_function(tf_job, name):
+    expected = oracle(name, tf_job["size"], None)
+    counts = {k: expected[0].state.kinds.count(k) for k in ("init", "full", "onebit", "local")}
+    for rank in tf_job["ranks"]:
+        for mode in ("eager", "fn"):
+            got = _ok(rank[f"train/{name}/{mode}"])
+            np.testing.assert_allclose(np.float32(got["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
+            assert got["kinds"] == counts
+            assert got["bytes"] == pytest.approx(expected[0].state.bytes_sent, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", list(cases.CONFIGS))
+def test_keras_fit_trains_with_identical_weights(tf_job, name):
+    fits = [_ok(r[f"fit/{name}"]) for r in tf_job["ranks"]]
+    assert fits[0]["loss"][-1] < 0.5 * fits[0]["loss"][0]
+    if name != "zero_one_adam" or fits[0]["kinds"][-1] != "local":  # (0/1 Adam: exact_sync)
+        for f in fits[1:]:
+            np.testing.assert_array_equal(f["weights"], fits[0]["weights"])
+    assert len(fits[0]["kinds"]) == 4 * 256 // 32
+
+
+@pytest.mark.parametrize("key", ["checkpoint/phase_b", "checkpoint/binsgdm"])
+def test_keras_checkpoints_restore_bit_identically(tf_job, key):
+    for rank in tf_job["ranks"]:
+        got = _ok(rank[key])
+        assert got["restored"] == got["uninterrupted"]

@@ -49,6 +49,15 @@ def node_layout(world_size, ranks_per_node):
     return world_size // k, k
 
 
+def ranks_per_node_of(rank, local_rank, local_size, cross_rank, cross_size):
+    """Ranks per node from Horovod's local and cross ranks when ranks are laid out node by
+    node (``rank = cross_rank * local_size + local_rank``); ``None`` (flat) otherwise or
+    with one node or one rank per node."""
+    if local_size > 1 and cross_size > 1 and rank == cross_rank * local_size + local_rank:
+        return local_size
+    return None
+
+
 def hierarchical_bytes(numel, world_size, ranks_per_node):
     """``{"intra": bytes, "inter": bytes}`` one rank sends for one call."""
     nodes, k = node_layout(world_size, ranks_per_node)

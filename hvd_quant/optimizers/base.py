@@ -149,6 +149,16 @@ class Rule:
         return f"{type(self).__name__}({opts})"
 
 
+def adam_hyperparameters(betas, eps, weight_decay):
+    """Checked ``{"betas", "eps", "weight_decay"}`` of the Adam-family rules."""
+    betas = tuple(float(b) for b in betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+    if not eps >= 0.0 or not weight_decay >= 0.0:
+        raise ValueError(f"eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+    return {"betas": betas, "eps": float(eps), "weight_decay": float(weight_decay)}
+
+
 def keep_if(B, ok, new, old):
     """``new`` if ``ok`` else ``old`` (a tensor; eagerly a Python branch)."""
     return B.cond(ok, lambda: new, lambda: old)

@@ -32,6 +32,15 @@ from ..core.rng import call_key, call_key_tensor, draws, stream_key
 from .base import Rule, keep_if
 
 
+def single_beta(betas, beta=None):
+    """The one beta of BinSGDM from ``beta`` or a ``betas`` tuple (all values equal)."""
+    values = {float(b) for b in ((beta,) if beta is not None else betas)}
+    if len(values) != 1 or not 0.0 <= next(iter(values)) < 1.0:
+        raise ValueError("BinSGDM uses one beta in [0, 1) for the momentum and the |g| average "
+                         f"(so that |m| <= b); got betas={betas}, beta={beta}")
+    return values.pop()
+
+
 def binary_randomize(B, g, m, b, beta, key):
     """New ``m``, ``b`` and the packed +-1 bits of ``q`` (fused primitive
     ``binsgdm_encode``; one draw of the call ``key`` per element)."""

@@ -80,27 +80,38 @@ class ZeroOneAdamRule(Rule):
         Phase-B steps between doublings of the local-step interval (32678).
     local_step_clipper : int
         H: the largest local-step interval (16).
+    exact_sync : bool
+        Our option, off by default. DeepSpeed returns to the last sync's parameters as
+        ``x - u``, which undoes the local steps only up to float rounding, and that
+        rounding differs per rank: after a sync the ranks agree to a few ulps, not bit
+        for bit. With ``exact_sync=True`` those parameters are kept (one more parameter
+        sized buffer) and every sync leaves all ranks with identical parameters.
     """
 
     name = "zero_one_adam"
     param_slots = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
 
     def __init__(self, var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
-                 local_step_clipper=16):
+                 local_step_clipper=16, exact_sync=False):
         if isinstance(var_freeze_step, bool) or not isinstance(var_freeze_step, int) or var_freeze_step < 0:
             raise ValueError(f"var_freeze_step must be an int >= 0, got {var_freeze_step!r}")
         super().__init__(var_freeze_step=var_freeze_step,
                          var_update_scaler=_positive_int("var_update_scaler", var_update_scaler),
                          local_step_scaler=_positive_int("local_step_scaler", local_step_scaler),
-                         local_step_clipper=_positive_int("local_step_clipper", local_step_clipper))
+                         local_step_clipper=_positive_int("local_step_clipper", local_step_clipper),
+                         exact_sync=bool(exact_sync))
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
+        self.exact_sync = bool(exact_sync)
 
     def extra_slots(self, numel, world_size):
         total = padded_size(numel, world_size)
-        return {"worker_error": total, "server_error": total // world_size}
+        slots = {"worker_error": total, "server_error": total // world_size}
+        if self.exact_sync:
+            slots["synced_params"] = numel
+        return slots
 
     def scalars(self):
         return {"step": 0, "initialized": 0, "frozen": 0,
@@ -175,13 +186,15 @@ class ZeroOneAdamRule(Rule):
             st.commit(ok, {"exp_avg": m, "exp_avg_sq": v}, scalars)
             # At the end of the first step past var_freeze_step: freeze, and zero both
             # error buffers once (they will compensate a different quantity).
-            B.cond(B.logical_and(ok, step > self.var_freeze_step), freeze, lambda: None)
+            B.cond(B.logical_and(ok, step > self.var_freeze_step), lambda: freeze(x), lambda: None)
             return keep_if(B, ok, x, ctx.x)
 
-        def freeze():
-            st.commit(True, {"worker_error": B.zeros(B.numel(st.slot("worker_error"))),
-                             "server_error": B.zeros(B.numel(st.slot("server_error")))},
-                      {"frozen": 1})
+        def freeze(x):
+            slots = {"worker_error": B.zeros(B.numel(st.slot("worker_error"))),
+                     "server_error": B.zeros(B.numel(st.slot("server_error")))}
+            if self.exact_sync:  # Phase B starts from these (identical) parameters
+                slots["synced_params"] = x
+            st.commit(True, slots, {"frozen": 1})
 
         # --- Phase B: local steps; every local_step_interval steps, a 1-bit sync.
         def phase_b():
@@ -216,9 +229,13 @@ class ZeroOneAdamRule(Rule):
                 else:
                     ok = B.all_finite(w)
                     st.count("local", 0.0)
-                synced = (x - u) + w / denom  # back to the last sync, then the average
-                st.commit(ok, {"exp_avg": -(w / lrs),
-                               "momentum_accumulator": B.zeros(d)},
+                # Back to the parameters of the last sync, then the average. DeepSpeed's
+                # x - u undoes the local steps up to rounding, which differs per rank;
+                # exact_sync keeps those parameters instead, so ranks agree bit for bit.
+                base = st.slot("synced_params") if self.exact_sync else x - u
+                synced = base + w / denom
+                extra = {"synced_params": synced} if self.exact_sync else {}
+                st.commit(ok, {"exp_avg": -(w / lrs), "momentum_accumulator": B.zeros(d), **extra},
                           dict(schedule, step=step, lrs=0.0))
                 return keep_if(B, ok, synced, ctx.x)
 

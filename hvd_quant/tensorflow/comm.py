@@ -45,7 +45,9 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
 
     def allgather(self, x, name):
         self._count_allgather(self._nbytes(x))
-        return hvd.allgather(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
+        out = hvd.allgather(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
+        # Every rank contributes the same length: give graphs the static shape.
+        return tf.reshape(out, [self.size * x.shape.num_elements()])
 
     def alltoall(self, x, name):
         if self.size == 1:

@@ -39,7 +39,9 @@ import horovod.torch as hvd
 
 from ..core.runner import RankDisagreement, check_agreement, digest63
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
-from ..optimizers.base import EagerGroupState, StepContext, initial_state
+from ..core.hierarchical import ranks_per_node_of
+from ..optimizers.base import EagerGroupState, StepContext, adam_hyperparameters, initial_state
+from ..optimizers.binsgdm import single_beta
 from .backend import TorchBackend
 from .comm import HorovodTorchComm
 
@@ -185,16 +187,21 @@ class ZeroOneAdam(RuleOptimizer):
     DeepSpeed. 1-bit compression cannot represent exact zeros, so parameters whose
     momentum is always zero (e.g. embedding rows that never occur) would otherwise
     accumulate compression error; mask them with 0.
+
+    ``exact_sync=True`` (ours, off by default) keeps the parameters of the last sync so
+    that every sync leaves all ranks bit-identical; DeepSpeed's ``x - u`` agrees only to
+    rounding (see :class:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule`).
     """
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, var_freeze_step=100000, var_update_scaler=16,
                  local_step_scaler=32678, local_step_clipper=16, bias_correction=True,
-                 process_set=None, amsgrad=False):
+                 process_set=None, amsgrad=False, exact_sync=False):
         if amsgrad:
             raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
-                               local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
+                               local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
+                               exact_sync=exact_sync)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set)
 
@@ -213,9 +220,10 @@ class BinSGDM(RuleOptimizer):
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
                  weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None):
-        beta = _single_beta(betas, beta)
+        beta = single_beta(betas, beta)
         if ranks_per_node is None:
-            ranks_per_node = _horovod_ranks_per_node()
+            ranks_per_node = ranks_per_node_of(hvd.rank(), hvd.local_rank(), hvd.local_size(),
+                                               hvd.cross_rank(), hvd.cross_size())
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
                          named_parameters, process_set, seed=seed)
@@ -225,27 +233,8 @@ class BinSGDM(RuleOptimizer):
 def _defaults(lr, betas, eps, weight_decay, bias_correction):
     if not lr >= 0.0:
         raise ValueError(f"invalid learning rate: {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two values in [0, 1), got {betas}")
     # bias_correction is accepted for DeepSpeed compatibility; neither method uses it.
-    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                bias_correction=bias_correction)
-
-
-def _single_beta(betas, beta):
-    values = set(float(b) for b in ((beta,) if beta is not None else betas))
-    if len(values) != 1 or not 0.0 <= next(iter(values)) < 1.0:
-        raise ValueError("BinSGDM uses one beta for the momentum and the |g| average "
-                         f"(so that |m| <= b); got betas={betas}, beta={beta}")
-    return values.pop()
-
-
-def _horovod_ranks_per_node():
-    """Horovod's local size when the ranks are laid out node by node, else None (flat)."""
-    local, cross = hvd.local_size(), hvd.cross_size()
-    if local > 1 and cross > 1 and hvd.rank() == hvd.cross_rank() * local + hvd.local_rank():
-        return local
-    return None
+    return dict(lr=lr, bias_correction=bias_correction, **adam_hyperparameters(betas, eps, weight_decay))
 
 
 def _hyper(group):

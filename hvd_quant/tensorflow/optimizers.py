@@ -1,0 +1,270 @@
+"""Keras 3 optimizers that own their communication: 1-bit Adam, 0/1 Adam, BinSGDM.
+
+Thin adapters around the rules of :mod:`hvd_quant.optimizers` (the same code the torch
+optimizers run). They work in ``model.compile(optimizer=...)`` + ``model.fit(...)`` and in
+custom loops, eagerly and inside ``tf.function``; no ``DistributedOptimizer`` or
+distributed tape is needed (or wanted) around them::
+
+    hvd.init()
+    opt = hvd_quant.tensorflow.ZeroOneAdam(learning_rate=1e-3, var_freeze_step=1000)
+    model.compile(optimizer=opt, loss=...)
+    model.fit(x, y, callbacks=[hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+All trainable variables form one flat float32 group, in the order Keras passes them.
+Variables without a gradient count as zeros. Variables that are not float32 are updated
+through a float32 master copy. Every piece of state (moments, error buffers, counters,
+the sum of learning rates, the random stream's position, master weights) is a Keras
+optimizer variable, so ``model.save`` and ``ModelCheckpoint`` keep it; it is this rank's
+own: save one checkpoint per rank.
+
+The schedule runs on counters held in variables, with ``tf.cond``: every rank takes the
+same branch, so collectives inside a branch are issued in the same order everywhere.
+What each step did is in ``bytes_sent``, ``comm_rounds``, ``kind_counts`` (per kind of
+step), ``last_step_kind`` and ``skipped_steps`` (variables; read them with ``float()``
+or ``int()``), and :class:`StepKindRecorder` keeps the per-step list during ``fit``.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ..core.runner import check_agreement, digest63
+from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
+from ..core.hierarchical import ranks_per_node_of
+from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
+from ..optimizers.binsgdm import single_beta
+from .backend import TFBackend
+from .compression import variable_name
+
+
+class _VariableGroupState(GroupState):
+    """A GroupState whose slots, counters and meters are Keras optimizer variables."""
+
+    def __init__(self, B, opt):
+        self.B, self.opt = B, opt
+
+    def slot(self, name):
+        return tf.convert_to_tensor(self.opt._hq_slots[name].value)
+
+    def set_slot(self, name, value):
+        self.opt._hq_slots[name].value.assign(value)
+
+    def scalar(self, name):
+        return tf.convert_to_tensor(self.opt._hq_scalars[name].value)
+
+    def set_scalar(self, name, value):
+        var = self.opt._hq_scalars[name].value
+        var.assign(tf.cast(tf.reshape(value, []), var.dtype))
+
+    def commit(self, ok, slots=None, scalars=None):
+        def store():
+            for name, value in (slots or {}).items():
+                self.set_slot(name, value)
+            for name, value in (scalars or {}).items():
+                self.set_scalar(name, value)
+
+        def skip():
+            self.opt._hq_meters["skipped"].value.assign_add(1)
+
+        if ok is True:  # nothing to decide (error buffers updated by a guarded collective)
+            store()
+        else:
+            self.B.cond(ok, store, skip)
+
+    def count(self, kind, nbytes):
+        meters = self.opt._hq_meters
+        meters["bytes_sent"].value.assign_add(float(nbytes))
+        meters["comm_rounds"].value.assign_add(0 if kind == "local" else 1)
+        meters[f"steps_{kind}"].value.assign_add(1)
+        meters["last_kind"].value.assign(KINDS.index(kind))
+
+
+class RuleOptimizer(keras.optimizers.Optimizer):
+    """Base of the Keras optimizers below: runs a rule on all trainable variables."""
+
+    def __init__(self, rule, learning_rate, hp, name, process_set=None, **kwargs):
+        super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self._hq_rule = rule
+        self._hq_hp = dict(hp)
+        self._hq_process_set = process_set
+        self._hq_comm = None
+
+    # --- state ------------------------------------------------------------------------
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        # Keras may build inside a traced function: set initial values and run the
+        # one-off agreement check eagerly, or they would become ops of every step.
+        with tf.init_scope():
+            self._build_state(var_list)
+
+    def _build_state(self, var_list):
+        comm = self._comm()
+        self._hq_rule.validate(comm.size)
+        numel = int(sum(np.prod(v.shape) for v in var_list))
+        slots, scalars = initial_state(self._hq_rule, numel, comm.size)
+        self._hq_slots = {name: self.add_variable((value.size,), "zeros", "float32", name=f"hvd_quant_{name}")
+                          for name, value in slots.items()}
+        if any(v.dtype != "float32" for v in var_list):
+            master = self.add_variable((numel,), "zeros", "float32", name="hvd_quant_master")
+            master.assign(_flat_values(var_list))
+            self._hq_slots["master"] = master
+        self._hq_scalars = {name: self.add_variable((), "zeros", "int64" if isinstance(value, int) else "float32",
+                                                    name=f"hvd_quant_{name}")
+                            for name, value in scalars.items()}
+        for name, value in scalars.items():
+            self._hq_scalars[name].assign(value)
+        meters = {"bytes_sent": "float32", "comm_rounds": "int64", "skipped": "int64", "last_kind": "int64"}
+        meters.update({f"steps_{k}": "int64" for k in KINDS})
+        self._hq_meters = {name: self.add_variable((), "zeros", dtype, name=f"hvd_quant_{name}")
+                           for name, dtype in meters.items()}
+        self._check_ranks(var_list)
+
+    def _comm(self):
+        if self._hq_comm is None:
+            import horovod.tensorflow as hvd
+
+            from .comm import HorovodTFComm
+            self._hq_comm = HorovodTFComm(self._hq_process_set or hvd.global_process_set)
+        return self._hq_comm
+
+    def _check_ranks(self, var_list):
+        """At build time (eagerly): every rank must use the same method, options,
+        hyper-parameters and variable structure. Values are broadcast later (by
+        BroadcastGlobalVariablesCallback), so they are not compared here."""
+        lr = self._learning_rate
+        lr_repr = (repr(keras.saving.serialize_keras_object(lr)) if isinstance(
+            lr, keras.optimizers.schedules.LearningRateSchedule) else repr(float(np.asarray(lr))))
+        fingerprint = digest63(repr(self._hq_rule), repr(sorted(self._hq_hp.items())), lr_repr)
+        structure = digest63(*(f"{variable_name(v)}:{tuple(v.shape)}:{v.dtype}" for v in var_list))
+        gathered = self._comm().allgather(tf.constant([fingerprint, structure], tf.int64),
+                                          "hvd_quant.optimizer.check")
+        check_agreement(np.asarray(gathered).reshape(self._comm().size, 2),
+                            ["the optimizer, its options or its hyper-parameters (learning rates included)",
+                             "the model's variable names/shapes/dtypes"],
+                            [f"This rank uses {self._hq_rule!r} with {self._hq_hp}, learning rate "
+                             f"{lr_repr}; construct the optimizer the same way on every rank.",
+                             "Build the same model on every rank."])
+
+    # --- the step ---------------------------------------------------------------------
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        variables = list(self._trainable_variables)
+        given = {self._var_key(v): g for g, v in zip(grads, trainable_variables)}
+        parts = []
+        for v in variables:
+            g = given.get(self._var_key(v))
+            if g is None:  # no gradient this step: zeros
+                g = tf.zeros([int(np.prod(v.shape))], tf.float32)
+            elif isinstance(g, tf.IndexedSlices):
+                raise ValueError("hvd_quant's 1-bit optimizers do not support sparse gradients "
+                                 f"(variable {variable_name(v)}); use dense ones")
+            parts.append(tf.reshape(tf.cast(g, tf.float32), [-1]))
+        B = TFBackend()
+        g = tf.concat(parts, 0) if parts else tf.zeros([0])
+        master = self._hq_slots.get("master")
+        x = tf.convert_to_tensor(master.value) if master is not None else _flat_values(variables)
+        ctx = StepContext(B, self._comm(), _VariableGroupState(B, self), g, x,
+                          tf.cast(learning_rate, tf.float32), self._hq_hp, "opt.g0")
+        new_x = self._hq_rule.step(ctx)
+        if master is not None:
+            master.assign(new_x)
+        offset = 0
+        for v in variables:
+            n = int(np.prod(v.shape))
+            v.assign(tf.cast(tf.reshape(new_x[offset:offset + n], v.shape), v.dtype))
+            offset += n
+
+    # --- what it did ------------------------------------------------------------------
+    @property
+    def bytes_sent(self):
+        return self._meter("bytes_sent")
+
+    @property
+    def comm_rounds(self):
+        return self._meter("comm_rounds")
+
+    @property
+    def skipped_steps(self):
+        return self._meter("skipped")
+
+    @property
+    def kind_counts(self):
+        return {k: int(self._meter(f"steps_{k}")) for k in KINDS}
+
+    @property
+    def last_step_kind(self):
+        return KINDS[int(self._meter("last_kind"))]
+
+    def _meter(self, name):
+        if not self.built:
+            return 0
+        return self._hq_meters[name].numpy()
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(self._hq_rule.options())
+        config.update(self._hq_hp)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="hvd_quant")
+class OnebitAdam(RuleOptimizer):
+    """1-bit Adam (DeepSpeed's ``OnebitAdam``) as a Keras 3 optimizer; see
+    :mod:`hvd_quant.optimizers.onebit_adam` and ``hvd_quant.torch.OnebitAdam``."""
+
+    def __init__(self, learning_rate=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, process_set=None, name="onebit_adam", **kwargs):
+        super().__init__(OnebitAdamRule(freeze_step=freeze_step), learning_rate,
+                         adam_hyperparameters(betas, eps, weight_decay), name, process_set, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="hvd_quant")
+class ZeroOneAdam(RuleOptimizer):
+    """0/1 Adam (DeepSpeed's ``ZeroOneAdam``) as a Keras 3 optimizer; see
+    :mod:`hvd_quant.optimizers.zero_one_adam` and ``hvd_quant.torch.ZeroOneAdam``."""
+
+    def __init__(self, learning_rate=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
+                 local_step_clipper=16, exact_sync=False, process_set=None, name="zero_one_adam",
+                 **kwargs):
+        rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
+                               local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
+                               exact_sync=exact_sync)
+        super().__init__(rule, learning_rate, adam_hyperparameters(betas, eps, weight_decay), name,
+                         process_set, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="hvd_quant")
+class BinSGDM(RuleOptimizer):
+    """BinSGDM / Birder as a Keras 3 optimizer (a reconstruction); see
+    :mod:`hvd_quant.optimizers.binsgdm` and ``hvd_quant.torch.BinSGDM``."""
+
+    def __init__(self, learning_rate=1e-3, betas=(0.9,), beta=None, weight_decay=0.0,
+                 ranks_per_node=None, seed=0, process_set=None, name="binsgdm", **kwargs):
+        beta = single_beta(betas, beta)
+        if ranks_per_node is None:
+            import horovod.tensorflow as hvd
+            ranks_per_node = ranks_per_node_of(hvd.rank(), hvd.local_rank(), hvd.local_size(),
+                                               hvd.cross_rank(), hvd.cross_size())
+        super().__init__(BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed), learning_rate,
+                         {"betas": (beta,), "eps": 0.0, "weight_decay": weight_decay}, name,
+                         process_set, **kwargs)
+
+
+class StepKindRecorder(keras.callbacks.Callback):
+    """Appends the kind of every training step (``"init"``, ``"full"``, ``"onebit"``,
+    ``"local"``) to ``self.kinds`` during ``fit``."""
+
+    def __init__(self):
+        super().__init__()
+        self.kinds = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.kinds.append(self.model.optimizer.last_step_kind)
+
+
+def _flat_values(variables):
+    if not variables:
+        return tf.zeros([0])
+    return tf.concat([tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float32), [-1]) for v in variables], 0)
