@@ -1,70 +1,90 @@
-"""Throughput of Global-QSGD's quantize + dequantize kernels on the torch backend.
+"""Every fused kernel against ``clone()`` and ``copy_()``, in one run (torch, CPU, one process).
 
-One process, no communication: the encode and decode functions of
-:mod:`hvd_quant.compressors.global_qsgd` and :mod:`hvd_quant.compressors.exp_dithering`
-are called directly on one fp32 tensor, side by side with ``tensor.clone()`` (a memory
-copy) and ``tensor.half().float()`` (the fp16 cast round trip Horovod's fp16 compression
-pays). Reported: median time over the repeats, GB/s of fp32 input, and time relative
-to clone (``t/t_clone``).
+The hot paths of every method (:mod:`hvd_quant.kernels`), each called through the same
+entry point the methods use, on one fp32 buffer, side by side with two memory baselines:
+``x.clone()`` (allocates and faults in new pages, what an unfused op chain pays per
+temporary) and ``dst.copy_(x)`` into a preallocated buffer (one honest pass over memory).
+Reported: the median over repeats, and the time as a multiple of each baseline.
 
-* ``gqsgd max`` / ``gqsgd l2``: local scale statistic (max|x| or ||x||^2), uniform draws,
-  stochastic rounding to int8, dequantize of that tensor as if it were the sum.
-* ``gqsgd exp``: max, uniform draws, uint8 power-of-two codes, decode.
-* ``exp hop``: one per-hop stochastic sum of two code tensors (what each ring hop costs).
+Also reported: the same calls on the generic path (``HVD_QUANT_KERNELS=0`` semantics:
+plain framework operations) for the speed-up the kernels bring, and the one-off cost of
+compiling the kernels (numba) or loading them from its on-disk cache.
 
-Example::
+The issue's targets, single thread, 25M floats: sign + pack and unpack x scale at most
+1x ``clone()``, a Marsit hop at most 1.5x, Global-QSGD quantize + dequantize at most 2x.
 
-    .venv/bin/python benchmarks/bench_quantize.py --sizes 1M 16M --repeats 5
+    .venv/bin/python benchmarks/bench_quantize.py --numel 25000000 --threads 1 --json out.json
 """
 
 import argparse
+import json
 import statistics
+import sys
 import time
 
+import numpy as np
 import torch
 
-from hvd_quant.compressors.exp_dithering import combine_codes, exp_decode, exp_encode
-from hvd_quant.compressors.global_qsgd import (
-    finish_scale, linear_dequantize, linear_quantize, local_scale_stat, resolve_width_levels)
+from hvd_quant import kernels
+from hvd_quant.compressors import exp_dithering as ed
+from hvd_quant.compressors import global_qsgd as gq
+from hvd_quant.compressors.marsit import MarsitSelect
+from hvd_quant.core.onebit import padded_size, rms_scale
+from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum
+from hvd_quant.core.rng import CounterRNG
+from hvd_quant.core.segments import compensate_sums
+from hvd_quant.optimizers.binsgdm import binary_randomize
 from hvd_quant.torch.backend import TorchBackend
 
-
-def parse_size(text):
-    """``"16M"`` -> 16 * 2**20, ``"1K"`` -> 1024, ``"1000"`` -> 1000."""
-    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
-    text = text.strip().upper()
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+TARGETS = {"sign + pack": 1.0, "unpack x scale": 1.0, "Marsit hop": 1.5,
+           "Global-QSGD quantize + dequantize": 2.0}
 
 
-def linear_round_trip(B, x, rng, norm, world_size):
-    width, levels = resolve_width_levels(norm, world_size, bits=8)
-    scale = finish_scale(B, local_scale_stat(B, x, norm), norm)
-    q = linear_quantize(B, x, scale, levels, B.uniform(rng, B.numel(x)), f"int{width}")
-    return linear_dequantize(B, q, scale, levels, world_size)
+class _Comm:  # what quantize/dequantize read from a communicator
+    rank, size, allreduce_int_dtypes = 0, 2, ("int32", "int64")
 
 
-def exp_round_trip(B, x, rng, world_size):
-    scale = finish_scale(B, local_scale_stat(B, x, "max"), "max")
-    codes = exp_encode(B, x, scale, world_size, B.uniform(rng, B.numel(x)))
-    return exp_decode(B, codes, scale, world_size)
+class GenericTorch(TorchBackend):
+    """The torch backend with the kernels switched off (the generic, unfused path)."""
+
+    def kernel(self, name, *tensors):
+        return None
 
 
-def cases(B, x, rng, world_size):
-    """(label, zero-argument callable) for every row of the table."""
-    a = exp_encode(B, x, B.full(1, float(x.abs().max())), world_size, B.uniform(rng, B.numel(x)))
-    b = a.flip(0).contiguous()
-    return [
-        ("clone", lambda: x.clone()),
-        ("fp16 cast round trip", lambda: x.half().float()),
-        ("gqsgd max (int8)", lambda: linear_round_trip(B, x, rng, "max", world_size)),
-        ("gqsgd l2 (int8)", lambda: linear_round_trip(B, x, rng, "l2", world_size)),
-        ("gqsgd exp (uint8)", lambda: exp_round_trip(B, x, rng, world_size)),
-        ("exp hop combine", lambda: combine_codes(B, a, b, B.uniform(rng, B.numel(a)))),
-    ]
+def cases(B, x, e):
+    """``{label: callable}``: each fused primitive as the methods call it."""
+    d = x.numel()
+    scale, pre = torch.full((1,), float(x.abs().max())), torch.ones(1)
+    bits = pack_signs(B, x)
+    two_rows = torch.cat([bits, pack_signs(B, e)])
+    scales2 = torch.tensor([0.5, 0.25])
+    words = gq.quantize(B, _Comm, x, scale, pre, 63, 8, CounterRNG(1))
+    codes = ed.encode(B, x, scale, 2, CounterRNG(2))
+    m, b = e.clone(), e.abs() + 0.1
+    padded = padded_size(d, 2)
+    return {
+        "sign + pack": lambda: pack_signs(B, x),
+        "unpack x scale": lambda: unpack_scaled_sum(B, bits, torch.tensor([0.5]), [d], d),
+        "unpack x scale, 2 ranks summed": lambda: unpack_scaled_sum(B, two_rows, scales2, [d], d),
+        "error feedback: sum |x + e|": lambda: compensate_sums(B, x, e, [d]),
+        "error feedback: sign + pack + residual": lambda: sign_pack_residual(B, x, e, torch.tensor([0.5]), [d]),
+        "1-bit allreduce worker stage (RMS + signs + residual)": lambda: sign_pack_residual(
+            B, x, e, torch.reshape(rms_scale(B, x, e, padded), (1,)), [d]),
+        "Marsit hop": lambda: MarsitSelect().combine(B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 1, CounterRNG(3)),
+        "Global-QSGD max|x|": lambda: gq.absmax_finite(B, x),
+        "Global-QSGD quantize + dequantize": lambda: gq.dequantize(
+            B, _Comm, gq.quantize(B, _Comm, x, scale, pre, 63, 8, CounterRNG(1)), d, scale, pre, 63, 8),
+        "Global-QSGD dequantize": lambda: gq.dequantize(B, _Comm, words, d, scale, pre, 63, 8),
+        "exponential encode": lambda: ed.encode(B, x, scale, 2, CounterRNG(2)),
+        "exponential per-hop sum": lambda: ed.ExpDitheringSum().combine(B, codes, 1, codes, 1, CounterRNG(4)),
+        "exponential decode": lambda: ed.exp_decode(B, codes, scale, 2),
+        "BinSGDM moments + binary randomization": lambda: binary_randomize(B, x, m, b, 0.9, 5),
+        "uniform draws": lambda: B.uniform(CounterRNG(6), d),
+    }
 
 
-def median_seconds(fn, repeats):
-    fn()  # warm-up: allocator, kernels
+def timed(fn, repeats):
+    fn()  # warm-up: first touch, caches
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -73,35 +93,50 @@ def median_seconds(fn, repeats):
     return statistics.median(times)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["1M", "16M"],
-                        help="fp32 elements per tensor (suffix K/M/G = 2**10/20/30)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--world-size", type=int, default=4,
-                        help="ranks assumed for the level count and the exp headroom")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    B = TorchBackend()
-    rng = B.generator(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, world size "
-          f"{args.world_size}, median of {args.repeats}")
-    header = f"{'size':>6}  {'method':<22} {'ms':>9} {'GB/s fp32':>10} {'t/t_clone':>9}"
-    print(header)
-    print("-" * len(header))
-    for size_text in args.sizes:
-        numel = parse_size(size_text)
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
-        clone_s = None
-        for label, fn in cases(B, x, rng, args.world_size):
-            seconds = median_seconds(fn, args.repeats)
-            clone_s = seconds if clone_s is None else clone_s
-            gbps = 4 * numel / seconds / 1e9
-            print(f"{size_text:>6}  {label:<22} {seconds * 1e3:9.2f} {gbps:10.2f} "
-                  f"{seconds / clone_s:9.2f}")
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--numel", type=int, default=25_000_000, help="floats in the buffer")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch and numba threads")
+    p.add_argument("--generic", action="store_true", help="also time the generic (unfused) path")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if not kernels.enabled():
+        sys.exit(f"the kernels are off: {kernels.why_disabled()}")
+    compile_s = kernels.warm_up()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.numel, generator=gen)
+    e = torch.randn(args.numel, generator=gen) * 0.1
+    dst = torch.empty_like(x)
+    clone = timed(lambda: x.clone(), args.repeats)
+    copy = timed(lambda: dst.copy_(x), args.repeats)
+    print(f"{args.numel:,} floats ({4 * args.numel / 1e6:.0f} MB), {args.threads} thread(s), "
+          f"median of {args.repeats}; kernels compiled or loaded in {compile_s:.2f} s")
+    print(f"clone() {1e3 * clone:.1f} ms, copy_() {1e3 * copy:.1f} ms\n")
+    print(f"| {'kernel':54s} | {'ms':>7s} | {'x clone':>7s} | {'x copy_':>7s} | target | "
+          + ("generic ms | speed-up |" if args.generic else ""))
+    print("|" + "---|" * (5 + 2 * args.generic))
+    rows = []
+    fast = cases(TorchBackend(), x, e)
+    slow = cases(GenericTorch(), x, e) if args.generic else {}
+    for label, fn in fast.items():
+        t = timed(fn, args.repeats)
+        row = {"kernel": label, "ms": 1e3 * t, "x_clone": t / clone, "x_copy": t / copy,
+               "target_x_clone": TARGETS.get(label)}
+        target = f"<= {row['target_x_clone']}x {'met' if t / clone <= TARGETS[label] else 'MISSED'}" \
+            if label in TARGETS else ""
+        line = f"| {label:54s} | {row['ms']:7.1f} | {row['x_clone']:7.2f} | {row['x_copy']:7.2f} | {target} |"
+        if args.generic:
+            g = timed(slow[label], max(1, args.repeats // 2))
+            row.update(generic_ms=1e3 * g, speedup=g / t)
+            line += f" {1e3 * g:10.1f} | {g / t:7.1f}x |"
+        print(line, flush=True)
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"numel": args.numel, "threads": args.threads, "clone_ms": 1e3 * clone,
+                       "copy_ms": 1e3 * copy, "compile_s": compile_s, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from ..core.segments import compensate_sums
 #: Smallest normal float32: the scale is raised to at least this, so all-zero buffers
 #: (scale 0) give zeros instead of 0/0, with no branch on tensor values.
 FLOAT32_TINY = 1.1754944e-38
-FLOAT32_MAX = 3.4028235e38
+FLOAT32_MAX = 3.4028234663852886e38  # float(np.finfo(np.float32).max), exactly
 #: Inflation of the l2 scale that absorbs float32 rounding in ``sqrt(sum ||x_i||^2)``.
 L2_SCALE_MARGIN = 1.0 + 2.0 ** -8
 NORMS = ("max", "l2")

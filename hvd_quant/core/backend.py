@@ -194,7 +194,9 @@ class Backend:
     def uniform(self, gen, n):
         """``n`` float32 samples from U[0, 1) (multiples of ``2**-24``): one call of
         ``gen``'s stream (:func:`hvd_quant.core.rng.hash_bits`)."""
-        return draws(self, gen.next_key(self), n)
+        key = gen.next_key(self)
+        fast = self.kernel("uniform")
+        return fast(key, n) if fast is not None else draws(self, key, n)
 
     # --- fused kernels --------------------------------------------------------------------
     def kernel(self, name, *tensors):

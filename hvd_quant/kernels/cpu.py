@@ -459,23 +459,31 @@ def marsit_select(own, recv, keep, key):
 
 
 # --- BinSGDM's binary randomization (hvd_quant.optimizers.binsgdm) ------------------------
+@njit(inline="always", **_OPTS)
+def _binsgdm_one(g, m, b, beta, one_minus_beta, k, m_out, b_out, i):
+    mi = m[i] * beta + g[i] * one_minus_beta
+    bi = b[i] * beta + abs(g[i]) * one_minus_beta
+    m_out[i] = mi
+    b_out[i] = bi
+    z = mi / bi if np.float32(0) < bi else np.float32(0)
+    z = min(max(z, np.float32(-1.0)), np.float32(1.0))
+    return np.int32(_uniform(k, i) < (z + np.float32(1.0)) * np.float32(0.5))
+
+
 @njit(parallel=True, **_OPTS)
 def _binsgdm_encode(g, m, b, beta, one_minus_beta, key, m_out, b_out, bits):
     d = g.size
     k = np.uint64(key)
-    for byte in prange(bits.size):
+    for byte in prange(d // 8):
         v = 0
-        for j in range(min(8, d - 8 * byte)):
-            i = 8 * byte + j
-            mi = m[i] * beta + g[i] * one_minus_beta
-            bi = b[i] * beta + abs(g[i]) * one_minus_beta
-            m_out[i] = mi
-            b_out[i] = bi
-            z = mi / bi if np.float32(0) < bi else np.float32(0)
-            z = min(max(z, np.float32(-1.0)), np.float32(1.0))
-            if _uniform(k, i) < (z + np.float32(1.0)) * np.float32(0.5):
-                v |= 1 << j
+        for j in range(8):
+            v |= _binsgdm_one(g, m, b, beta, one_minus_beta, k, m_out, b_out, 8 * byte + j) << j
         bits[byte] = np.uint8(v)
+    if d % 8:
+        v = 0
+        for j in range(d % 8):
+            v |= _binsgdm_one(g, m, b, beta, one_minus_beta, k, m_out, b_out, 8 * (d // 8) + j) << j
+        bits[d // 8] = np.uint8(v)
 
 
 def binsgdm_encode(g, m, b, beta, key):
