@@ -48,6 +48,8 @@ import numpy as np
 from .packing import packed_sign_bytes, sign_pack_residual, unpack_scaled_sum
 from .segments import compensate_sums
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 def padded_size(numel, world_size):
     """``numel`` rounded up to a multiple of ``n * lcm(n, 8)`` (DeepSpeed's padding)."""
@@ -59,9 +61,14 @@ def rms_scale(B, x, e, numel):
     """float32 ``||x + e||_2 / sqrt(numel)``: the sum of squares is taken in float64 (no
     overflow, no lost digits), then, as DeepSpeed's ``torch.linalg.norm(b) /
     np.sqrt(b.numel())`` on a float32 tensor, the float32 norm is divided by
-    ``float32(sqrt(numel))``."""
-    sumsq = compensate_sums(B, x, e, [B.numel(x)], squares=True)
-    return B.cast(B.sqrt(sumsq), "float32") / float(np.float32(math.sqrt(max(numel, 1))))
+    ``float32(sqrt(numel))``. Where the norm itself exceeds the float32 range (values near
+    the float32 maximum, where DeepSpeed's norm overflows to inf) the division is done in
+    float64 first."""
+    norm = B.sqrt(compensate_sums(B, x, e, [B.numel(x)], squares=True))
+    root = math.sqrt(max(numel, 1))
+    as_deepspeed = B.cast(norm, "float32") / float(np.float32(root))
+    return B.where(B.less(norm, B.full(1, FLOAT32_MAX, "float64")), as_deepspeed,
+                   B.cast(norm / root, "float32"))
 
 
 def compressed_allreduce(B, comm, x, worker_error, server_error, name):
