@@ -1,0 +1,53 @@
+#!/bin/sh
+# hvd-cluster-run [COMMAND...]: run one horovodrun job across the cluster's workers.
+#
+# Runs in the launcher container (user hvd, cwd /opt/hvd_quant). horovodrun starts one
+# rank per worker over ssh (port 2222, the key in /cluster), the conventional Horovod way:
+#     horovodrun -np 3 -H w1:1,w2:1,w3:1 --gloo --network-interfaces eth0 COMMAND
+#   WORKERS       number of workers (ranks), default 3
+#   HVD_HOSTS     host list, e.g. w1:1,w2:1,w3:1; default: the addresses of DNS name "worker"
+#                 (compose's replicas all answer to their service name)
+#   WAIT_S        how long to wait for workers and their sshd (default 90)
+#   JOB_TIMEOUT   kill the job after this many seconds (default: none)
+# Without COMMAND it runs the example: python examples/$EXAMPLE --compression $COMPRESSION
+# --epochs $EPOCHS $EXAMPLE_ARGS (defaults pytorch_train.py, marsit, 5).
+set -eu
+log() { echo "[hvd-cluster-run] $*" >&2; }
+np=${WORKERS:-3}
+hosts=${HVD_HOSTS:-}
+deadline=$(( $(date +%s) + ${WAIT_S:-90} ))
+late() { [ "$(date +%s)" -ge "$deadline" ]; }
+
+if [ -z "$hosts" ]; then
+    # Sorted so that ranks map to workers the same way on every run.
+    while addrs=$(getent ahostsv4 worker | awk '{print $1}' | sort -u -V); \
+          [ "$(printf '%s\n' "$addrs" | grep -c .)" -lt "$np" ]; do
+        late && { log "found $(printf '%s\n' "$addrs" | grep -c .) of $np workers named 'worker' after ${WAIT_S:-90}s"; exit 2; }
+        sleep 1
+    done
+    hosts=$(printf '%s\n' "$addrs" | head -n "$np" | sed 's/$/:1/' | paste -sd, -)
+fi
+
+for h in $(echo "$hosts" | tr , ' '); do
+    until ssh "${h%%:*}" true 2>/dev/null; do
+        late && { log "worker ${h%%:*}: no ssh on port 2222 after ${WAIT_S:-90}s ($(ssh "${h%%:*}" true 2>&1 | tail -1))"; exit 2; }
+        sleep 1
+    done
+done
+
+[ $# -gt 0 ] || set -- python "examples/${EXAMPLE:-pytorch_train.py}" \
+    --compression "${COMPRESSION:-marsit}" --epochs "${EPOCHS:-5}" ${EXAMPLE_ARGS:-}
+dev=$(ip -o -4 addr show scope global | awk '{print $2; exit}')  # the cluster network's interface
+log "horovodrun -np $np -H $hosts --gloo --network-interfaces $dev $*"
+rc=0
+${JOB_TIMEOUT:+timeout -k 10 "$JOB_TIMEOUT"} \
+    horovodrun -np "$np" -H "$hosts" --gloo --network-interfaces "$dev" "$@" || rc=$?
+if [ "$rc" -ne 0 ]; then
+    down=""
+    for h in $(echo "$hosts" | tr , ' '); do
+        ssh -o ConnectTimeout=3 "${h%%:*}" true 2>/dev/null || down="$down ${h%%:*}"
+    done
+    [ "$rc" -eq 124 ] && log "job killed after JOB_TIMEOUT=${JOB_TIMEOUT}s"
+    log "job failed (exit $rc); ${down:+unreachable workers:$down; }see the rank output above"
+fi
+exit "$rc"
