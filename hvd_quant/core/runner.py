@@ -1,8 +1,8 @@
 """Runs a :class:`Compressor` on one rank: state, randomness and cross-rank agreement.
 
-Both framework adapters hold one :class:`CompressorRunner` per compressor instance; the
-adapter supplies the backend and the communicator, the runner does the rest the same way
-for torch and TensorFlow.
+Every owner of a compressor (an optimizer, a tape's variables, a Keras optimizer) holds
+its own :class:`CompressorRunner`; the adapter supplies the backend and the communicator,
+the runner does the rest the same way for torch and TensorFlow.
 """
 
 import hashlib
@@ -48,7 +48,11 @@ def check_agreement(gathered, labels, fix_hints):
 
 
 class CompressorRunner:
-    """One rank's execution state for a compressor.
+    """One rank's execution state for a compressor, for one owner.
+
+    The owner is whatever uses the compressor: an optimizer, a gradient tape's variables,
+    a Keras optimizer (see :mod:`hvd_quant.core.handle`). Two owners never share a
+    runner, so they never share error feedback or random streams.
 
     Parameters
     ----------
@@ -57,50 +61,111 @@ class CompressorRunner:
     seed : int
         Base seed; rank ``r`` draws from ``seed + 1_000_003 * r`` so ranks are independent
         and runs are reproducible.
+    make_variable : callable, optional
+        ``make_variable(name, numpy_initial) -> variable``: the owner creates the state
+        tensors (and the random streams' call counters) itself, in :meth:`build`; see
+        :class:`~hvd_quant.core.state.StateStore`.
+    scope : str
+        Prefix of this runner's collective names, so that two owners reducing in one
+        TensorFlow graph never issue two collectives with one name. Every rank must give
+        the same owner the same scope (the handle numbers owners in creation order).
     """
 
-    def __init__(self, compressor, backend, seed=0):
+    def __init__(self, compressor, backend, seed=0, *, make_variable=None, scope=""):
         self.compressor = compressor
         self.backend = backend
         self.seed = int(seed)
-        self.store = StateStore(backend) if compressor.stateful else None
+        self.make_variable = make_variable
+        self.scope = str(scope)
+        self.store = StateStore(backend, make_variable) if compressor.stateful else None
         self._rng = {}
+        self._rng_restored = {}  # rank -> calls, waiting for the stream
+        self._rng_counters = []  # owner-made counters, for variables()
         self._checked = set()
 
-    def rng(self, rank):
+    def state_slots(self):
+        """Names of the per-element float32 state tensors the compressor keeps.
+
+        ``Compressor.state_slots`` where the compressor declares it; otherwise
+        ``("residual",)`` for a stateful compressor (the one key every stateful
+        compressor here uses) and nothing for a stateless one."""
+        slots = getattr(self.compressor, "state_slots", None)
+        if slots is None:
+            slots = ("residual",) if self.compressor.stateful else ()
+        return tuple(slots)
+
+    def build(self, rank, groups):
+        """Create the state of ``groups`` (``[(group, segments)]``) and this rank's random
+        stream now, e.g. when a Keras optimizer is built, outside any ``tf.function``."""
+        if self.store is not None:
+            for group, segments in groups:
+                self.store.allocate(group, segments, {k: "float32" for k in self.state_slots()})
+        self.rng(rank, creating=True)
+
+    def rng(self, rank, creating=False):
         if rank not in self._rng:
-            self._rng[rank] = self.backend.generator(self.seed + 1_000_003 * rank)
+            rng = self.backend.generator(self.seed + 1_000_003 * rank)
+            if self.make_variable is not None and hasattr(rng, "counter"):
+                if not creating:
+                    raise KeyError("hvd_quant: the random stream was not created when its "
+                                   "owner was built (CompressorRunner.build)")
+                # The owner holds the call counter, so its checkpoints resume the stream.
+                rng.counter = self.make_variable(f"rng{rank}_calls", np.zeros((), np.int64))
+                self._rng_counters.append(rng.counter)
+            if rank in self._rng_restored:
+                rng.calls = self._rng_restored.pop(rank)
+            self._rng[rank] = rng
         return self._rng[rank]
+
+    def variables(self):
+        """The tensors this runner created through ``make_variable`` (per-rank state: never
+        broadcast them from one rank to the others)."""
+        if self.make_variable is None:
+            return []
+        return (self.store.variables() if self.store is not None else []) + list(self._rng_counters)
+
+    def collective_prefix(self, group):
+        return f"{self.scope}.{group}" if self.scope else str(group)
 
     def check_once(self, comm, key, digests=lambda: (0, 0)):
         """Verify, once per ``key``, that all ranks use the same compressor and options,
         the same parameter structure and the same parameter values.
 
         ``digests()`` returns ``(structure_digest, value_digest)``; it is called only the
-        first time, so hashing the parameters costs nothing on later steps."""
+        first time, so hashing the parameters costs nothing on later steps. The scope is
+        part of the structure: ranks that created their owners in different orders are
+        told so instead of exchanging gradients of different models."""
         if key in self._checked:
             return
         self.compressor.validate(comm.size)
-        row = np.array([self.compressor.fingerprint(), *digests()], dtype=np.int64)
+        structure, values = digests()
+        if self.scope:
+            structure = digest63(structure, self.scope)
+        row = np.array([self.compressor.fingerprint(), structure, values], dtype=np.int64)
         gathered = comm.allgather(self.backend.constant(row, "int64"), f"hvd_quant.check.{key}")
         check_agreement(
             self.backend.to_numpy(gathered).reshape(comm.size, 3),
             ["the compressor or its options", "the model's parameter names/shapes/dtypes",
              "the model's parameter values"],
             [f"This rank uses {self.compressor!r}; pass the same compression to every rank.",
-             "Build the same model on every rank.",
+             "Build the same model on every rank, and create the optimizers/tapes that use "
+             "hvd_quant compression in the same order on every rank.",
              "Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), "
              "root_rank=0) for torch, hvd_quant.tensorflow.broadcast_variables(model.variables, "
-             "root_rank=0) for TensorFlow (Keras 2 or 3)."])
+             "root_rank=0) for TensorFlow (Keras 2 or 3), or "
+             "hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0) in model.fit."])
         self._checked.add(key)
 
     def reduce(self, flat, comm, group, segments):
         """Mean over ranks of the flat float32 buffer ``flat`` made of ``segments``."""
         state = self.store.view(group, segments) if self.store is not None else None
-        ctx = ReduceContext(self.backend, comm, group, segments, state=state, rng=self.rng(comm.rank))
+        ctx = ReduceContext(self.backend, comm, self.collective_prefix(group), segments, state=state,
+                            rng=self.rng(comm.rank))
         return self.compressor.reduce(flat, ctx)
 
+    # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
+        """Error-feedback state, ``{"param/key": numpy}`` (empty for stateless compressors)."""
         return self.store.state_dict() if self.store is not None else {}
 
     def load_state_dict(self, state):
@@ -109,3 +174,16 @@ class CompressorRunner:
                 raise ValueError(f"{self.compressor!r} keeps no state, but state was given")
             return
         self.store.load_state_dict(state)
+
+    def rng_state(self):
+        """``{rank: calls}`` of the random streams that have drawn: restoring it with
+        :meth:`load_rng_state` resumes them exactly (stochastic compressors)."""
+        return {int(r): int(g.calls) for r, g in self._rng.items() if int(g.calls)}
+
+    def load_rng_state(self, state):
+        for rank, calls in state.items():
+            rank = int(rank)
+            if rank in self._rng:
+                self._rng[rank].calls = int(calls)
+            else:
+                self._rng_restored[rank] = int(calls)

@@ -7,6 +7,17 @@ gathering) but exported and imported per parameter, so a checkpoint survives a c
 fusion layout, and restoring never depends on ``id(tensor)``.
 
 Keys in :meth:`StateStore.state_dict` look like ``"fc1.weight/residual"``.
+
+Who creates the tensors
+-----------------------
+By default the store creates its tensors itself (``backend.variable``), the first time a
+compressor asks for one. An owner that must hold the state in its own objects passes a
+``make_variable(name, initial) -> variable`` factory and calls :meth:`StateStore.allocate`
+up front. The Keras optimizer does this: its state must be Keras optimizer variables,
+created when the optimizer is built (outside any ``tf.function``), so that
+``optimizer.variables``, ``model.save`` and ``ModelCheckpoint`` include them. A store
+with a factory never creates a tensor lazily: a key that was not allocated is an error
+rather than a variable that checkpoints would silently miss.
 """
 
 import numpy as np
@@ -24,15 +35,7 @@ class StateView:
     def get(self, key, dtype="float32"):
         """The tensor stored under ``key``, created (zeros, or restored from a checkpoint
         loaded earlier) on first use."""
-        slots = self._store._groups.setdefault(self.group, {"segments": self.segments, "vars": {}})
-        if slots["segments"] != self.segments:
-            raise ValueError(f"state group {self.group!r} was created for parameters "
-                             f"{[n for n, _ in slots['segments']]}, now used for "
-                             f"{[n for n, _ in self.segments]}")
-        var = slots["vars"].get(key)
-        if var is None:
-            var = self._store.backend.variable(self._store._initial(self.segments, key, dtype))
-            slots["vars"][key] = var
+        var = self._store._slot(self.group, self.segments, key, dtype)
         return self._store.backend.read(var)
 
     def set(self, key, value):
@@ -41,15 +44,59 @@ class StateView:
 
 
 class StateStore:
-    """All persistent state of one compressor instance on one rank."""
+    """All persistent state of one compressor on one rank, for one owner.
 
-    def __init__(self, backend):
+    Parameters
+    ----------
+    backend : Backend
+        Reads and writes the tensors (``backend.read`` / ``backend.assign``).
+    make_variable : callable, optional
+        ``make_variable(name, initial) -> variable``, with ``initial`` a numpy array; the
+        variable must work with ``backend.read`` / ``backend.assign``. When given, tensors
+        are created only by :meth:`allocate` (see the module docstring).
+    """
+
+    def __init__(self, backend, make_variable=None):
         self.backend = backend
+        self.make_variable = make_variable
         self._groups = {}
         self._restored = {}  # "param/key" -> numpy array, waiting for its buffer
 
     def view(self, group, segments):
-        return StateView(self, group, [(str(n), int(c)) for n, c in segments])
+        return StateView(self, group, _normalise(segments))
+
+    def allocate(self, group, segments, keys):
+        """Create the tensors of buffer ``group`` now: ``keys`` maps key to dtype name.
+
+        Restored values waiting for these parameters (:meth:`load_state_dict` before the
+        buffer existed) become the initial values."""
+        segments = _normalise(segments)
+        for key, dtype in keys.items():
+            self._slot(group, segments, key, dtype, allocating=True)
+
+    def variables(self):
+        """Every tensor this store holds, in creation order."""
+        return [var for slots in self._groups.values() for var in slots["vars"].values()]
+
+    def _slot(self, group, segments, key, dtype, allocating=False):
+        slots = self._groups.setdefault(group, {"segments": segments, "vars": {}})
+        if slots["segments"] != segments:
+            raise ValueError(f"state group {group!r} was created for parameters "
+                             f"{[n for n, _ in slots['segments']]}, now used for "
+                             f"{[n for n, _ in segments]}")
+        var = slots["vars"].get(key)
+        if var is None:
+            initial = self._initial(segments, key, dtype)
+            if self.make_variable is None:
+                var = self.backend.variable(initial)
+            elif allocating:
+                var = self.make_variable(f"{group}_{key}", initial)
+            else:
+                raise KeyError(
+                    f"hvd_quant: state {key!r} of buffer {group!r} was not allocated when its "
+                    "owner was built; the compressor must declare it in Compressor.state_slots")
+            slots["vars"][key] = var
+        return var
 
     def _initial(self, segments, key, dtype):
         pieces = []
@@ -79,7 +126,7 @@ class StateStore:
 
     def load_state_dict(self, state):
         """Restore from :meth:`state_dict` output (values may be numpy, torch or TF)."""
-        state = {k: np.asarray(v.detach().cpu() if hasattr(v, "detach") else v) for k, v in state.items()}
+        state = {k: _to_numpy(v) for k, v in state.items()}
         for slots in self._groups.values():
             for key, var in slots["vars"].items():
                 names = [f"{p}/{key}" for p, _ in slots["segments"]]
@@ -88,7 +135,23 @@ class StateStore:
                     offset = 0
                     for (pname, n), full in zip(slots["segments"], names):
                         if full in state:
-                            flat[offset:offset + n] = np.asarray(state.pop(full)).reshape(-1)
+                            saved = np.asarray(state.pop(full)).reshape(-1)
+                            if saved.size != n:
+                                raise ValueError(f"checkpoint state {full} has {saved.size} "
+                                                 f"elements, the parameter has {n}")
+                            flat[offset:offset + n] = saved
                         offset += n
                     self.backend.assign(var, self.backend.constant(flat, flat.dtype.name))
         self._restored.update(state)
+
+
+def _normalise(segments):
+    return [(str(n), int(c)) for n, c in segments]
+
+
+def _to_numpy(value):
+    if hasattr(value, "detach"):  # torch
+        value = value.detach().cpu()
+    elif hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # TF / Keras
+        value = value.numpy()
+    return np.asarray(value)

@@ -112,10 +112,15 @@ class Rule:
         Short name (``"zero_one_adam"``), also the first field of the agreement check.
     param_slots : tuple of str
         Slots with one float32 element per parameter element (moments, accumulators).
+    per_rank_slots : tuple of str
+        Slots whose values differ between ranks by design (error-feedback buffers,
+        moments of local gradients). Never broadcast them from one rank; checkpoint
+        them per rank.
     """
 
     name = "abstract"
     param_slots = ()
+    per_rank_slots = ()
 
     def __init__(self, **options):
         self._options = dict(options)

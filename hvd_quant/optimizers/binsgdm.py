@@ -69,6 +69,7 @@ class BinSGDMRule(Rule):
 
     name = "binsgdm"
     param_slots = ("exp_avg", "exp_avg_abs")
+    per_rank_slots = ("exp_avg", "exp_avg_abs")  # moments of each rank's own gradients
 
     def __init__(self, ranks_per_node=None, seed=0):
         if ranks_per_node is not None and (isinstance(ranks_per_node, bool)

@@ -52,6 +52,7 @@ class OnebitAdamRule(Rule):
 
     name = "onebit_adam"
     param_slots = ("exp_avg", "exp_avg_sq")
+    per_rank_slots = ("worker_error", "server_error")
 
     def __init__(self, freeze_step=100000):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:

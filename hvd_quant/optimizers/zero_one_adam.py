@@ -90,6 +90,8 @@ class ZeroOneAdamRule(Rule):
 
     name = "zero_one_adam"
     param_slots = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
+    # Momentum and accumulator follow each rank's gradients between syncs.
+    per_rank_slots = ("exp_avg", "momentum_accumulator", "worker_error", "server_error")
 
     def __init__(self, var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False):

@@ -1,17 +1,23 @@
-"""TensorFlow adapter: ``Compression`` and ``DistributedGradientTape`` mirroring
-``horovod.tensorflow``. Works with Keras 3 (TF 2.21's default) and with tf-keras.
+"""TensorFlow adapter: ``Compression``, the Keras 3 ``DistributedOptimizer`` and
+``callbacks`` for ``model.fit``, and ``DistributedGradientTape`` for custom loops,
+mirroring ``horovod.tensorflow``. Works with Keras 3 (TF 2.21's default); under tf-keras
+use Horovod's own ``hvd.keras.DistributedOptimizer`` or tape with our ``Compression``.
 
 >>> import hvd_quant.tensorflow as hq                                    # doctest: +SKIP
->>> with tf.GradientTape() as tape:                                      # doctest: +SKIP
-...     loss = loss_fn(y, model(x))
->>> tape = hq.DistributedGradientTape(tape, compression=hq.Compression.ef_sign)
->>> grads = tape.gradient(loss, model.trainable_variables)               # doctest: +SKIP
+>>> opt = hq.DistributedOptimizer(keras.optimizers.Adam(1e-3),           # doctest: +SKIP
+...                               compression=hq.Compression.ef_sign)
+>>> model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")  # doctest: +SKIP
+>>> model.fit(x, y, callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0)])  # doctest: +SKIP
 """
 
 from .backend import TFBackend
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor
 from .tape import DistributedGradientTape, broadcast_variables
+from .keras import DistributedOptimizer
+from . import callbacks
+from .optimizers import BinSGDM, OnebitAdam, StepKindRecorder, ZeroOneAdam
 
-__all__ = ["Compression", "DistributedGradientTape", "HorovodTFComm", "TFBackend", "TFCompressor",
-           "broadcast_variables"]
+__all__ = ["BinSGDM", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodTFComm",
+           "OnebitAdam", "StepKindRecorder", "TFBackend", "TFCompressor", "ZeroOneAdam",
+           "broadcast_variables", "callbacks"]

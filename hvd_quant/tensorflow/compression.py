@@ -3,6 +3,12 @@ interface, for ``hvd.DistributedGradientTape`` (Keras 2 / tf-keras) and for our 
 
 See :mod:`hvd_quant.torch.compression` for why compressors that need their own
 collectives run them inside ``compress`` and hand Horovod a one-element placeholder.
+
+Horovod's stock tape and its tf-keras optimizer are rebuilt or re-traced freely and pass
+no optimizer to ``compress``; their state is owned by the *set of variables being
+reduced* (Horovod's ``allreduce_grads(grads, vars)``), named by variable name within it.
+Two models, even with identical layer names, therefore keep separate state, and
+``Compression.ef_sign.state_dict(model.trainable_variables)`` returns one model's.
 """
 
 import sys
@@ -23,7 +29,8 @@ def variable_name(var):
 
 
 def _horovod_call_site():
-    """(variable name or None, op) for the gradient Horovod's stock tape is compressing.
+    """(variable name or None, op, variables or None) for the gradient Horovod's stock tape
+    is compressing.
 
     Horovod 0.28.1 builds its reductions in ``allreduce_grads(grads, vars)`` with a list
     comprehension over ``i``, and ``hvd.allreduce`` holds the ``op``; under ``tf.function``
@@ -43,43 +50,48 @@ def _horovod_call_site():
         elif code_name == "allreduce_grads" and "vars" in local:
             variables = local["vars"]
             if index is not None and variables is not None and index < len(variables):
-                return variable_name(variables[index]), op
-            return None, op
+                return variable_name(variables[index]), op, list(variables)
+            return None, op, None
         frame = frame.f_back
-    return (None, op) if found_allreduce else None
+    return (None, op, None) if found_allreduce else None
 
 
 class TFCompressor(CompressorHandle):
     """A registered compressor, usable as ``compression=`` for Horovod's stock
     ``hvd.DistributedGradientTape`` and for :class:`hvd_quant.tensorflow.DistributedGradientTape`.
 
-    Calling the object returns a new, independently-stateful instance with updated options.
+    The object is configuration (see :mod:`hvd_quant.core.handle`); calling it returns
+    one with updated options.
     """
 
     framework = "tensorflow"
 
-    def __init__(self, name, seed=0, **options):
-        super().__init__(name, seed=seed, **options)
-        self._anonymous_calls = 0
-
     def make_backend(self):
         return TFBackend()
 
-    def state_dict(self):
-        """Per-rank compressor state, keyed ``"variable/key"`` (numpy arrays)."""
-        return self.runner().state_dict()
+    def state_dict(self, variables=None):
+        """This rank's compressor state for the tape or stock optimizer reducing
+        ``variables`` (numpy arrays keyed ``"variable/key"``; save it per rank).
+        ``variables`` may be left out while only one model uses this object."""
+        return super().state_dict(variables)
+
+    def load_state_dict(self, state, variables=None):
+        """Restore :meth:`state_dict` output for the tape or stock optimizer that reduces
+        ``variables``, e.g. before the first step of a restored run."""
+        super().load_state_dict(state, variables)
 
     @tf.autograph.experimental.do_not_convert
     def compress(self, tensor):
         if not tensor.dtype.is_floating:
             return tensor, None
-        if self.core.horovod_wire_dtype is not None:
-            import horovod.tensorflow as hvd
-
-            wire = tf.cast(tensor, self.core.horovod_wire_dtype)
-            self._count_horovod_cast(wire.shape.num_elements() * wire.dtype.size, hvd.size())
-            return wire, ("cast", tensor.dtype)
         import horovod.tensorflow as hvd
+
+        if self.core.horovod_wire_dtype is not None:
+            site = _horovod_call_site()
+            owned = self.owned(site[2] if site is not None else None)
+            wire = tf.cast(tensor, self.core.horovod_wire_dtype)
+            self._count_horovod_cast(owned, wire.shape.num_elements() * wire.dtype.size, hvd.size())
+            return wire, ("cast", tensor.dtype)
         from .comm import HorovodTFComm
 
         if self.core.multi_hop:
@@ -89,7 +101,8 @@ class TFCompressor(CompressorHandle):
                 "Use hvd_quant.tensorflow.DistributedGradientTape(tape, "
                 f"compression=hvd_quant.tensorflow.Compression.{self.name}).")
         site = _horovod_call_site()
-        vname, op = site if site is not None else (None, None)
+        vname, op, variables = site if site is not None else (None, None, None)
+        owned = self.owned(variables)  # the reduced variables own the state
         if vname is None:
             if site is None or self.core.stateful:
                 raise RuntimeError(
@@ -99,21 +112,21 @@ class TFCompressor(CompressorHandle):
                     "hvd_quant.tensorflow.DistributedGradientTape. Use "
                     "hvd_quant.tensorflow.DistributedGradientTape(tape, "
                     f"compression=hvd_quant.tensorflow.Compression.{self.name}).")
-            self._anonymous_calls += 1
-            vname = f"tensor{self._anonymous_calls}"
+            owned.anonymous_calls += 1
+            vname = f"tensor{owned.anonymous_calls}"
         if op == hvd.Adasum:
             raise ValueError("hvd_quant compressors do not support op=hvd.Adasum")
-        if self._comm is None:
-            self._comm = HorovodTFComm()
-        runner = self.runner()
+        if owned.comm is None:
+            owned.comm = HorovodTFComm()
         with tf.init_scope():
-            runner.check_once(self._comm, "stock")
+            owned.runner.check_once(owned.comm, "stock")
+        # fp32 inside the compressor whatever the variable's dtype (fp16, bf16).
         flat = tf.cast(tf.reshape(tensor, [-1]), tf.float32)
-        mean = runner.reduce(flat, self._comm, vname, [(vname, flat.shape.num_elements())])
+        mean = owned.runner.reduce(flat, owned.comm, vname, [(vname, flat.shape.num_elements())])
         if op == hvd.Sum:
-            mean = mean * float(self._comm.size)
+            mean = mean * float(owned.comm.size)
         result = tf.cast(tf.reshape(mean, tf.shape(tensor)), tensor.dtype)
-        return tf.zeros([1], dtype=tensor.dtype), ("result", result)
+        return tf.zeros([1], dtype=tf.float32), ("result", result)
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):

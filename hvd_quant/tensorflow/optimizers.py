@@ -24,9 +24,12 @@ step), ``last_step_kind`` and ``skipped_steps`` (variables; read them with ``flo
 or ``int()``), and :class:`StepKindRecorder` keeps the per-step list during ``fit``.
 """
 
+import sys
+
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.optimizers import LossScaleOptimizer
 
 from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
@@ -65,6 +68,7 @@ class _VariableGroupState(GroupState):
 
         def skip():
             self.opt._hq_meters["skipped"].value.assign_add(1)
+            self.opt._hq_meters["last_finite"].value.assign(0)
 
         if ok is True:  # nothing to decide (error buffers updated by a guarded collective)
             store()
@@ -80,7 +84,18 @@ class _VariableGroupState(GroupState):
 
 
 class RuleOptimizer(keras.optimizers.Optimizer):
-    """Base of the Keras optimizers below: runs a rule on all trainable variables."""
+    """Base of the Keras optimizers below: runs a rule on all trainable variables.
+
+    Mixed precision: under the ``mixed_float16`` policy Keras' ``compile`` wraps an
+    optimizer in a ``LossScaleOptimizer``, which tests each rank's *local* gradients and
+    could skip the step (and its collectives) on some ranks only. Pass
+    ``hvd_quant.tensorflow.DistributedOptimizer(opt)`` instead: it does the dynamic loss
+    scaling from this optimizer's own all-rank verdict. A plain ``LossScaleOptimizer``
+    around this one is refused on every rank while tracing, before any collective.
+    """
+
+    # hvd_quant.tensorflow.DistributedOptimizer: do not reduce the gradients again.
+    _hvd_quant_communicates = True
 
     def __init__(self, rule, learning_rate, hp, name, process_set=None, **kwargs):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
@@ -115,7 +130,8 @@ class RuleOptimizer(keras.optimizers.Optimizer):
                             for name, value in scalars.items()}
         for name, value in scalars.items():
             self._hq_scalars[name].assign(value)
-        meters = {"bytes_sent": "float32", "comm_rounds": "int64", "skipped": "int64", "last_kind": "int64"}
+        meters = {"bytes_sent": "float32", "comm_rounds": "int64", "skipped": "int64", "last_kind": "int64",
+                  "last_finite": "int64"}
         meters.update({f"steps_{k}": "int64" for k in KINDS})
         self._hq_meters = {name: self.add_variable((), "zeros", dtype, name=f"hvd_quant_{name}")
                            for name, dtype in meters.items()}
@@ -147,7 +163,26 @@ class RuleOptimizer(keras.optimizers.Optimizer):
                              f"{lr_repr}; construct the optimizer the same way on every rank.",
                              "Build the same model on every rank."])
 
+    @property
+    def per_rank_variables(self):
+        """Variables whose values differ between ranks by design (error buffers, moments
+        of local gradients): ``BroadcastGlobalVariablesCallback`` leaves them alone."""
+        if not self.built:
+            return []
+        return [self._hq_slots[name] for name in self._hq_rule.per_rank_slots if name in self._hq_slots]
+
+    @property
+    def step_was_finite(self):
+        """Variable: 1 when the last step was applied, 0 when every rank skipped it
+        because some rank's gradient was not finite (the count of skipped steps is
+        ``skipped_steps``)."""
+        return self._hq_meters["last_finite"]
+
     # --- the step ---------------------------------------------------------------------
+    def apply(self, grads, trainable_variables=None):
+        _refuse_plain_loss_scaling(self)
+        return super().apply(grads, trainable_variables)
+
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         variables = list(self._trainable_variables)
         given = {self._var_key(v): g for g, v in zip(grads, trainable_variables)}
@@ -161,6 +196,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
                                  f"(variable {variable_name(v)}); use dense ones")
             parts.append(tf.reshape(tf.cast(g, tf.float32), [-1]))
         B = TFBackend()
+        self._hq_meters["last_finite"].assign(1)  # a skipped commit sets 0
         g = tf.concat(parts, 0) if parts else tf.zeros([0])
         master = self._hq_slots.get("master")
         x = tf.convert_to_tensor(master.value) if master is not None else _flat_values(variables)
@@ -250,6 +286,26 @@ class BinSGDM(RuleOptimizer):
         super().__init__(BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed), learning_rate,
                          {"betas": (beta,), "eps": 0.0, "weight_decay": weight_decay}, name,
                          process_set, **kwargs)
+
+
+def _refuse_plain_loss_scaling(optimizer):
+    """Raise when Keras' own ``LossScaleOptimizer`` is applying ``optimizer`` (it decides
+    from local gradients whether to call it, so ranks could issue different collectives).
+    Called while tracing, on every rank alike."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return
+        outer = frame.f_locals.get("self")
+        if (isinstance(outer, LossScaleOptimizer) and outer is not optimizer
+                and not getattr(outer, "_hvd_quant_loss_scaling", False)):
+            raise TypeError(
+                f"hvd_quant: Keras' LossScaleOptimizer wraps {type(optimizer).__name__} (the "
+                "mixed_float16 policy does this in compile), and it would skip steps on some ranks "
+                "only, leaving the others waiting in a collective. Compile with "
+                f"hvd_quant.tensorflow.DistributedOptimizer({type(optimizer).__name__}(...)): it does "
+                "the loss scaling from the all-rank verdict.")
+        frame = frame.f_back
 
 
 class StepKindRecorder(keras.callbacks.Callback):

@@ -7,6 +7,12 @@ names variables by Keras 3's ``path`` (or ``name``), flattens every gradient int
 float32 buffer per group, and averages it with the compressor's own algorithm. It works
 eagerly and inside ``tf.function``; compressor state lives in ``tf.Variable`` objects
 created on first use.
+
+A tape is rebuilt every step, so it cannot own state itself: the state belongs to the set
+of variables it reduces (``compression.state_dict(model.trainable_variables)``). One
+compression object may serve any number of models, even with identical layer names; each
+gets its own state. fp16/bf16 gradients are reduced in fp32 and come back in the
+variable's dtype.
 """
 
 import hashlib
@@ -47,7 +53,7 @@ class DistributedGradientTape:
             raise ValueError("gradient_predivide_factor only applies to op=hvd.Average")
         self._tape = gradtape
         self._compression = compression
-        self._runner = compression.runner()
+        self._variables = None  # known at gradient(): they own the compressor state
         self._op = op
         self._groups = groups if groups is not None else num_groups
         self._process_set = process_set
@@ -84,44 +90,90 @@ class DistributedGradientTape:
     def _reduce(self, grads, variables):
         if self._comm is None:
             self._comm = HorovodTFComm(self._process_set)
-        names = [variable_name(v) for v in variables]
-        dups = sorted({n for n in names if names.count(n) > 1})
-        if dups:
-            raise ValueError(f"variables with duplicate names cannot carry compressor state: {dups}")
-        out = list(grads)
-        for gi, index in enumerate(_split_groups(len(variables), self._groups)):
-            group_vars = [variables[i] for i in index]
-            segments = [(names[i], int(np.prod(variables[i].shape))) for i in index]
-            key = f"fused{gi}"
-            with tf.init_scope():  # eager even while tracing: a one-off agreement check
-                self._runner.check_once(self._comm, key, lambda: (
-                    _structure_digest(segments, group_vars), _value_digest(group_vars)))
-            parts = []
-            for i in index:
-                g = grads[i]
-                if g is None:
-                    g = tf.zeros(variables[i].shape, dtype=tf.float32)
-                elif isinstance(g, tf.IndexedSlices):
-                    g = tf.convert_to_tensor(g)
-                parts.append(tf.reshape(tf.cast(g, tf.float32), [-1]))
-            flat = tf.concat(parts, axis=0) if parts else tf.zeros([0])
-            mean = self._runner.reduce(flat, self._comm, key, segments)
-            if self._op == hvd.Sum:
-                mean = mean * float(self._comm.size)
-            offset = 0
-            for i, (_, n) in zip(index, segments):
-                dtype = variables[i].dtype
-                out[i] = tf.cast(tf.reshape(mean[offset:offset + n], variables[i].shape), dtype)
-                offset += n
-        return out
+        self._variables = list(variables)
+        runner = self._compression.owned(self._variables).runner
+        reduced, _ = reduce_gradients(runner, self._comm, grads, variables, self._groups, self._op)
+        return reduced
 
     # --- checkpoints ------------------------------------------------------------------------
     def compression_state_dict(self):
-        """This rank's compressor state (error feedback), ``{"variable/key": numpy}``."""
-        return self._runner.state_dict()
+        """This rank's compressor state for the variables this tape reduced (error
+        feedback and random-stream positions, numpy arrays); the same as
+        ``compression.state_dict(variables)``."""
+        return self._compression.state_dict(self._reduced_variables())
 
     def load_compression_state_dict(self, state):
-        self._runner.load_state_dict(state)
+        self._compression.load_state_dict(state, self._reduced_variables())
+
+    def _reduced_variables(self):
+        if self._variables is None:
+            raise ValueError("call gradient() first, or use compression.state_dict(variables) / "
+                             "compression.load_state_dict(state, variables)")
+        return self._variables
+
+
+@tf.autograph.experimental.do_not_convert  # traced as written: branches are B.cond
+def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, scale=None):
+    """Average ``grads`` (of ``variables``) over ranks with ``runner``'s compressor.
+
+    Every gradient is cast to float32 (fp16 and bf16 too) and fused into one flat buffer
+    per group; a missing gradient counts as zeros; results come back in each variable's
+    dtype. ``scale`` (a scalar, e.g. a loss scale) divides the local gradients before the
+    reduction, so that error feedback is kept in unscaled units. A non-finite value on
+    any rank makes its buffer non-finite on every rank (every compressor's contract).
+
+    Returns ``(reduced gradients, all_finite)``; ``all_finite`` is a boolean scalar
+    tensor computed from the reduced values, so it is the same on every rank.
+    """
+    check_agreement_once(runner, comm, variables, groups)
+    out = list(grads)
+    finite = []
+    for (key, segments), index in zip(group_segments(variables, groups),
+                                      _split_groups(len(variables), groups)):
+        parts = []
+        for i in index:
+            g = grads[i]
+            if g is None:
+                g = tf.zeros(variables[i].shape, dtype=tf.float32)
+            elif isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            parts.append(tf.reshape(tf.cast(g, tf.float32), [-1]))
+        flat = tf.concat(parts, axis=0) if parts else tf.zeros([0])
+        if scale is not None:
+            flat = flat / tf.cast(scale, tf.float32)
+        mean = runner.reduce(flat, comm, key, segments)
+        if op == hvd.Sum:
+            mean = mean * float(comm.size)
+        finite.append(tf.reduce_all(tf.math.is_finite(mean)))
+        offset = 0
+        for i, (_, n) in zip(index, segments):
+            out[i] = tf.cast(tf.reshape(mean[offset:offset + n], variables[i].shape), variables[i].dtype)
+            offset += n
+    all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+    return out, all_finite
+
+
+@tf.autograph.experimental.do_not_convert
+def check_agreement_once(runner, comm, variables, groups=0):
+    """The first time per buffer: every rank checks, eagerly even while tracing, that all
+    use the same compressor, variables and values (:meth:`CompressorRunner.check_once`)."""
+    for (key, segments), index in zip(group_segments(variables, groups),
+                                      _split_groups(len(variables), groups)):
+        group_vars = [variables[i] for i in index]
+        with tf.init_scope():
+            runner.check_once(comm, key, lambda: (
+                _structure_digest(segments, group_vars), _value_digest(group_vars)))
+
+
+def group_segments(variables, groups=0):
+    """``[(group key, segments)]`` of the fused buffers :func:`reduce_gradients` builds
+    for ``variables`` (to create their state up front)."""
+    names = [variable_name(v) for v in variables]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"variables with duplicate names cannot carry compressor state: {dups}")
+    return [(f"fused{gi}", [(names[i], int(np.prod(variables[i].shape))) for i in index])
+            for gi, index in enumerate(_split_groups(len(variables), groups))]
 
 
 def broadcast_variables(variables, root_rank=0, process_set=hvd.global_process_set):

@@ -8,6 +8,11 @@ run their whole reduction inside ``compress`` with their own collectives, hand H
 one-element placeholder, and return the result from ``decompress``. Our
 :class:`~hvd_quant.torch.DistributedOptimizer` instead fuses every gradient into one buffer
 and calls the algorithm directly.
+
+State through the stock optimizer belongs to that optimizer (found in the caller's frame)
+and is named by parameter name within it: one compression object may serve several
+optimizers, e.g. a GAN's generator and discriminator with identical parameter names.
+``Compression.ef_sign.state_dict(optimizer)`` returns one optimizer's state.
 """
 
 import sys
@@ -21,12 +26,14 @@ _OPTIMIZER_FRAMES = ("_allreduce_grad_async", "_grouped_allreduce_grad_async")
 
 
 def _horovod_call_site():
-    """(parameter name, op, size) of the gradient Horovod's stock optimizer is compressing.
+    """(parameter name, op, optimizer) of the gradient Horovod's stock optimizer is
+    compressing.
 
     Horovod passes ``compress`` only the gradient tensor. Its optimizer's frame holds the
     parameter ``p`` and the optimizer (``self``), whose ``_parameter_names`` gives the name
     Horovod itself uses for this allreduce. Verified against Horovod 0.28.1; returns
-    ``None`` when called from anywhere else.
+    ``None`` when called from anywhere else, and ``(None, op, optimizer)`` when the
+    parameter is not found.
     """
     frame = sys._getframe(2)
     param = None
@@ -38,8 +45,8 @@ def _horovod_call_site():
             opt = local["self"]
             names = getattr(opt, "_parameter_names", {})
             if param is not None and param in names:
-                return names[param], getattr(opt, "op", None)
-            return None
+                return names[param], getattr(opt, "op", None), opt
+            return None, getattr(opt, "op", None), opt
         frame = frame.f_back
     return None
 
@@ -48,8 +55,9 @@ class TorchCompressor(CompressorHandle):
     """A registered compressor, usable as ``compression=`` for Horovod's stock
     ``hvd.DistributedOptimizer`` and for :class:`hvd_quant.torch.DistributedOptimizer`.
 
-    Calling the object returns a new, independently-stateful instance with updated
-    options: ``Compression.ef_sign()`` or ``Compression.global_qsgd(norm="l2")``.
+    The object is configuration (see :mod:`hvd_quant.core.handle`); calling it returns
+    one with updated options: ``Compression.ef_sign()`` or
+    ``Compression.global_qsgd(norm="l2")``.
     """
 
     framework = "torch"
@@ -57,45 +65,49 @@ class TorchCompressor(CompressorHandle):
     def make_backend(self):
         return TorchBackend()
 
-    def state_dict(self):
-        """Per-rank compressor state (stock-Horovod path), keyed ``"param/key"``."""
-        return {k: torch.from_numpy(v) for k, v in self.runner().state_dict().items()}
+    def state_dict(self, optimizer=None):
+        """This rank's compressor state in Horovod's stock ``optimizer`` (torch tensors,
+        keyed ``"param/key"``; ``torch.save`` it per rank). ``optimizer`` may be left out
+        while only one optimizer uses this object."""
+        return {k: torch.as_tensor(v) for k, v in super().state_dict(optimizer).items()}
 
     # --- Horovod's compression interface ------------------------------------------------------
     def compress(self, tensor):
         if not tensor.is_floating_point():
             return tensor, None  # like Horovod's fp16 compressor: integers pass through
-        if self.core.horovod_wire_dtype is not None:
-            import horovod.torch as hvd
-
-            wire = tensor.to(getattr(torch, self.core.horovod_wire_dtype))
-            self._count_horovod_cast(wire.numel() * wire.element_size(), hvd.size())
-            return wire, ("cast", tensor.dtype)
         import horovod.torch as hvd
-        from .comm import HorovodTorchComm
 
         site = _horovod_call_site()
-        if site is None:
+        if self.core.horovod_wire_dtype is not None:
+            owned = self.owned(site[2] if site is not None else None)
+            wire = tensor.to(getattr(torch, self.core.horovod_wire_dtype))
+            self._count_horovod_cast(owned, wire.numel() * wire.element_size(), hvd.size())
+            return wire, ("cast", tensor.dtype)
+        from .comm import HorovodTorchComm
+
+        if site is None or site[0] is None:
             raise RuntimeError(
                 f"hvd_quant: {self!r} runs its own collectives and must know which parameter "
                 "it compresses; it supports Horovod's stock hvd.DistributedOptimizer (0.28.1) "
                 "and hvd_quant.torch.DistributedOptimizer. Use "
                 "hvd_quant.torch.DistributedOptimizer(optimizer, named_parameters=..., "
                 f"compression=hvd_quant.torch.Compression.{self.name}).")
-        pname, op = site
+        pname, op, optimizer = site
         if op == hvd.Adasum:
             raise ValueError("hvd_quant compressors do not support op=hvd.Adasum")
-        if self._comm is None:
-            self._comm = HorovodTorchComm()
-        runner = self.runner()
-        runner.check_once(self._comm, "stock")
+        owned = self.owned(optimizer)  # this optimizer's own state, named by parameter
+        if owned.comm is None:
+            owned.comm = HorovodTorchComm()
+        owned.runner.check_once(owned.comm, "stock")
+        # fp32 inside the compressor whatever the parameter's dtype (fp16, bf16).
         flat = tensor.detach().reshape(-1).to(torch.float32)
-        mean = runner.reduce(flat, self._comm, pname, [(pname, flat.numel())])
+        mean = owned.runner.reduce(flat, owned.comm, pname, [(pname, flat.numel())])
         if op == hvd.Sum:
-            mean = mean * self._comm.size
+            mean = mean * owned.comm.size
         result = mean.reshape(tensor.shape).to(tensor.dtype)
-        # Horovod still allreduces what we return: give it one element, not the gradient.
-        return tensor.new_zeros(1), ("result", result)
+        # Horovod still allreduces what we return: give it one float32 element, not the
+        # gradient (Horovod's torch allreduce has no bfloat16).
+        return torch.zeros(1, device=tensor.device), ("result", result)
 
     def decompress(self, tensor, ctx):
         if ctx is None:

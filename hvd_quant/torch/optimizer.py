@@ -15,8 +15,16 @@ Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
 * on the first step all ranks check that they use the same compressor and options, the
   same parameter names/shapes/dtypes and the same parameter values, and raise
   :class:`~hvd_quant.core.runner.RankDisagreement` together if not;
-* ``state_dict()`` carries this rank's compressor state (error feedback) under the key
-  ``"hvd_quant"``, keyed by parameter name; ``load_state_dict()`` restores it.
+* ``state_dict()`` carries this rank's compressor state (error feedback, random-stream
+  positions) under the key ``"hvd_quant"``, keyed by parameter name;
+  ``load_state_dict()`` restores it;
+* the compression object is configuration: each optimizer keeps its own state, so one
+  object may serve several optimizers (a GAN's generator and discriminator);
+* fp16 and bf16 parameters and gradients are reduced in fp32 and written back in the
+  parameter's dtype. With ``torch.amp.GradScaler``, reduce before unscaling, as with
+  Horovod: ``opt.synchronize(); scaler.unscale_(opt); with opt.skip_synchronize():
+  scaler.step(opt)``. A non-finite gradient on any rank makes the reduced gradient
+  non-finite on every rank, so every rank's scaler skips the same step.
 """
 
 import hashlib
@@ -42,7 +50,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.torch.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
         self._compression = compression
-        self._runner = compression.runner()
+        self._runner = compression.make_runner()  # this optimizer's own state
         self._op = op
         self._comm = HorovodTorchComm(process_set)
 
@@ -119,7 +127,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state = super(self.__class__, self).state_dict()
         # torch tensors, not numpy arrays, so torch.load(weights_only=True) accepts it.
         state["hvd_quant"] = {"compressor": repr(self._compression),
-                              "state": {k: torch.from_numpy(v) for k, v in self._runner.state_dict().items()}}
+                              "state": {k: torch.from_numpy(v) for k, v in self._runner.state_dict().items()},
+                              "rng": {int(r): int(c) for r, c in self._runner.rng_state().items()}}
         return state
 
     def load_state_dict(self, state_dict):
@@ -128,6 +137,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if ours is not None:
             self._runner.load_state_dict(ours["state"])
+            self._runner.load_rng_state(ours.get("rng", {}))
 
 
 def _split_groups(params, groups):
@@ -151,7 +161,8 @@ def _structure_digest(segments, params):
 def _value_digest(params):
     h = hashlib.sha256()
     for p in params:
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        # The raw bytes (numpy has no bfloat16).
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest63(h.digest())
 
 

@@ -69,7 +69,7 @@ def checkpoint_roundtrip():
     for x, y in data[:2]:
         step(x, y)
     weights = [v.numpy() for v in model.trainable_variables]
-    state = comp.state_dict()
+    state = comp.state_dict(model.trainable_variables)  # the state belongs to these variables
     for x, y in data[2:]:
         step(x, y)
     uninterrupted = flat(model)
@@ -78,7 +78,7 @@ def checkpoint_roundtrip():
     for v, w in zip(model2.trainable_variables, weights):
         v.assign(w)
     comp2 = hq.Compression.ef_sign
-    comp2.load_state_dict(state)
+    comp2.load_state_dict(state, model2.trainable_variables)
     step2 = make_step(model2, keras.optimizers.SGD(0.1), comp2, "ours", True)
     for x, y in data[2:]:
         step2(x, y)

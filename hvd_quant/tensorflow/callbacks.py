@@ -1,0 +1,177 @@
+"""Keras 3 callbacks for ``model.fit`` across Horovod ranks, in place of Horovod's
+``hvd.keras.callbacks`` (which need Keras 2).
+
+* :class:`BroadcastGlobalVariablesCallback`: rank ``root_rank``'s model and optimizer
+  variables to every rank when training starts (skipping per-rank compressor state).
+* :class:`MetricAverageCallback`: epoch metrics averaged over ranks.
+* :class:`LearningRateWarmupCallback`: the learning rate ramps from ``lr / size`` to
+  ``lr`` over the first epochs (Goyal et al., "Accurate, Large Minibatch SGD: Training
+  ImageNet in 1 Hour", 2017, section 2.2, gradual warmup), as Horovod's callback does.
+
+Put :class:`MetricAverageCallback` before callbacks that read the logs
+(``ModelCheckpoint(monitor=...)``, ``EarlyStopping``), so that they see averaged values.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+from ..core.runner import check_agreement, digest63
+from .tape import broadcast_variables
+
+
+def per_rank_variables(optimizer):
+    """Variables of ``optimizer`` (and of the optimizers it wraps) that differ between
+    ranks by design: compressor residuals, random-stream positions. Optimizers declare
+    them in a ``per_rank_variables`` attribute."""
+    out, seen = [], set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        out += list(getattr(optimizer, "per_rank_variables", []) or [])
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return out
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Broadcast the model's variables and the optimizer's shared variables from
+    ``root_rank`` when training starts, so that every rank starts from the same point
+    (a fresh model, or a checkpoint loaded on ``root_rank`` only).
+
+    Keras builds the optimizer lazily; this callback builds it first (eagerly, on every
+    rank) when the model is built, so its variables exist to be broadcast. Per-rank
+    variables (:func:`per_rank_variables`) are left alone: each rank keeps its own
+    compressor state. A model that is not built when training starts (no ``keras.Input``)
+    is broadcast after the first batch, as Horovod does; hvd_quant's first-step agreement
+    check then fails unless every rank initialised it identically (seed every rank with
+    ``keras.utils.set_random_seed``), so build the model first.
+    """
+
+    def __init__(self, root_rank=0, process_set=hvd.global_process_set):
+        super().__init__()
+        self.root_rank = root_rank
+        self.process_set = process_set
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if not self.broadcast_done and self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def _broadcast(self):
+        optimizer = getattr(self.model, "optimizer", None)
+        variables = list(self.model.variables)
+        if optimizer is not None:
+            if not optimizer.built and self.model.trainable_variables:
+                with keras.name_scope(optimizer.name, caller=optimizer):
+                    optimizer.build(self.model.trainable_variables)
+                optimizer.built = True
+            skip = {id(v) for v in per_rank_variables(optimizer)}
+            variables += [v for v in optimizer.variables if id(v) not in skip]
+        broadcast_variables(variables, root_rank=self.root_rank, process_set=self.process_set)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace each numeric epoch metric in the logs by its average over ranks.
+
+    Every rank must log the same metric names (checked first, with one small allgather:
+    ranks that differ raise :class:`~hvd_quant.core.runner.RankDisagreement` together).
+    The values travel by allgather and are averaged in rank order, so every rank ends
+    with the same numbers.
+    """
+
+    def __init__(self, process_set=hvd.global_process_set):
+        super().__init__()
+        self.process_set = process_set
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        keys = sorted(k for k, v in logs.items() if _is_number(v))
+        head = np.array([digest63(len(keys), *keys)], dtype=np.int64)
+        gathered = hvd.allgather(tf.constant(head[None, :]), name=f"hvd_quant.metrics.keys.{epoch}",
+                                 ignore_name_scope=True, process_set=self.process_set).numpy()
+        check_agreement(gathered, ["the names of the epoch metrics"],
+                        ["Log the same metrics on every rank."])
+        if not keys:
+            return
+        values = np.array([[float(logs[k]) for k in keys]], dtype=np.float64)
+        rows = hvd.allgather(tf.constant(values), name=f"hvd_quant.metrics.values.{epoch}",
+                             ignore_name_scope=True, process_set=self.process_set).numpy()
+        mean = np.zeros(len(keys))
+        for row in rows:  # rank order: identical on every rank
+            mean += row
+        mean /= len(rows)
+        for k, v in zip(keys, mean):
+            logs[k] = float(v)
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over the first
+    ``warmup_epochs`` epochs, adjusted every batch.
+
+    After ``e`` epochs (fractional) the rate is ``initial_lr / size * (e * (size - 1) /
+    warmup_epochs + 1)``, with ``e`` counted at the end of each batch, so the last batch
+    of the warmup uses ``initial_lr`` exactly (Horovod's schedule).
+
+    ``momentum_correction`` (Goyal et al., section 2.1) is not offered: Keras 3 bakes the
+    momentum into the compiled train step, so changing it per batch has no effect.
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, steps_per_epoch=None, verbose=0,
+                 momentum_correction=False, size=None):
+        super().__init__()
+        if momentum_correction:
+            raise ValueError("momentum_correction is not supported with Keras 3: the momentum "
+                             "is a constant of the compiled train step")
+        if warmup_epochs <= 0:
+            raise ValueError("warmup_epochs must be positive")
+        self.initial_lr = float(initial_lr)
+        self.warmup_epochs = warmup_epochs
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self.size = size
+        self.current_epoch = 0
+
+    def multiplier(self, epoch):
+        size = self.size or hvd.size()
+        return (epoch * (size - 1) / self.warmup_epochs + 1) / size
+
+    def on_train_begin(self, logs=None):
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.steps_per_epoch:
+            raise ValueError("LearningRateWarmupCallback needs steps_per_epoch (Keras did not "
+                             "report the number of steps per epoch)")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+        if epoch == self.warmup_epochs:
+            self._set(self.initial_lr)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.current_epoch >= self.warmup_epochs:
+            return
+        progress = self.current_epoch + (batch + 1) / self.steps_per_epoch
+        self._set(self.initial_lr * self.multiplier(min(progress, self.warmup_epochs)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.warmup_epochs - 1 and self.verbose and hvd.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
+
+    def _set(self, value):
+        self.model.optimizer.learning_rate = value
+
+
+def _is_number(value):
+    if isinstance(value, (bool, str)):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return np.ndim(value) == 0

@@ -1,0 +1,330 @@
+"""Keras 3 ``model.fit`` with compressed gradient reduction: :class:`DistributedOptimizer`.
+
+Horovod's Keras integration does not work with Keras 3 (horovod #4290); this module is
+its counterpart for hvd_quant::
+
+    import horovod.tensorflow as hvd
+    import hvd_quant.tensorflow as hq
+
+    hvd.init()
+    opt = hq.DistributedOptimizer(keras.optimizers.Adam(1e-3), compression=hq.Compression.ef_sign)
+    model.compile(optimizer=opt, loss=..., metrics=[...])
+    model.fit(x, y, callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0),
+                               hq.callbacks.MetricAverageCallback()])
+
+How it fits Keras
+-----------------
+* ``apply()`` (what ``model.fit`` and ``apply_gradients`` call) averages the gradients
+  over ranks with the compressor (:func:`~hvd_quant.tensorflow.tape.reduce_gradients`:
+  fp32, fused, non-finite on any rank makes the result non-finite on every rank), then
+  hands them to the wrapped optimizer.
+* Compressor state (error feedback, random-stream positions) is held in Keras optimizer
+  variables, created in ``build()``: ``optimizer.variables``, ``model.save`` and
+  ``keras.callbacks.ModelCheckpoint`` include it. It is per rank: save one file per rank
+  (``f"ckpt-{hvd.rank()}.keras"``) and load each rank's own.
+* Mixed precision. Keras wraps the optimizer in a ``LossScaleOptimizer`` under a
+  ``mixed_float16`` policy; that wrapper checks the *local* gradients for inf/NaN and
+  skips the inner optimizer on its own, so ranks could disagree and leave the others
+  waiting in a collective. This class therefore *is* a ``LossScaleOptimizer`` (Keras does
+  not wrap it again) that reduces first and checks after: gradients are unscaled,
+  reduced, and the step is applied or skipped on every rank alike, from the reduced
+  values. ``loss_scale="auto"`` follows the global dtype policy (``mixed_float16`` ->
+  dynamic loss scaling, as Keras' ``compile`` would); ``True``/``False`` force it.
+  Passing a ``LossScaleOptimizer`` as ``optimizer`` adopts its settings.
+* ``jit_compile=True``: Horovod's collectives are custom TensorFlow ops that XLA cannot
+  compile (this Horovod build has no XLA ops), and Keras compiles the whole train step.
+  The first trace raises a :class:`RuntimeError` saying so on every rank, before any
+  collective; compile with ``jit_compile=False`` (Keras' ``"auto"`` picks it on CPU).
+"""
+
+import sys
+
+import keras
+import tensorflow as tf
+import horovod.tensorflow as hvd
+from keras.optimizers import LossScaleOptimizer
+from keras.src.utils import tracking
+
+from .comm import HorovodTFComm
+from .compression import Compression, TFCompressor
+from .tape import check_agreement_once, group_segments, reduce_gradients
+
+_LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "apply_fn")
+
+
+@keras.saving.register_keras_serializable(package="hvd_quant")
+class DistributedOptimizer(LossScaleOptimizer):
+    """Wrap a Keras 3 optimizer so that ``apply()`` first averages the gradients over
+    ranks with ``compression``.
+
+    Parameters
+    ----------
+    optimizer : keras.optimizers.Optimizer
+        Any Keras 3 optimizer, or a ``LossScaleOptimizer`` (its settings are adopted).
+        hvd_quant's 1-bit optimizers communicate themselves: pass them to ``compile``
+        directly, or wrap them here without ``compression`` for mixed precision (this
+        class then only does the loss scaling, from their all-rank verdict).
+    compression : hvd_quant.tensorflow.Compression.<name>
+        Configuration only; this optimizer keeps its own state.
+    name : str, optional
+    op : hvd.Average or hvd.Sum
+    num_groups : int
+        Number of fused buffers (default one).
+    process_set : horovod process set
+    loss_scale : "auto", bool
+        Dynamic loss scaling as Keras' ``LossScaleOptimizer`` does it, but decided from the
+        reduced gradients (see the module docstring). ``"auto"``: on under the
+        ``mixed_float16`` global policy.
+    initial_scale, dynamic_growth_steps : as ``keras.optimizers.LossScaleOptimizer``.
+    device_dense, device_sparse, sparse_as_dense, gradient_predivide_factor :
+        Accepted for compatibility with Horovod's signature (sparse gradients are
+        densified; averaging is exact).
+    """
+
+    # The 1-bit optimizers accept this LossScaleOptimizer around them (see apply).
+    _hvd_quant_loss_scaling = True
+
+    def __init__(self, optimizer, compression=Compression.none, name=None, op=hvd.Average,
+                 num_groups=0, groups=None, process_set=hvd.global_process_set, loss_scale="auto",
+                 initial_scale=2.0 ** 15, dynamic_growth_steps=2000, device_dense="",
+                 device_sparse="", sparse_as_dense=False, gradient_predivide_factor=1.0,
+                 backward_passes_per_step=1):
+        if keras.backend.backend() != "tensorflow":
+            raise RuntimeError("hvd_quant.tensorflow.DistributedOptimizer needs Keras' TensorFlow "
+                               f"backend (KERAS_BACKEND=tensorflow), not {keras.backend.backend()!r}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("the optimizer is already an hvd_quant DistributedOptimizer")
+        communicates = bool(getattr(optimizer, "_hvd_quant_communicates", False))
+        if communicates and getattr(compression, "name", None) != "none":
+            raise TypeError(f"{type(optimizer).__name__} averages over ranks by itself, so "
+                            "compression does not apply to it: pass it to model.compile directly, "
+                            "or wrap it without compression= for loss scaling only")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "hvd_quant.tensorflow.DistributedOptimizer wraps Keras 3 optimizers, got "
+                f"{type(optimizer).__module__}.{type(optimizer).__name__}. Under tf-keras "
+                "(TF_USE_LEGACY_KERAS=1) use Horovod's own hvd.keras.DistributedOptimizer(opt, "
+                "compression=hvd_quant.tensorflow.Compression.<name>) (horovod.tensorflow.keras).")
+        if not isinstance(compression, TFCompressor):
+            raise TypeError("compression must be an hvd_quant compressor "
+                            f"(hvd_quant.tensorflow.Compression.<name>), got {compression!r}")
+        if op not in (hvd.Average, hvd.Sum):
+            raise ValueError("hvd_quant.tensorflow.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+        if groups is not None:
+            raise ValueError("groups given as lists of variables are not supported; pass num_groups")
+        if gradient_predivide_factor != 1.0 and op != hvd.Average:
+            raise ValueError("gradient_predivide_factor only applies to op=hvd.Average")
+        if backward_passes_per_step != 1:
+            raise ValueError("backward_passes_per_step > 1 is not supported; set "
+                             "gradient_accumulation_steps on the wrapped Keras optimizer instead")
+        if loss_scale not in ("auto", True, False):
+            raise ValueError(f"loss_scale must be 'auto', True or False, got {loss_scale!r}")
+        if isinstance(optimizer, LossScaleOptimizer):
+            initial_scale, dynamic_growth_steps = optimizer.initial_scale, optimizer.dynamic_growth_steps
+            optimizer, loss_scale = optimizer.inner_optimizer, True
+        inner_factor = optimizer.loss_scale_factor  # LossScaleOptimizer.__init__ clears it
+        super().__init__(optimizer, initial_scale=initial_scale,
+                         dynamic_growth_steps=dynamic_growth_steps,
+                         name=name or f"distributed_{optimizer.name}")
+        self._inner_loss_scale_factor = inner_factor
+        self._inner_communicates = communicates
+        self._compression = compression
+        self._op = op
+        self._num_groups = int(num_groups or 0)
+        self._process_set = process_set
+        self._loss_scale_option = loss_scale
+        self._loss_scale_on = None  # resolved on first use
+        self._runner = None
+        self._comm = None
+        self._per_rank = []
+        with tf.init_scope():
+            self._bytes = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="hvd_quant_bytes_sent")
+
+    # --- loss scaling -----------------------------------------------------------------------
+    def _loss_scaling(self):
+        if self._loss_scale_on is None:
+            on = self._loss_scale_option
+            if on == "auto":
+                on = keras.config.dtype_policy().name == "mixed_float16"
+            self._loss_scale_on = bool(on)
+            # Keras' LossScaleOptimizer disabled the inner optimizer's own factor; give it
+            # back when this optimizer does no dynamic scaling.
+            self.inner_optimizer.loss_scale_factor = None if on else self._inner_loss_scale_factor
+        return self._loss_scale_on
+
+    def scale_loss(self, loss):
+        if self._loss_scaling():
+            return super().scale_loss(loss)
+        return self.inner_optimizer.scale_loss(loss)
+
+    # --- state ------------------------------------------------------------------------------
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        if self._loss_scaling():
+            super().build(var_list)  # step_counter, dynamic_scale; builds the inner optimizer
+        else:
+            self.inner_optimizer.build(var_list)
+            super(LossScaleOptimizer, self).build(var_list)  # skip the loss-scale variables
+        if self._inner_communicates:
+            return
+        self._comm = HorovodTFComm(self._process_set)
+        self._runner = self._compression.make_runner(make_variable=self._make_state_variable)
+        self._runner.build(self._comm.rank, group_segments(var_list, self._num_groups))
+
+    def _make_state_variable(self, name, initial):
+        var = self.add_variable(shape=initial.shape, initializer="zeros", dtype=initial.dtype.name,
+                                aggregation="none", name=f"hvd_quant_{name}")
+        var.assign(initial)
+        self._per_rank.append(var)
+        backing = var.value  # the tf.Variable behind it (no autocast scope while building)
+        if not isinstance(backing, tf.Variable):
+            raise RuntimeError("hvd_quant: could not reach the tf.Variable behind a Keras variable")
+        return backing
+
+    @property
+    def per_rank_variables(self):
+        """Variables that differ between ranks by design (compressor state, random-stream
+        positions, and the wrapped optimizer's own): never broadcast them from one rank;
+        :class:`~hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback` skips them."""
+        return list(self._per_rank) + list(getattr(self.inner_optimizer, "per_rank_variables", []))
+
+    @property
+    def bytes_sent(self):
+        """Bytes this rank has sent for gradient reduction, counted per executed step
+        (cost model of :class:`~hvd_quant.core.comm.WireMeter`)."""
+        return float(self._bytes.numpy())
+
+    def compression_state_dict(self):
+        """This rank's compressor state as numpy arrays, ``{"variable/key": array}`` (also
+        saved by ``model.save`` as optimizer variables)."""
+        if self._runner is None:
+            return {}
+        out = dict(self._runner.state_dict())
+        for rank, calls in self._runner.rng_state().items():
+            out[f"hvd_quant.rng/{rank}/calls"] = calls
+        return out
+
+    # --- the step ---------------------------------------------------------------------------
+    @tf.autograph.experimental.do_not_convert
+    def apply(self, grads, trainable_variables=None):
+        _refuse_xla()
+        self._refuse_being_wrapped()
+        grads = list(grads)
+        if not grads:
+            return
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        scaling = self._loss_scaling()
+        if self._inner_communicates:
+            self._apply_communicating(grads, trainable_variables, variables, scaling)
+            return
+        check_agreement_once(self._runner, self._comm, variables, self._num_groups)
+        before = self._comm.meter.bytes_sent
+        reduced, finite = reduce_gradients(self._runner, self._comm, grads, variables, self._num_groups,
+                                           self._op, scale=self.dynamic_scale if scaling else None)
+        self._bytes.assign_add(self._comm.meter.bytes_sent - before)
+        # Keras drops variables without a gradient; so do we (after reducing zeros for them,
+        # so that the fused layout never changes).
+        reduced = [None if g is None else r for g, r in zip(grads, reduced)]
+        if not scaling:
+            self.inner_optimizer.apply(reduced, trainable_variables)
+            return
+        # Every rank sees the same reduced values, so every rank takes the same branch.
+        keras.ops.cond(finite, lambda: self._apply_finite(reduced, trainable_variables),
+                       self._stateful_handle_non_finite_grads)
+
+    def _apply_communicating(self, grads, trainable_variables, variables, scaling):
+        """Loss scaling around an optimizer that reduces by itself (1-bit Adam, 0/1 Adam,
+        BinSGDM): it always runs on every rank, and its own all-rank verdict on the
+        gradients' finiteness (``step_was_finite``) drives the scale."""
+        if scaling:
+            grads = [g if g is None or self._overwrite_variable_with_gradient(v)
+                     else g / tf.cast(self.dynamic_scale, g.dtype) for g, v in zip(grads, variables)]
+        self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+        if scaling:
+            keras.ops.cond(tf.equal(self.inner_optimizer.step_was_finite, 1), self._grow_scale,
+                           self._stateful_handle_non_finite_grads)
+
+    def _apply_finite(self, grads, trainable_variables):
+        self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
+        self._grow_scale()
+
+    def _grow_scale(self):
+        def upscale():
+            self.step_counter.assign(0)
+            self.dynamic_scale.assign(self.dynamic_scale * 2.0)
+
+        def increment():
+            self.step_counter.assign_add(1)
+
+        keras.ops.cond(keras.ops.equal(self.step_counter, self.dynamic_growth_steps - 1),
+                       upscale, increment)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise NotImplementedError("hvd_quant.tensorflow.DistributedOptimizer runs on Keras' "
+                                  "TensorFlow backend only (no stateless_apply)")
+
+    def _refuse_being_wrapped(self):
+        """A LossScaleOptimizer around this one would test the local gradients and skip
+        the reduction on some ranks only: refuse it on every rank, while tracing."""
+        frame = sys._getframe(2)
+        for _ in range(12):
+            if frame is None:
+                return
+            outer = frame.f_locals.get("self")
+            if (frame.f_code.co_name in _LSO_FRAMES and isinstance(outer, LossScaleOptimizer)
+                    and outer is not self):
+                raise TypeError(
+                    "hvd_quant: a LossScaleOptimizer wraps hvd_quant's DistributedOptimizer, so "
+                    "ranks could skip different steps and wait forever. Put the loss scaling "
+                    "inside: hq.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt), ...) "
+                    "or hq.DistributedOptimizer(opt, loss_scale=True).")
+            frame = frame.f_back
+
+    # --- serialization ----------------------------------------------------------------------
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "compression": self._compression.config(),
+            "op": int(self._op),
+            "num_groups": self._num_groups,
+            # Once resolved, the choice itself: it decides which variables a checkpoint has.
+            "loss_scale": self._loss_scale_option if self._loss_scale_on is None else self._loss_scale_on,
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
+                                                      custom_objects=custom_objects)
+        comp = config.pop("compression")
+        compression = Compression.get(comp["name"], seed=comp["seed"], **comp["options"])
+        op = {int(hvd.Average): hvd.Average, int(hvd.Sum): hvd.Sum}[int(config.pop("op"))]
+        return cls(inner, compression=compression, op=op, **config)
+
+
+def _refuse_xla():
+    """Raise while tracing an XLA-compiled function (``jit_compile=True``)."""
+    try:
+        from tensorflow.python.framework import ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # private TF modules moved: XLA will refuse the Horovod ops itself
+        return
+    if tf.executing_eagerly():
+        return
+    if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        raise RuntimeError(
+            "hvd_quant: the gradient reduction runs Horovod collectives, custom TensorFlow ops "
+            "that XLA cannot compile (this Horovod build has no XLA ops), and Keras compiles "
+            "the whole train step under jit_compile=True. Compile the model with "
+            "jit_compile=False (Keras' jit_compile='auto' picks False on CPU-only machines, "
+            "True on GPUs).")
+

@@ -1,0 +1,221 @@
+"""Runs inside every rank for tests/test_keras.py: Keras 3 ``model.fit`` with
+``hvd_quant.tensorflow.DistributedOptimizer`` and the callbacks, or (``legacy``, under
+``TF_USE_LEGACY_KERAS=1``) tf-keras ``model.fit`` with Horovod's own
+``hvd.keras.DistributedOptimizer`` and our compressors.
+
+``python keras_worker.py MODE OUTDIR`` writes ``OUTDIR/rank{r}.json``. Checks that are
+expected to raise record the error instead.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+import hvd_quant.tensorflow as hq
+
+MODE, OUT = sys.argv[1], Path(sys.argv[2])
+COMPRESSORS = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd",
+               "global_qsgd:norm=l2", "global_qsgd_exp"]
+STEPS, BATCH = 6, 16
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+results = {"rank": RANK, "size": SIZE}
+
+
+def record(key, fn):
+    try:
+        results[key] = fn()
+    except Exception as exc:  # recorded for the test to judge
+        results[key] = {"error": type(exc).__name__, "message": str(exc)[:2000]}
+
+
+def compression(config):
+    name, _, opts = config.partition(":")
+    options = dict(kv.split("=") for kv in opts.split(",") if kv)
+    return hq.Compression.get(name, **options)
+
+
+def data(seed=0, n=STEPS * BATCH):
+    """This rank's shard of a fixed 3-class problem (different on every rank)."""
+    rng = np.random.default_rng(1000 + 17 * RANK + seed)
+    x = rng.standard_normal((n, 8)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64") + (x[:, 1] > 0.5).astype("int64")
+    return x, y
+
+
+def digest(arrays):
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(np.asarray(a)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def weights(model):
+    return [v.numpy() for v in model.trainable_variables]
+
+
+# --- Keras 3 -----------------------------------------------------------------------------------
+def keras3():
+    import keras
+    return keras
+
+
+def make_model(keras, seed=0, name="net"):
+    # Explicit names: state is keyed by variable path within the optimizer.
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="hidden"),
+                             keras.layers.Dense(3, name="out")], name=name)
+
+
+def compile_model(keras, model, comp, lr=0.1, **kwargs):
+    opt = hq.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9), compression=comp)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], **kwargs)
+    return opt
+
+
+def fit_every_compressor():
+    """Each compressor: a few fit steps; weights identical on every rank, loss goes down."""
+    keras = keras3()
+    x, y = data()
+    out = {}
+    for config in COMPRESSORS:
+        model = make_model(keras, seed=RANK)  # different on purpose: the callback broadcasts
+        opt = compile_model(keras, model, compression(config), jit_compile=False)
+        hist = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                         callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0),
+                                    hq.callbacks.MetricAverageCallback()])
+        out[config] = {"digest": digest(weights(model)), "loss": hist.history["loss"],
+                       "bytes": opt.bytes_sent, "finite": bool(all(np.isfinite(w).all() for w in weights(model))),
+                       "iterations": int(opt.iterations.numpy())}
+    return out
+
+
+def checkpoint_resumes_exactly():
+    """ModelCheckpoint per rank after epoch 1; a model loaded from it continues exactly
+    like the uninterrupted run (compressor residuals and random streams restored)."""
+    keras = keras3()
+    x, y = data(seed=5)
+    out = {}
+    for config in ("ef_sign", "marsit", "global_qsgd"):
+        path = str(OUT / f"ckpt-{config}-rank{RANK}-epoch{{epoch}}.keras")
+        model = make_model(keras)
+        compile_model(keras, model, compression(config))
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                  callbacks=[keras.callbacks.ModelCheckpoint(path)])
+        uninterrupted = weights(model)
+        state_vars = [v.path for v in model.optimizer.variables if "hvd_quant" in v.path]
+        restored = keras.models.load_model(path.format(epoch=1))
+        restored.fit(x, y, batch_size=BATCH, epochs=2, initial_epoch=1, verbose=0, shuffle=False)
+        out[config] = {"equal": all(np.array_equal(a, b) for a, b in zip(uninterrupted, weights(restored))),
+                       "state_variables": state_vars,
+                       "optimizer": type(restored.optimizer).__name__,
+                       "compression": repr(restored.optimizer._compression)}
+    return out
+
+
+def jit_compile_refused():
+    keras = keras3()
+    x, y = data()
+    model = make_model(keras)
+    compile_model(keras, model, hq.Compression.ef_sign, jit_compile=True)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    return "no error"
+
+
+def loss_scale_outside_refused():
+    """LossScaleOptimizer(DistributedOptimizer(...)) would check local gradients: refused."""
+    keras = keras3()
+    x, y = data()
+    model = make_model(keras)
+    inner = hq.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hq.Compression.ef_sign)
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(inner),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    return "no error"
+
+
+def callbacks_behave():
+    """Broadcast (per-rank state kept), metric averaging, learning-rate warmup."""
+    keras = keras3()
+    x, y = data(seed=9)
+
+    class RankMetric(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["rank_metric"] = float(RANK)
+
+    class Capture(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.lrs, self.logs = [], []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.lrs.append(float(self.model.optimizer.learning_rate.numpy()))
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.logs.append(dict(logs))
+
+    model = make_model(keras, seed=100 + RANK)
+    opt = compile_model(keras, model, hq.Compression.ef_sign, lr=0.2)
+    capture = Capture()
+    model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+              callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hq.callbacks.LearningRateWarmupCallback(0.2, warmup_epochs=2),
+                         RankMetric(), hq.callbacks.MetricAverageCallback(), capture])
+    residual = [v.numpy() for v in opt.per_rank_variables if "residual" in v.path]
+    shared = [v.numpy() for v in opt.variables
+              if all(v is not p for p in opt.per_rank_variables)]
+    return {"weights": digest(weights(model)), "residual": digest(residual),
+            "shared_optimizer_variables": digest(shared), "lrs": capture.lrs,
+            "rank_metric": [l["rank_metric"] for l in capture.logs],
+            "loss": [l["loss"] for l in capture.logs], "steps": STEPS}
+
+
+# --- tf-keras (Keras 2) ------------------------------------------------------------------------
+def legacy_fit():
+    """tf-keras model.fit with Horovod's own Keras DistributedOptimizer and our compressors."""
+    import horovod.tensorflow.keras as hvdk
+    keras = tf.keras
+    x, y = data()
+    out = {}
+    for config in ("ef_sign", "global_qsgd", "none"):
+        keras.utils.set_random_seed(RANK)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="hidden"),
+                                  keras.layers.Dense(3, name="out")], name="net")
+        comp = compression(config)
+        opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression=comp)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        hist = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                         callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0)])
+        out[config] = {"digest": digest(weights(model)), "loss": hist.history["loss"],
+                       "state_keys": sorted(comp.state_dict(model.trainable_variables)),
+                       "bytes": comp.bytes_sent}
+    return out
+
+
+if MODE == "keras3":
+    record("fit", fit_every_compressor)
+    record("checkpoint", checkpoint_resumes_exactly)
+    record("jit", jit_compile_refused)
+    record("loss_scale_outside", loss_scale_outside_refused)
+    record("callbacks", callbacks_behave)
+elif MODE == "keras3_fit":
+    record("fit", fit_every_compressor)
+elif MODE == "legacy":
+    assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+    record("legacy_fit", legacy_fit)
+else:
+    raise SystemExit(f"unknown mode {MODE}")
+
+OUT.mkdir(parents=True, exist_ok=True)
+(OUT / f"rank{RANK}.json").write_text(json.dumps(results))
+print(f"rank {RANK}: wrote {OUT / f'rank{RANK}.json'}")
