@@ -1,0 +1,310 @@
+"""Side-by-side benchmark of gradient reduction on an emulated cluster (needs root, iproute2).
+
+    sudo .venv/bin/python benchmarks/bench_cluster.py                  # the full matrix
+    sudo .venv/bin/python benchmarks/bench_cluster.py --rates 1gbit --hosts 2 \\
+        --numel 4000000 --repeats 3 --cases buffer --methods horovod_fp32,ef_sign,marsit
+
+For every host count, one :class:`hvd_quant.cluster.EmulatedCluster` is built (one rank
+per host by default); for every link rate its links are reshaped, and for every case one
+Horovod job runs ``benchmarks/cluster_worker.py``, which times every method (Horovod
+fp32/fp16 allreduce, torch DDP over Gloo with no hook, ``fp16_compress_hook`` and
+PowerSGD, every hvd_quant compressor, the 1-bit compressed allreduce and the 1-bit
+optimizers) interleaved within each repeat. See that file for the cases, the timing
+protocol and the cost models.
+
+Output (in ``--out-dir``):
+
+* a markdown table per (rate, hosts, case), printed and saved in ``report.md``: median
+  ms over repeats (a repeat counts as long as its slowest rank), speed-up against Horovod
+  fp32 and against DDP + PowerSGD in the same job, MB sent per rank per step, the
+  roofline bound and the bound as a percentage of the measured time;
+* ``results.json``: configuration, every raw time (per rank, per repeat), the derived
+  numbers, failed jobs;
+* ``speedup.png``: speed-up against Horovod fp32 versus link rate, one line per method,
+  one panel per (case, host count).
+
+Roofline per method (a lower bound on its time)::
+
+    bound = bytes one rank sends / link rate  +  bytes touched / copy bandwidth
+            (+ the measured step without communication, "local", in the model case)
+
+with the copy bandwidth measured in the same job (``dst.copy_(src)`` of a buffer of the
+same size, bytes read + written per second), and ``% of roofline = bound / measured``.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from hvd_quant.cluster import (ClusterUnavailable, EmulatedCluster, JobTimeout,  # noqa: E402
+                               format_rate, parse_rate)
+
+BASELINE, POWERSGD = "horovod_fp32", "ddp_powersgd"
+DEFAULT_RATES = "100mbit,1gbit,10gbit"
+
+
+# --- summarising one job ------------------------------------------------------------------------
+def slowest_per_repeat(times_by_rank):
+    """``[rank][repeat]`` seconds -> per repeat the slowest rank's seconds."""
+    return [max(col) for col in zip(*times_by_rank)]
+
+
+def summarize(raw, rate_bps):
+    """Derived numbers of one job's raw results: ``{method: {...}}`` plus copy bandwidth."""
+    copy_s = statistics.median(slowest_per_repeat(raw["copy_s"]))
+    copy_bw = 2 * raw["copy_bytes"] / copy_s if copy_s > 0 else float("inf")  # read + write
+    methods = raw["methods"]
+    medians = {name: statistics.median(slowest_per_repeat(m["times_s"])) for name, m in methods.items()}
+    floor = medians.get("local", 0.0) if raw["config"]["case"] == "model" else 0.0
+    rows = {}
+    for name, m in methods.items():
+        measured = medians[name]
+        link_s = m["sent_bytes"] * 8 / rate_bps if rate_bps else 0.0
+        memory_s = (m["touched_bytes"] or 0.0) / copy_bw
+        bound = link_s + memory_s + (floor if name != "local" else measured)
+        rows[name] = {
+            "median_s": measured,
+            "speedup_vs_horovod_fp32": medians[BASELINE] / measured if BASELINE in medians else None,
+            "speedup_vs_ddp_powersgd": medians[POWERSGD] / measured if POWERSGD in medians else None,
+            "sent_mb": m["sent_bytes"] / 1e6,
+            "touched_mb": (m["touched_bytes"] or 0.0) / 1e6,
+            "roofline_s": bound,
+            "link_s": link_s,
+            "memory_s": memory_s,
+            "pct_of_roofline": 100.0 * bound / measured if measured > 0 else None,
+            "kinds": m.get("kinds", []),
+        }
+    return {"copy_s": copy_s, "copy_gbps": copy_bw / 1e9, "compute_floor_s": floor, "methods": rows}
+
+
+def markdown_table(run):
+    """One markdown table for one job (``run`` as stored in results.json)."""
+    s, cfg = run["summary"], run["raw"]["config"]
+    what = (f"{cfg['numel']:,} floats" if run["case"] == "buffer" else
+            f"model step, {cfg['numel']:,} parameters, batch {cfg['batch']}")
+    lines = [f"### {run['rate']}, {run['hosts']} hosts x {run['slots']} rank(s), {run['case']} ({what})", "",
+             f"median of {cfg['repeats']} repeats (slowest rank per repeat); copy bandwidth "
+             f"{s['copy_gbps']:.1f} GB/s (read + write)"
+             + (f"; step without communication (`local`) {1e3 * s['compute_floor_s']:.0f} ms"
+                if run["case"] == "model" else ""), "",
+             "| method | median ms | vs horovod_fp32 | vs DDP+PowerSGD | MB sent/rank | roofline ms | % of roofline |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+
+    def x(v):
+        return f"{v:.2f}x" if v is not None else "–"
+    for name, r in s["methods"].items():
+        kinds = f" ({'/'.join(r['kinds'])})" if r["kinds"] else ""
+        lines.append(f"| {name}{kinds} | {1e3 * r['median_s']:.1f} | {x(r['speedup_vs_horovod_fp32'])} | "
+                     f"{x(r['speedup_vs_ddp_powersgd'])} | {r['sent_mb']:.2f} | {1e3 * r['roofline_s']:.1f} | "
+                     f"{r['pct_of_roofline']:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+# --- the plot -------------------------------------------------------------------------------------
+def plot(runs, path):
+    """Speed-up vs Horovod fp32 against link rate; one panel per (case, hosts)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (used as matplotlib.ticker below)
+
+    panels = sorted({(r["case"], r["hosts"]) for r in runs})
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.8), squeeze=False)
+    for ax, (case, hosts) in zip(axes[0], panels):
+        mine = sorted((r for r in runs if r["case"] == case and r["hosts"] == hosts), key=lambda r: r["rate_bps"])
+        names = []
+        for r in mine:
+            names += [n for n in r["summary"]["methods"] if n not in names and n != "local"]
+        markers = "os^vD<>ph*xP+Xd1234"
+        for i, name in enumerate(names):
+            pts = [(r["rate_bps"], r["summary"]["methods"][name]["speedup_vs_horovod_fp32"]) for r in mine
+                   if name in r["summary"]["methods"]
+                   and r["summary"]["methods"][name]["speedup_vs_horovod_fp32"]]
+            if pts:
+                ax.plot(*zip(*pts), marker=markers[i % len(markers)], label=name,
+                        linestyle="--" if name.startswith(("horovod", "ddp")) else "-")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        rates = sorted({r["rate_bps"] for r in mine})
+        ax.set_xticks(rates, [format_rate(r) for r in rates])
+        ax.set_xticks([], minor=True)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        if len(rates) == 1:
+            ax.set_xlim(rates[0] / 3, rates[0] * 3)
+        ax.set_xlabel("link rate per host (bit/s)")
+        ax.set_ylabel("speed-up vs Horovod fp32 allreduce")
+        ax.set_title(f"{case}, {hosts} hosts")
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:  # one legend for all panels: methods missing from panel 0 too
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            if l not in labels:
+                handles.append(h)
+                labels.append(l)
+    width = 5.0 * len(panels)
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(width / (width + 2.2), 0.5), fontsize=8)
+    fig.set_size_inches(width + 2.2, 4.8)
+    fig.tight_layout(rect=(0, 0, width / (width + 2.2), 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# --- running the matrix ---------------------------------------------------------------------------
+def estimate_job_s(case, numel, hosts, rate_bps, repeats, n_methods):
+    """Rough seconds for one job: bytes moved by all methods over the link, plus compute
+    (measured orders of magnitude on a 2-core machine), plus start-up."""
+    n = hosts
+    fp32_bytes = (2 * (n - 1) / n * 4 * numel) if case == "buffer" else 2 * (n - 1) / n * 4 * 7.4e6
+    link = 5.5 * fp32_bytes * 8 / rate_bps if rate_bps else 0.0  # fp32 x3, fp16 x3, 8-bit x3, ...
+    compute = n_methods * (0.04 * numel / 1e6 * max(1, n / 2) if case == "buffer" else 0.8 * n / 2)
+    return 60 + (repeats + 2.5) * (link + compute)
+
+
+def parse_list(text, kind=str):
+    return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default=DEFAULT_RATES, help=f"link rates (default {DEFAULT_RATES})")
+    p.add_argument("--hosts", default="2,3", help="host counts (default 2,3)")
+    p.add_argument("--slots", type=int, default=1, help="ranks per host (default 1)")
+    p.add_argument("--delay", default=None, help="one-way delay, e.g. 0.1ms (needs tc netem)")
+    p.add_argument("--cases", default="buffer,model", help="buffer and/or model (default both)")
+    p.add_argument("--numel", type=int, default=25_000_000, help="buffer case size in floats (default 25M)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", default="", help="comma-separated (default: all; see cluster_worker.py --list)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--job-timeout", type=float, default=0, help="seconds per job (default: from an estimate)")
+    p.add_argument("--out-dir", default="", help="default benchmarks/results/cluster-<date-time>")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra argument for cluster_worker.py (repeatable), e.g. --worker-arg=--batch=8")
+    args = p.parse_args(argv)
+
+    rates = [parse_rate(r) for r in parse_list(args.rates)]
+    if any(r is None for r in rates):
+        p.error("--rates: every rate must be a real rate (the speed-up plot needs it)")
+    hosts_list = parse_list(args.hosts, int)
+    cases = parse_list(args.cases)
+    if not set(cases) <= {"buffer", "model"} or not cases:
+        p.error("--cases: buffer and/or model")
+    if args.repeats < 1 or min(hosts_list) < 1:
+        p.error("--repeats and --hosts must be >= 1")
+    out_dir = Path(args.out_dir or HERE / "results" / f"cluster-{datetime.now():%Y%m%d-%H%M%S}")
+    (out_dir / "raw").mkdir(parents=True, exist_ok=True)
+    n_methods = len(parse_list(args.methods)) or 18
+    jobs = [(h, r, c) for h in hosts_list for r in rates for c in cases]
+    estimates = {j: estimate_job_s(j[2], args.numel, j[0] * args.slots, j[1], args.repeats, n_methods)
+                 for j in jobs}
+    total_est = sum(estimates.values())
+    log(f"{len(jobs)} jobs ({', '.join(format_rate(r) for r in rates)}; hosts {hosts_list}; {', '.join(cases)}); "
+        f"rough estimate {total_est / 60:.0f} min; results in {out_dir}")
+
+    runs, failures = [], []
+    start = time.monotonic()
+    done = 0
+    for hosts in hosts_list:
+        try:
+            cluster = EmulatedCluster(hosts=hosts, slots=args.slots, rate=rates[0], delay=args.delay,
+                                      log=lambda m: log(f"cluster: {m}"))
+            cluster.start()
+        except ClusterUnavailable as exc:
+            log(f"error: {exc}")
+            return 3
+        with cluster:
+            for rate in rates:
+                cluster.set_link(rate, args.delay)
+                for case in cases:
+                    done += 1
+                    job = (hosts, rate, case)
+                    label = f"{format_rate(rate)} {hosts}h {case}"
+                    timeout = args.job_timeout or max(900.0, 3 * estimates[job])
+                    raw_path = out_dir / "raw" / f"{format_rate(rate)}_{hosts}h_{case}.json"
+                    log(f"job {done}/{len(jobs)}: {label} (estimate {estimates[job] / 60:.1f} min, "
+                        f"limit {timeout / 60:.0f} min; {(time.monotonic() - start) / 60:.1f} min elapsed)")
+                    cmd = [sys.executable, str(HERE / "cluster_worker.py"), "--case", case,
+                           "--numel", str(args.numel), "--repeats", str(args.repeats),
+                           "--threads", str(args.threads), "--label", label, "--out", str(raw_path),
+                           *(["--methods", args.methods] if args.methods else []), *args.worker_arg]
+                    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "HOROVOD_GLOO_TIMEOUT_SECONDS": "600",
+                           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+                    try:
+                        result = cluster.run_horovod(cmd, timeout=timeout, env=env, stream=ProgressFilter())
+                    except JobTimeout as exc:
+                        failures.append({"rate": format_rate(rate), "hosts": hosts, "case": case,
+                                         "error": str(exc)})
+                        log(f"job {label} timed out after {timeout:.0f} s; going on")
+                        continue
+                    if result.returncode != 0 or not raw_path.exists():
+                        failures.append({"rate": format_rate(rate), "hosts": hosts, "case": case,
+                                         "error": f"exit {result.returncode}\n{result.tail(40)}"})
+                        log(f"job {label} failed (rank {result.failed_rank}, exit {result.returncode}):\n"
+                            + result.tail(25))
+                        continue
+                    raw = json.loads(raw_path.read_text())
+                    run = {"rate": format_rate(rate), "rate_bps": rate, "hosts": hosts, "slots": args.slots,
+                           "case": case, "elapsed_s": result.elapsed, "raw": raw,
+                           "summary": summarize(raw, rate)}
+                    runs.append(run)
+                    table = markdown_table(run)
+                    print("\n" + table, flush=True)
+                    write_outputs(out_dir, args, runs, failures, start)
+
+    write_outputs(out_dir, args, runs, failures, start)
+    png = out_dir / "speedup.png"
+    if runs and plot(runs, png):
+        log(f"plot: {png}")
+    log(f"done in {(time.monotonic() - start) / 60:.1f} min: {len(runs)} jobs ok, {len(failures)} failed; "
+        f"{out_dir / 'report.md'}, {out_dir / 'results.json'}")
+    return 1 if failures else 0
+
+
+def write_outputs(out_dir, args, runs, failures, start):
+    """results.json and report.md, rewritten after every job (a crash keeps what is done)."""
+    meta = {"argv": sys.argv, "args": vars(args), "started": datetime.now().isoformat(timespec="seconds"),
+            "elapsed_s": time.monotonic() - start, "cpu_count": os.cpu_count()}
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "failures": failures},
+                                                     indent=1))
+    report = ["# Emulated-cluster benchmark", "", f"`{' '.join(sys.argv)}`", ""]
+    report += [markdown_table(r) for r in runs]
+    if failures:
+        report += ["## Failed jobs", ""] + [f"- {f['rate']} {f['hosts']} hosts {f['case']}: "
+                                            f"{f['error'].splitlines()[0]}" for f in failures]
+    (out_dir / "report.md").write_text("\n".join(report) + "\n")
+
+
+class ProgressFilter:
+    """Stream for the job's output: rank 0's progress lines and anything that looks like
+    an error from any rank; the rest stays in the job's captured output."""
+
+    KEEP = ("[bench", "Error", "error", "Traceback", "Exception", "Killed", "WARNING")
+
+    def write(self, line):
+        if any(k in line for k in self.KEEP):
+            sys.stdout.write(line)
+
+    def flush(self):
+        sys.stdout.flush()
+
+
+def log(msg):
+    print(f"[cluster-bench {datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,750 @@
+"""What each rank runs in the cluster benchmark: every method, timed, interleaved per repeat.
+
+    python -m hvd_quant.cluster run --hosts 2 --rate 1gbit -- \\
+        .venv/bin/python benchmarks/cluster_worker.py --case buffer --numel 25000000 --out r.json
+    .venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python benchmarks/cluster_worker.py
+
+Normally started by ``benchmarks/bench_cluster.py``. Horovod and torch.distributed (Gloo,
+``env://``) are initialised in the same processes, so Horovod's allreduce, torch DDP and
+hvd_quant run side by side on the same data in one job.
+
+Cases
+-----
+``buffer``
+    One parameter of ``--numel`` floats, shaped as a near-square matrix (25M floats:
+    5000 x 5000, so PowerSGD has a matrix), with a fixed random gradient per rank. Only
+    the gradient reduction is timed: the gradient is restored (untimed) before each call.
+    Methods that only write ``.grad`` share the parameter; optimizers whose ``step()``
+    updates it get a copy of their own (0/1 Adam's local steps, for one, leave the ranks'
+    parameters a few ulps apart, which would fail the next method's agreement check).
+``model``
+    A full training step (forward, backward, reduction, optimizer update) of a small
+    GPT-style language model built from ``torch.nn`` (:class:`TinyLM`, about 7.4M
+    parameters by default) on a fixed random batch per rank. Each method trains its own
+    replica, all starting from the same seed. The ``local`` row is the same step without
+    any communication: the compute floor of the model's roofline (always measured).
+
+Timing
+------
+All methods first run their warm-up calls (untimed: state creation, first-step
+agreement checks, DDP's bucket rebuild, PowerSGD's uncompressed start-up iterations,
+the 1-bit optimizers' full-precision phase). Then, for each repeat, every method runs
+once, in an order rotated by one per repeat; each call is preceded by its untimed
+``prepare`` and a barrier (``hvd.barrier()``), and timed on every rank with
+``time.perf_counter``. A repeat's time is the slowest rank's (the step is done when the
+last rank is). A copy (``dst.copy_(src)`` of a buffer of the same size into a
+preallocated one) is timed three times in each repeat too: the copy bandwidth of the
+roofline.
+
+Adding a method
+---------------
+A method is ``setup(ctx) -> Step``, registered under a name::
+
+    def setup_my_sgd(ctx):
+        # build whatever the method needs for ctx.case ("buffer" or "model")
+        return optimizer_step(ctx, lambda params, named: MyOptimizer(params, lr=1e-3,
+                                  named_parameters=named), warmup=3, touched=lambda d, n: 12 * 4 * d)
+
+    register("my_sgd", setup_my_sgd, doc="what it is, in a few words")
+
+:func:`optimizer_step` covers anything with ``step()`` that reduces gradients itself
+(the 1-bit optimizers): in the buffer case it times ``step()`` on the shared 25M-float
+parameter, in the model case a full training step of its own replica; it reads the bytes
+sent from the optimizer's ``bytes_sent`` (hvd_quant's wire meter) and the kind of each
+step from ``step_kinds``. For anything else, return a :class:`Step` directly.
+
+Cost models (per rank, per call; ``d`` floats, ``F = 4 d`` bytes, ``n`` ranks)
+---------------------------------------------------------------------------
+Bytes sent: ring allreduce ``2 (n-1)/n`` times the buffer's bytes (Horovod, DDP), PowerSGD
+the ring allreduce of its ``P`` and ``Q`` factors (plus uncompressed tensors), hvd_quant
+methods what their wire meter counts (``hvd_quant.core.comm.WireMeter``).
+
+Bytes touched (read + written in local memory) are lower bounds for each algorithm, in
+passes over the buffer; each ``touched_*`` function below says which passes it counts.
+Network copies (socket buffers) belong to the link term, not here.
+"""
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import horovod.torch as hvd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hvd_quant from this checkout
+
+import hvd_quant  # noqa: E402
+import hvd_quant.torch as hq  # noqa: E402
+from hvd_quant.core.onebit import compressed_allreduce, padded_size  # noqa: E402
+from hvd_quant.torch.backend import TorchBackend  # noqa: E402
+from hvd_quant.torch.comm import HorovodTorchComm  # noqa: E402
+
+
+# --- the registry -----------------------------------------------------------------------------
+@dataclass
+class Step:
+    """What a method's setup returns: the timed call and its cost model.
+
+    run : the timed call (must return only when the reduction is complete)
+    prepare : untimed, before each call (e.g. restore the input gradient)
+    warmup : untimed calls before timing starts
+    sent_bytes : bytes this rank sends per call (cost model); or use ``bytes_counter``
+    bytes_counter : callable returning cumulative bytes sent (the per-call delta is recorded)
+    touched_bytes : bytes read + written in local memory per call (lower bound)
+    kind : callable returning a label of what the last call did (e.g. "onebit")
+    """
+    run: Callable[[], object]
+    prepare: Optional[Callable[[], object]] = None
+    warmup: int = 1
+    sent_bytes: Optional[float] = None
+    bytes_counter: Optional[Callable[[], float]] = None
+    touched_bytes: float = 0.0
+    kind: Optional[Callable[[], str]] = None
+
+
+@dataclass
+class Method:
+    name: str
+    setup: Callable[["Context"], Step]
+    cases: tuple = ("buffer", "model")
+    doc: str = ""
+
+
+METHODS = {}
+
+
+def register(name, setup, cases=("buffer", "model"), doc=""):
+    """Add a method under ``name`` (see "Adding a method" in the module docstring)."""
+    if name in METHODS:
+        raise ValueError(f"method {name!r} is already registered")
+    METHODS[name] = Method(name, setup, tuple(cases), doc)
+    return METHODS[name]
+
+
+# --- what the methods run on ------------------------------------------------------------------
+class TinyLM(nn.Module):
+    """A GPT-style decoder (pre-norm Transformer with a causal mask), built from ``torch.nn``.
+
+    Default size (vocab 8192, width 256, 4 layers, 4 heads, MLP 1024, context 32): 7.4M
+    parameters, most of them in the embedding and the output projection, as in small LMs.
+    """
+
+    def __init__(self, vocab=8192, dim=256, layers=4, heads=4, ff=1024, seq=32):
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, ff, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        h = self.embed(tokens) + self.pos.weight[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+    def loss(self, batch):
+        logits = self(batch[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, self.vocab), batch[:, 1:].reshape(-1))
+
+
+@dataclass
+class Context:
+    """What every method's setup sees. ``case`` is ``"buffer"`` or ``"model"``."""
+    case: str
+    rank: int
+    size: int
+    args: argparse.Namespace
+    # buffer case: one shared parameter with a working gradient and its saved value
+    weight: Optional[nn.Parameter] = None
+    grad0: Optional[torch.Tensor] = None
+    # model case: replicas built from one seed, one fixed batch per rank
+    batch: Optional[torch.Tensor] = None
+    model_numel: int = 0
+    _replicas: list = field(default_factory=list)
+
+    @property
+    def numel(self):
+        return self.weight.numel() if self.case == "buffer" else self.model_numel
+
+    def restore_grad(self):
+        self.weight.grad.copy_(self.grad0)
+
+    def replica(self):
+        """A fresh model, identical on every rank and to every other replica."""
+        torch.manual_seed(self.args.seed)
+        model = TinyLM(**model_config(self.args))
+        self._replicas.append(model)
+        return model
+
+    @staticmethod
+    def train_step(model, batch, step):
+        """zero_grad, forward, backward, then ``step()`` (reduction + update)."""
+        for p in model.parameters():
+            p.grad = None
+        model_loss(model, batch).backward()
+        step()
+
+
+def model_config(args):
+    return dict(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ff=args.ff,
+                seq=args.seq)
+
+
+def model_loss(model, batch):
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    if inner is model:
+        return model.loss(batch)
+    logits = model(batch[:, :-1])  # through DDP's forward, so its reducer sees the step
+    return nn.functional.cross_entropy(logits.reshape(-1, inner.vocab), batch[:, 1:].reshape(-1))
+
+
+def matrix_shape(numel):
+    """Near-square ``(rows, cols)`` with ``rows * cols <= numel`` (25M -> 5000 x 5000)."""
+    rows = max(1, int(numel ** 0.5))
+    return rows, max(1, numel // rows)
+
+
+# --- touched-bytes models (lower bounds, bytes per call; d floats, n ranks) -------------------
+def touched_ring_fp32(d, n):
+    """Ring allreduce in place: reduce-scatter reads own + received and writes own on
+    (n-1)/n of the buffer (3 passes), all-gather writes the received (n-1)/n (1 pass);
+    averaging folded into the last write."""
+    return 4 * d * 4 * (n - 1) / n
+
+
+def touched_fp16(d, n):
+    """Cast down (read F, write F/2), fp16 ring allreduce on F/2, cast back (read F/2,
+    write F)."""
+    return 3 * 4 * d + touched_ring_fp32(d, n) / 2
+
+
+def touched_powersgd(d, n):
+    """With error feedback: M = g + e (read 2F, write F), P = M Q and Q = M^T P (read M
+    twice), output P Q^T (write F), new error M - P Q^T (read F, write F): 8 passes; the
+    small factors' allreduce is negligible."""
+    return 8 * 4 * d
+
+
+def touched_sign(d, n):
+    """ef_sign / marsit: scale pass over g + e (read 2F), sign + pack + residual (read 2F,
+    write e F, write bits F/32), n packed inputs decoded into the output (read n F/32,
+    write F)."""
+    return 4 * d * (6 + (2 * n - 1) / 32)
+
+
+def touched_cascading(d, n):
+    """No residual: scale (read F), sign + pack (read F), decode (write F)."""
+    return 4 * d * (3 + n / 32)
+
+
+def touched_integer(wire_bytes_per_element):
+    """Global-QSGD (linear, exponential): scale (read F), quantize (read F, write W),
+    ring allreduce/sum on W (4 W (n-1)/n), dequantize (read W, write F); ``W`` the wire
+    buffer (bytes per element from the wire meter)."""
+    def touched(d, n):
+        w = wire_bytes_per_element * d
+        return 3 * 4 * d + 2 * w + 4 * w * (n - 1) / n
+    return touched
+
+
+def touched_onebit(d, n):
+    """DeepSpeed's compressed allreduce: worker RMS scale (read x, e: 2F), sign + pack +
+    residual (read 2F, write e F), server stage on F/n (read e_s, write sum, read sum twice,
+    write e_s: 5F/n), decode (write F); bit buffers (1/32 F each) neglected."""
+    D = padded_size(d, n)
+    return 4 * (6 * D + 5 * D / n)
+
+
+def touched_adam_onebit(d, n):
+    """1-bit Adam step: momentum update (read m, g, write m: 3F), compressed allreduce of
+    m, parameter update (read x, m, v, write x: 4F)."""
+    return 7 * 4 * d + touched_onebit(d, n)
+
+
+def touched_zero_one_adam(d, n):
+    """0/1 Adam sync step: momentum (3F), local update of x and u (read m, v, x, u, write
+    x, u: 6F), scaled accumulator into the compressed allreduce (read u, v, write: 3F),
+    momentum re-estimate (2F), x correction (4F), u reset (F): 19F + the allreduce."""
+    return 19 * 4 * d + touched_onebit(d, n)
+
+
+def touched_binsgdm(d, n):
+    """BinSGDM step: momentum (3F), randomized sign of m / b (read m, b, write bits), 1-bit
+    allreduce (as ef_sign without residual), update (read x and the result, write x: 3F)."""
+    return 4 * d * (3 + 2 + 3 + 3) + touched_cascading(d, n)
+
+
+def touched_sgd_step(d, n):
+    return 0.0
+
+
+# --- helpers for methods ------------------------------------------------------------------------
+def ring_bytes(nbytes, n):
+    return 2.0 * (n - 1) / n * nbytes
+
+
+def optimizer_step(ctx, make_optimizer, warmup=1, touched=touched_sgd_step, buffer_call="step"):
+    """A :class:`Step` for an optimizer that reduces gradients itself (hvd_quant's).
+
+    ``make_optimizer(params, named_parameters)`` builds it. Buffer case: ``buffer_call``
+    (``"step"`` or ``"synchronize"``) on the shared parameter, gradient restored before
+    each call. Model case: a full training step of the method's own replica.
+    """
+    if ctx.case == "buffer":
+        if buffer_call == "synchronize":
+            weight, prepare = ctx.weight, ctx.restore_grad  # only .grad changes: share it
+        else:
+            # step() updates the parameter: a copy of its own, so no method sees another's.
+            weight = nn.Parameter(ctx.weight.detach().clone())
+            weight.grad = ctx.grad0.clone()
+            prepare = lambda: weight.grad.copy_(ctx.grad0)  # noqa: E731
+        opt = make_optimizer([weight], [("weight", weight)])
+        run = getattr(opt, buffer_call)
+    else:
+        model = ctx.replica()
+        opt = make_optimizer(list(model.parameters()), list(model.named_parameters()))
+        run = lambda: ctx.train_step(model, ctx.batch, opt.step)  # noqa: E731
+        prepare = None
+    kinds = getattr(opt, "step_kinds", None)
+    return Step(run=run, prepare=prepare, warmup=warmup, bytes_counter=lambda: opt.bytes_sent,
+                touched_bytes=touched(ctx.numel, ctx.size),
+                kind=(lambda: kinds[-1] if kinds else "") if kinds is not None else None)
+
+
+def sgd(params, args):
+    return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+
+
+# --- Horovod's own allreduce ------------------------------------------------------------------
+def horovod_setup(fp16):
+    def setup(ctx):
+        d, n = ctx.numel, ctx.size
+        if ctx.case == "buffer":
+            g = ctx.weight.grad
+            name = f"bench.horovod.{'fp16' if fp16 else 'fp32'}"
+            if fp16:
+                def run():
+                    # Horovod's Compression.fp16: cast, allreduce, cast back into the gradient.
+                    h = g.half()
+                    hvd.allreduce_(h, op=hvd.Average, name=name)
+                    g.copy_(h)
+            else:
+                def run():
+                    hvd.allreduce_(g, op=hvd.Average, name=name)
+            prepare = ctx.restore_grad
+        else:
+            model = ctx.replica()
+            opt = hvd.DistributedOptimizer(
+                sgd(model.parameters(), ctx.args), named_parameters=model.named_parameters(),
+                compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
+            run = lambda: ctx.train_step(model, ctx.batch, opt.step)  # noqa: E731
+            prepare = None
+        return Step(run=run, prepare=prepare, sent_bytes=ring_bytes((2 if fp16 else 4) * d, n),
+                    touched_bytes=(touched_fp16 if fp16 else touched_ring_fp32)(d, n))
+    return setup
+
+
+register("horovod_fp32", horovod_setup(False),
+         doc="hvd.allreduce_ (buffer) / hvd.DistributedOptimizer (model), fp32")
+register("horovod_fp16", horovod_setup(True),
+         doc="the same with Horovod's fp16 compression (cast, fp16 allreduce, cast back)")
+
+
+# --- torch DDP over Gloo ------------------------------------------------------------------------
+def ddp_setup(hook):
+    """DDP with no hook (fp32 allreduce), ``fp16_compress_hook`` or PowerSGD.
+
+    Buffer case: the reduction DDP runs at the end of backward, alone: DDP's own reducer
+    runs its comm hook (or its built-in allreduce) on its bucket of the 25M-float
+    parameter (``reducer._run_comm_hook``, as DDP's ``join`` does), the bucket refilled
+    with the gradient before each call. Model case: a real DDP training step.
+    """
+    def setup(ctx):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        d, n = ctx.numel, ctx.size
+        if ctx.case == "buffer":
+            module = nn.Module()
+            module.weight = ctx.weight  # shared; no forward/backward ever runs in this case
+            # init_sync=False: the weight is identical on every rank already (one seed).
+            model = nn.parallel.DistributedDataParallel(module, init_sync=False)
+        elif hook == "powersgd":
+            # One bucket for the whole model. With several buckets, PowerSGD over Gloo on CPU
+            # races: each bucket's later allreduces (P, then Q) are issued from callbacks on
+            # Gloo's worker threads when the earlier ones complete, interleaved with the
+            # autograd thread issuing the next bucket's, so the ranks can issue collectives in
+            # different orders (seen here: "Received data size doesn't match expected size",
+            # or a hang). With NCCL the callbacks run at enqueue time and the order is fixed.
+            model = nn.parallel.DistributedDataParallel(ctx.replica(), bucket_cap_mb=4096)
+        else:
+            model = nn.parallel.DistributedDataParallel(ctx.replica())
+        warmup, state = 1, None
+        if hook == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif hook == "powersgd":
+            # start_powerSGD_iter=2 is the smallest PowerSGD accepts with error feedback and
+            # warm start; its first two iterations are plain allreduces, so warm up past them
+            # (and one more, which creates P, Q and the error buffer).
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=ctx.args.powersgd_rank,
+                                                start_powerSGD_iter=2, use_error_feedback=True,
+                                                warm_start=True, random_seed=0)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            warmup = 4
+        if ctx.case == "buffer":
+            bucket = model.reducer._get_zeros_like_grad_buckets()[0]
+            flat = ctx.grad0.reshape(-1)
+            prepare = lambda: bucket.buffer().copy_(flat)  # noqa: E731
+            run = lambda: model.reducer._run_comm_hook(bucket).wait()  # noqa: E731
+            shapes = [tuple(ctx.weight.shape)]
+        else:
+            opt = sgd(model.parameters(), ctx.args)
+            prepare = None
+            run = lambda: ctx.train_step(model, ctx.batch, opt.step)  # noqa: E731
+            shapes = [tuple(p.shape) for p in model.parameters()]
+        if hook == "powersgd":
+            sent = powersgd_bytes(shapes, ctx.args.powersgd_rank, n)
+            touched = touched_powersgd(d, n)
+        elif hook == "fp16":
+            sent, touched = ring_bytes(2 * d, n), touched_fp16(d, n)
+        else:
+            sent, touched = ring_bytes(4 * d, n), touched_ring_fp32(d, n)
+        return Step(run=run, prepare=prepare, warmup=warmup, sent_bytes=sent, touched_bytes=touched)
+    return setup
+
+
+def powersgd_bytes(shapes, rank, n, min_compression_rate=2):
+    """Bytes one rank sends per PowerSGD step: ring allreduce of the uncompressed tensors
+    (1-D ones, and matrices PowerSGD finds not worth compressing: its ``_should_compress``
+    rule) and of the P (rows x r) and Q (cols x r) factors of the others."""
+    floats = 0
+    for shape in shapes:
+        if len(shape) <= 1:
+            floats += max(1, shape[0] if shape else 1)
+            continue
+        rows = shape[0]
+        cols = 1
+        for s in shape[1:]:
+            cols *= s
+        r = min(rows, cols, rank)
+        compressed = (rows + cols) * r
+        floats += compressed if compressed * min_compression_rate < rows * cols else rows * cols
+    return ring_bytes(4 * floats, n)
+
+
+register("ddp_fp32", ddp_setup(None), doc="torch DDP over Gloo, no hook (fp32 allreduce)")
+register("ddp_fp16", ddp_setup("fp16"), doc="torch DDP with fp16_compress_hook")
+register("ddp_powersgd", ddp_setup("powersgd"),
+         doc="torch DDP with powerSGD_hook (rank 4, error feedback, warm start)")
+
+
+# --- hvd_quant compressors through hvd_quant.torch.DistributedOptimizer ------------------------
+def compressor_setup(config):
+    name, _, opt_text = config.partition(":")
+    options = dict(kv.split("=", 1) for kv in opt_text.split(",") if kv)
+    touched = {"none": touched_ring_fp32, "fp16": touched_fp16, "ef_sign": touched_sign,
+               "marsit": touched_sign, "cascading_sign": touched_cascading}.get(name)
+
+    def setup(ctx):
+        def make(params, named):
+            return hq.DistributedOptimizer(sgd(params, ctx.args), named_parameters=named,
+                                           compression=hq.Compression.get(name, **options))
+        step = optimizer_step(ctx, make, warmup=1, buffer_call="synchronize")
+        if touched is not None:
+            step.touched_bytes = touched(ctx.numel, ctx.size)
+        else:
+            # integer methods: the wire width comes from the measured bytes (set after warm-up)
+            step.touched_bytes = None
+        return step
+    return setup
+
+
+def compressor_configs():
+    return hvd_quant.available() + ["global_qsgd:norm=l2"]
+
+
+def compressor_method_name(config):
+    """Registry name of a compressor: its config, with hvd_quant's own ``none``/``fp16``
+    called ``hq_none``/``hq_fp16`` so they are not mistaken for Horovod's."""
+    return f"hq_{config}" if config in ("none", "fp16") else config
+
+
+for _config in compressor_configs():
+    register(compressor_method_name(_config), compressor_setup(_config),
+             doc=f"hvd_quant.torch.DistributedOptimizer(compression={_config}).synchronize() "
+                 "(buffer) / .step() (model)")
+
+
+# --- the 1-bit compressed allreduce and the 1-bit optimizers -----------------------------------
+def onebit_allreduce_setup(ctx):
+    """DeepSpeed's two-stage compressed allreduce (hvd_quant.core.onebit), called directly on
+    the gradient, with its worker and server error buffers."""
+    B, comm = TorchBackend(), HorovodTorchComm()
+    d, n = ctx.numel, ctx.size
+    total = padded_size(d, n)
+    state = {"we": torch.zeros(total), "se": torch.zeros(total // n)}
+    g = ctx.weight.grad.reshape(-1)
+
+    def run():
+        out, state["we"], state["se"], _ = compressed_allreduce(B, comm, g, state["we"], state["se"],
+                                                                "bench.onebit")
+        g.copy_(out)
+    return Step(run=run, prepare=ctx.restore_grad, bytes_counter=lambda: comm.meter.bytes_sent,
+                touched_bytes=touched_onebit(d, n))
+
+
+register("onebit_allreduce", onebit_allreduce_setup, cases=("buffer",),
+         doc="1-bit compressed allreduce (1-bit Adam's collective), called directly")
+
+
+def onebit_adam_setup(ctx):
+    # freeze_step=2: two fp32 Adam steps (warm-up), every later step is a 1-bit step.
+    return optimizer_step(ctx, lambda params, named: hq.OnebitAdam(
+        params, lr=1e-4, named_parameters=named, freeze_step=2), warmup=4, touched=touched_adam_onebit)
+
+
+def zero_one_adam_setup(ctx):
+    # Variance frozen after step 1 and a sync at every step (local_step_clipper=1): each
+    # timed step is 0/1 Adam's communicating step (1-bit sync of the accumulated update).
+    return optimizer_step(ctx, lambda params, named: hq.ZeroOneAdam(
+        params, lr=1e-4, named_parameters=named, var_freeze_step=1, local_step_scaler=1,
+        local_step_clipper=1), warmup=4, touched=touched_zero_one_adam)
+
+
+def binsgdm_setup(ctx):
+    return optimizer_step(ctx, lambda params, named: hq.BinSGDM(
+        params, lr=1e-4, named_parameters=named), warmup=2, touched=touched_binsgdm)
+
+
+register("onebit_adam", onebit_adam_setup, doc="hvd_quant.torch.OnebitAdam after freeze_step (1-bit steps)")
+register("zero_one_adam", zero_one_adam_setup,
+         doc="hvd_quant.torch.ZeroOneAdam, frozen variance, 1-bit sync every step")
+register("binsgdm", binsgdm_setup, doc="hvd_quant.torch.BinSGDM (1-bit every step)")
+
+
+# --- reference rows -----------------------------------------------------------------------------
+def local_setup(ctx):
+    """The model step without communication (plain SGD): the compute floor."""
+    model = ctx.replica()
+    opt = sgd(model.parameters(), ctx.args)
+    return Step(run=lambda: ctx.train_step(model, ctx.batch, opt.step), sent_bytes=0.0, touched_bytes=0.0)
+
+
+register("local", local_setup, cases=("model",), doc="model step with no communication (compute floor)")
+
+
+# --- the timing loop ---------------------------------------------------------------------------
+#: Copies timed per repeat (one copy is short and noisy; all are kept in the raw results).
+COPIES_PER_REPEAT = 3
+
+def barrier():
+    hvd.barrier()
+
+
+def log(ctx, msg):
+    if ctx.rank == 0:
+        print(f"[bench {ctx.args.label}] {msg}", flush=True)
+
+
+def build_context(args, rank, size):
+    ctx = Context(case=args.case, rank=rank, size=size, args=args)
+    if args.case == "buffer":
+        rows, cols = matrix_shape(args.numel)
+        torch.manual_seed(args.seed)
+        ctx.weight = nn.Parameter(torch.randn(rows, cols) * 0.01)
+        gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
+        ctx.grad0 = torch.randn(rows, cols, generator=gen)
+        ctx.weight.grad = ctx.grad0.clone()
+    else:
+        gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
+        ctx.batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        torch.manual_seed(args.seed)
+        ctx.model_numel = sum(p.numel() for p in TinyLM(**model_config(args)).parameters())
+    return ctx
+
+
+def select_methods(args):
+    names = [m for m in args.methods.split(",") if m] if args.methods else \
+        [m for m, spec in METHODS.items() if args.case in spec.cases]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; registered: {', '.join(METHODS)}")
+    skipped = [m for m in names if args.case not in METHODS[m].cases]
+    names = [m for m in names if m not in skipped]
+    if args.case == "model" and "local" not in names:
+        names.append("local")  # the model roofline's compute floor
+    return names, skipped
+
+
+def init_torch_distributed(rank, size, timeout_s):
+    """torch.distributed (Gloo) in the same processes as Horovod. Under the emulated
+    cluster MASTER_ADDR/PORT are set; under plain horovodrun rank 0 picks a free local port
+    and Horovod broadcasts it."""
+    import datetime
+    import socket
+
+    if "MASTER_ADDR" not in os.environ:
+        port = 0
+        if rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = hvd.broadcast_object(port, root_rank=0, name="bench.master_port")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def measure(args):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if not dist.is_initialized():
+        init_torch_distributed(rank, size, args.gloo_timeout)
+    torch.set_num_threads(args.threads)
+    ctx = build_context(args, rank, size)
+    names, skipped = select_methods(args)
+    log(ctx, f"{size} ranks, case {args.case}, {ctx.numel:,} floats, {len(names)} methods, "
+             f"{args.repeats} repeats, {args.threads} torch thread(s) per rank"
+             + (f"; not in this case: {', '.join(skipped)}" if skipped else ""))
+
+    steps = {}
+    for name in names:
+        t0 = time.perf_counter()
+        step = METHODS[name].setup(ctx)
+        for i in range(step.warmup):
+            if step.prepare:
+                step.prepare()
+            barrier()
+            before = step.bytes_counter() if step.bytes_counter else 0.0
+            step.run()
+            if step.bytes_counter:
+                step.sent_bytes = step.bytes_counter() - before
+        if step.touched_bytes is None:  # integer methods: wire bytes per element from the meter
+            per_element = step.sent_bytes / max(1.0, ring_bytes(ctx.numel, size))
+            step.touched_bytes = touched_integer(per_element)(ctx.numel, size)
+        steps[name] = step
+        log(ctx, f"set up + {step.warmup} warm-up call(s): {name} ({time.perf_counter() - t0:.1f} s)")
+
+    src = torch.randn(ctx.numel)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = {name: [] for name in names}
+    kinds = {name: [] for name in names}
+    sent = {name: [] for name in names}
+    copy_times = []
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[:rep % len(names)] if names else []
+        for _ in range(COPIES_PER_REPEAT):
+            barrier()
+            t = time.perf_counter()
+            dst.copy_(src)
+            copy_times.append(time.perf_counter() - t)
+        for name in order:
+            step = steps[name]
+            if step.prepare:
+                step.prepare()
+            before = step.bytes_counter() if step.bytes_counter else 0.0
+            barrier()
+            t = time.perf_counter()
+            step.run()
+            elapsed = time.perf_counter() - t
+            times[name].append(elapsed)
+            if step.bytes_counter:
+                sent[name].append(step.bytes_counter() - before)
+            if step.kind:
+                kinds[name].append(step.kind())
+            log(ctx, f"repeat {rep + 1}/{args.repeats} {name:22s} {1e3 * elapsed:9.1f} ms (rank 0)")
+
+    # Every rank's times, so a repeat counts as long as its slowest rank.
+    def gather(values):
+        t = hvd.allgather(torch.tensor(values, dtype=torch.float64).reshape(1, -1), name=f"gather.{len(values)}")
+        return t.tolist()
+
+    result = {
+        "config": {"case": args.case, "ranks": size, "numel": ctx.numel, "repeats": args.repeats,
+                   "threads": args.threads, "seed": args.seed,
+                   "hosts": int(os.environ.get("HVDQ_CLUSTER_HOSTS", 0)) or None,
+                   "slots": int(os.environ.get("HVDQ_CLUSTER_SLOTS", 0)) or None,
+                   "rate_bps": float(os.environ.get("HVDQ_CLUSTER_RATE_BPS", 0)) or None,
+                   "shape": list(ctx.weight.shape) if ctx.weight is not None else None,
+                   "model": model_config(args) if args.case == "model" else None,
+                   "batch": args.batch if args.case == "model" else None},
+        "copy_s": gather(copy_times),
+        "copy_bytes": 4 * ctx.numel,
+        "methods": {},
+        "skipped": skipped,
+    }
+    for name in names:
+        step = steps[name]
+        per_call = statistics.median(sent[name]) if sent[name] else step.sent_bytes
+        result["methods"][name] = {
+            "times_s": gather(times[name]),          # [rank][repeat]
+            "sent_bytes": per_call,
+            "touched_bytes": step.touched_bytes,
+            "kinds": sorted(set(kinds[name])),
+            "doc": METHODS[name].doc,
+        }
+    return ctx, result
+
+
+def main(argv=None):
+    # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck rank waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", choices=("buffer", "model"), default="buffer")
+    p.add_argument("--numel", type=int, default=25_000_000, help="buffer case: floats (default 25M)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", default="", help="comma-separated names (default: all for the case)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (ranks share the cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ff", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4, help="model case: sequences per rank per step")
+    p.add_argument("--gloo-timeout", type=float, default=600)
+    p.add_argument("--label", default="", help="shown in progress lines")
+    p.add_argument("--out", default="", help="rank 0 writes the raw results here (JSON)")
+    p.add_argument("--list", action="store_true", help="list the registered methods and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, spec in METHODS.items():
+            print(f"{name:22s} {'/'.join(spec.cases):13s} {spec.doc}")
+        return 0
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    args.label = args.label or args.case
+    ctx, result = measure(args)
+    if ctx.rank == 0:
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        for name, r in result["methods"].items():
+            slowest = [max(col) for col in zip(*r["times_s"])]
+            print(f"[bench {args.label}] median {name:22s} {1e3 * statistics.median(slowest):9.1f} ms "
+                  f"{r['sent_bytes'] / 1e6:9.2f} MB sent", flush=True)
+    barrier()
+    hvd.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

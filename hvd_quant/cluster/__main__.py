@@ -1,0 +1,126 @@
+"""Command line of the emulated cluster.
+
+    python -m hvd_quant.cluster check [--quick]
+    python -m hvd_quant.cluster run --hosts 2 [--slots 1] [--rate 1gbit] [--delay 1ms]
+                                    [--timeout 600] [--no-horovod] -- python script.py ARGS
+    python -m hvd_quant.cluster cleanup [--prefix hvdqc-] [--force]
+
+``run`` creates the cluster, runs the command once per rank (Horovod's Gloo rendezvous,
+or plain torch.distributed with ``--no-horovod``), streams every rank's prefixed output,
+removes the cluster and exits with the job's status (124 after a timeout). ``check``
+says whether this machine can run it and, if not, why. ``cleanup`` removes what a
+killed run left behind (clusters whose owner process is gone; ``--force``: all that
+match the prefix).
+
+Exit status: 0 success; the job's status for ``run``; 2 for bad arguments; 3 when the
+cluster cannot run here (the message says why).
+"""
+
+import argparse
+import sys
+
+from . import netns
+from .emulated import ClusterInterrupted, EmulatedCluster
+from .launch import JobTimeout
+from .netns import ClusterError, ClusterUnavailable
+
+EXIT_UNAVAILABLE = 3
+
+
+def _check(args):
+    problems, notes = (netns.requirement_problems(), []) if args.quick else netns.probe()
+    if problems:
+        print("cannot run an emulated cluster here:", file=sys.stderr)
+        for p in problems:
+            print(f"  - {p}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    what = "root, ip, tc and network namespaces present" if args.quick else \
+        "network namespaces, veth, bridge and tc tbf work"
+    print(f"ok: {what}")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _run(args):
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("run: give the command after '--', e.g. -- python script.py", file=sys.stderr)
+        return 2
+    with EmulatedCluster(hosts=args.hosts, slots=args.slots, rate=args.rate, delay=args.delay,
+                         mtu=args.mtu) as cluster:
+        try:
+            result = cluster.run(command, horovod=not args.no_horovod, timeout=args.timeout,
+                                 stream=sys.stdout)
+        except JobTimeout as exc:
+            print(f"[cluster] {str(exc).splitlines()[0]}", file=sys.stderr)
+            return 124
+    if result.returncode != 0:
+        print(f"[cluster] rank {result.failed_rank} failed with exit status {result.returncode}; "
+              "the other ranks were stopped", file=sys.stderr)
+    return result.returncode if result.returncode >= 0 else 128 - result.returncode
+
+
+def _cleanup(args):
+    netns.check_requirements()
+    found = netns.leftover_clusters(args.prefix)
+    if not found:
+        print(f"nothing to clean up (no namespaces or records starting with {args.prefix!r})")
+        return 0
+    status = 0
+    for prefix, owner in sorted(found.items()):
+        if netns.owner_alive(owner) and not args.force:
+            print(f"{prefix}*: in use by running process {owner}; left alone (--force removes it)")
+            continue
+        removed = netns.remove_cluster(prefix)
+        left = [ns for ns in netns.list_namespaces() if ns.startswith(prefix)]
+        if left:
+            print(f"{prefix}*: could not remove {left}", file=sys.stderr)
+            status = 1
+        else:
+            print(f"{prefix}*: removed {len(removed)} namespace(s) and their links")
+    return status
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m hvd_quant.cluster",
+                                description="An emulated cluster: hosts as network namespaces "
+                                            "behind tc-shaped links, one Horovod job across them.")
+    sub = p.add_subparsers(dest="action", required=True)
+    c = sub.add_parser("check", help="can this machine run it? (exit 0: yes, 3: no, with why)")
+    c.add_argument("--quick", action="store_true",
+                   help="only look for root, ip, tc and netns; do not create a test link")
+    r = sub.add_parser("run", help="run a command on every rank of a fresh cluster")
+    r.add_argument("--hosts", type=int, default=2, help="emulated hosts (default 2)")
+    r.add_argument("--slots", type=int, default=1, help="ranks per host (default 1)")
+    r.add_argument("--rate", default="1gbit", help="each host's link rate, e.g. 100mbit, 1gbit, "
+                                                   "10gbit, unlimited (default 1gbit)")
+    r.add_argument("--delay", default=None, help="one-way host-to-host delay, e.g. 0.5ms (default none)")
+    r.add_argument("--mtu", type=int, default=1500)
+    r.add_argument("--timeout", type=float, default=600, help="hard limit for the job in seconds")
+    r.add_argument("--no-horovod", action="store_true",
+                   help="no Horovod rendezvous: a plain torch.distributed (env://) job")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    k = sub.add_parser("cleanup", help="remove namespaces and links left by a killed run")
+    k.add_argument("--prefix", default=netns.NAME_PREFIX,
+                   help=f"only clusters whose names start with this (default {netns.NAME_PREFIX})")
+    k.add_argument("--force", action="store_true", help="also remove clusters whose owner still runs")
+    args = p.parse_args(argv)
+    try:
+        return {"check": _check, "run": _run, "cleanup": _cleanup}[args.action](args)
+    except ClusterUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, ClusterInterrupted) as exc:
+        print(f"interrupted ({type(exc).__name__}); the cluster was removed", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""``EmulatedCluster``: N hosts on one machine, each a network namespace behind a shaped link.
+
+    with EmulatedCluster(hosts=2, slots=1, rate="1gbit", delay="0.5ms") as cluster:
+        result = cluster.run_horovod([sys.executable, "train.py"], timeout=600)
+        print(result.stdout)
+
+What is shaped (the link model)
+-------------------------------
+Every host has one full-duplex NIC of ``rate`` bit/s, plugged into an ideal switch:
+
+* host -> switch: a token bucket (tc-tbf(8)) on the host's ``eth0`` egress;
+* switch -> host: a token bucket on the switch port's egress (the host's download);
+* ``delay``: a netem delay (tc-netem(8)) on the host's ``eth0`` egress only, so one
+  delay is the one-way latency between any two hosts and a round trip takes twice it.
+  Kernels built without ``sch_netem`` (this project's VMs: ``CONFIG_NET_SCH_NETEM`` is
+  off, tbf is in) refuse a non-zero delay with :class:`ClusterUnavailable`;
+  ``python -m hvd_quant.cluster check`` says which.
+
+The bridge itself is unshaped. So a host can send ``rate`` and receive ``rate`` at the
+same time, and ``k`` hosts sending to one host share that host's download, as on a real
+switch. Ranks on the same host (``slots > 1``) talk over that namespace's loopback,
+unshaped, as ranks on one machine would. Rates count link-layer bytes (Ethernet header
+included), so with the default 1500-byte MTU TCP payload peaks near 95% of ``rate``.
+
+Launching
+---------
+``run_horovod`` starts Horovod's Gloo rendezvous server in the switch namespace and one
+process per slot with the environment ``horovodrun --gloo`` would give it
+(``HOROVOD_RANK``, ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` ...; ``horovod/runner/gloo_run.py``),
+plus ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+``GLOO_SOCKET_IFNAME`` so that ``torch.distributed.init_process_group("gloo")`` works in
+the same processes. ``run_torch`` starts the same processes without Horovod's rendezvous.
+Ranks fill hosts in order: rank ``r`` runs on host ``r // slots``.
+
+Safety and clean-up
+-------------------
+Nothing is created in the machine's own network namespace; the cluster's subnet is a
+random private ``10.x.y.0/24`` checked against every route and address in use, and the
+hosts have no route out of it, so jobs can only reach the cluster's own addresses.
+Everything is removed when the ``with`` block ends, on an exception, on SIGINT/SIGTERM
+(turned into :class:`ClusterInterrupted` while the cluster is open) and at interpreter
+exit; after a SIGKILL, ``python -m hvd_quant.cluster cleanup`` removes the leftovers.
+"""
+
+import atexit
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from . import netns
+from .launch import JobFailed, run_ranks
+from .netns import ClusterError, ClusterUnavailable, format_rate, parse_delay, parse_rate
+
+#: Port of torch.distributed's TCPStore on host 0 (a fresh namespace: nothing else there).
+TORCH_MASTER_PORT = 29500
+
+
+class ClusterInterrupted(BaseException):
+    """SIGTERM/SIGHUP arrived while a cluster was open (raised so clean-up runs)."""
+
+
+class EmulatedCluster:
+    """``hosts`` network namespaces on one switch, links shaped to ``rate`` and ``delay``.
+
+    Parameters
+    ----------
+    hosts : int
+        Number of emulated hosts (>= 1).
+    slots : int
+        Ranks per host (>= 1).
+    rate : str, float or None
+        Each host's link rate: ``"100mbit"``, ``"1gbit"``, ``"10gbit"``, bits per second,
+        or ``None``/``"unlimited"`` for unshaped veth links.
+    delay : str, float or None
+        One-way host-to-host latency: ``"0.5ms"``, ``"200us"``, seconds, or ``None``.
+    mtu : int
+        MTU of the emulated links (1500 as on common Ethernet; 9000 for jumbo frames).
+    log : callable or None
+        Called with progress strings (set-up, shaping, clean-up); default: stderr.
+
+    Raises
+    ------
+    ClusterUnavailable
+        When entering, if the machine cannot run it (message says why).
+    """
+
+    def __init__(self, hosts=2, slots=1, rate=None, delay=None, mtu=1500, log=None):
+        if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1:
+            raise ValueError(f"hosts must be an int >= 1, got {hosts!r}")
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+        if not isinstance(mtu, int) or not 576 <= mtu <= 65535:
+            raise ValueError(f"mtu must be an int in [576, 65535], got {mtu!r}")
+        self.num_hosts, self.slots, self.mtu = hosts, slots, mtu
+        self.rate_bps, self.delay_s = parse_rate(rate), parse_delay(delay)
+        self._log = log if log is not None else (lambda msg: print(f"[cluster] {msg}", file=sys.stderr, flush=True))
+        self.prefix = None
+        self.hosts = []
+        self.switch_netns = None
+        self.bridge_address = None
+        self.subnet = None
+        self._open = False
+        self._closing = False
+        self._lock = threading.Lock()
+        self._old_handlers = {}
+
+    # --- life cycle ---------------------------------------------------------------------
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def start(self):
+        """Create namespaces, links, addresses, hosts files and shaping. Idempotent."""
+        if self._open:
+            return self
+        netns.check_requirements()
+        self.prefix = netns.new_prefix()
+        self._open = True
+        atexit.register(self.close)
+        self._install_signal_handlers()
+        try:
+            ours = [ns for ns in netns.list_namespaces() if ns.startswith(netns.NAME_PREFIX)]
+            self.subnet = netns.pick_subnet(netns.networks_in_use(ours))
+            netns.record_owner(self.prefix, {"hosts": self.num_hosts, "subnet": str(self.subnet)})
+            self.switch_netns, self.bridge_address, self.hosts = netns.create_topology(
+                self.prefix, self.num_hosts, self.subnet, self.mtu)
+            hostname = socket.gethostname()
+            for host in self.hosts:
+                netns.write_hosts_file(host, self.hosts, hostname)
+            self.set_link(self.rate_bps, self.delay_s)
+        except BaseException:
+            self.close()
+            raise
+        self._log(f"{self.num_hosts} hosts x {self.slots} slots on {self.subnet} "
+                  f"({self.prefix}*): {self.describe_link()}")
+        return self
+
+    def close(self):
+        """Kill everything running in the cluster and remove it. Safe to call twice."""
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+            self._closing = True  # a second SIGTERM must not interrupt the clean-up
+        try:
+            removed = netns.remove_cluster(self.prefix)
+            leftovers = [ns for ns in netns.list_namespaces() if ns.startswith(self.prefix)]
+            if leftovers:
+                self._log(f"warning: could not remove {leftovers}; run "
+                          f"'python -m hvd_quant.cluster cleanup --force --prefix {self.prefix}'")
+            elif removed:
+                self._log(f"removed {len(removed)} namespaces ({self.prefix}*)")
+        finally:
+            self._restore_signal_handlers()
+            self._closing = False
+            try:
+                atexit.unregister(self.close)
+            except Exception:
+                pass
+
+    @property
+    def is_open(self):
+        return self._open
+
+    def _install_signal_handlers(self):
+        # SIGINT already raises KeyboardInterrupt; SIGTERM/SIGHUP would kill the process
+        # without unwinding, leaving namespaces behind. Only the main thread may do this.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_signal_handlers(self):
+        for sig, handler in self._old_handlers.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError, TypeError):
+                pass
+        self._old_handlers = {}
+
+    def _on_signal(self, signum, frame):
+        if self._closing:
+            self._log(f"{signal.Signals(signum).name} during clean-up: finishing the clean-up first")
+            return
+        raise ClusterInterrupted(f"received {signal.Signals(signum).name}; cleaning up the cluster")
+
+    # --- links --------------------------------------------------------------------------
+    def set_link(self, rate=None, delay=None):
+        """(Re)shape every host's link: ``rate`` both ways, ``delay`` one way (see module
+        docstring). Can be called between jobs to sweep rates on the same cluster."""
+        self._require_open()
+        self.rate_bps, self.delay_s = parse_rate(rate), parse_delay(delay)
+        for host in self.hosts:
+            netns.shape_link(host.netns, netns.HOST_DEV, self.rate_bps, self.delay_s)  # upload (+delay)
+            netns.shape_link(self.switch_netns, host.port, self.rate_bps, 0.0)         # download
+
+    def describe_link(self):
+        delay = f", one-way delay {self.delay_s * 1e3:g} ms" if self.delay_s else ""
+        return (f"each host one full-duplex {format_rate(self.rate_bps)} link "
+                f"(tbf on both ends of its veth){delay}, MTU {self.mtu}")
+
+    # --- jobs ---------------------------------------------------------------------------
+    @property
+    def size(self):
+        return self.num_hosts * self.slots
+
+    def rank_host(self, rank):
+        return self.hosts[rank // self.slots]
+
+    def rank_env(self, rank, horovod_rendezvous_port=None, extra=None):
+        """The environment of ``rank``: this process's, plus torch.distributed's and (when a
+        rendezvous port is given) Horovod's Gloo variables, plus ``extra``."""
+        host = self.rank_host(rank)
+        env = dict(os.environ)
+        env.update({
+            "PYTHONUNBUFFERED": "1",
+            "RANK": str(rank), "WORLD_SIZE": str(self.size),
+            "LOCAL_RANK": str(rank % self.slots), "LOCAL_WORLD_SIZE": str(self.slots),
+            "GROUP_RANK": str(host.index), "MASTER_ADDR": self.hosts[0].address,
+            "MASTER_PORT": str(TORCH_MASTER_PORT), "GLOO_SOCKET_IFNAME": netns.HOST_DEV,
+            "HVDQ_CLUSTER_PREFIX": self.prefix, "HVDQ_CLUSTER_HOSTS": str(self.num_hosts),
+            "HVDQ_CLUSTER_SLOTS": str(self.slots),
+            "HVDQ_CLUSTER_RATE_BPS": str(self.rate_bps or 0),
+            "HVDQ_CLUSTER_RATE": format_rate(self.rate_bps),
+            "HVDQ_CLUSTER_DELAY_S": repr(self.delay_s),
+        })
+        if horovod_rendezvous_port is not None:
+            env.update({
+                "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.bridge_address,
+                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(horovod_rendezvous_port),
+                "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+                "HOROVOD_GLOO_IFACE": netns.HOST_DEV,
+                "HOROVOD_HOSTNAME": host.name,
+                "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(self.size),
+                "HOROVOD_LOCAL_RANK": str(rank % self.slots), "HOROVOD_LOCAL_SIZE": str(self.slots),
+                "HOROVOD_CROSS_RANK": str(host.index), "HOROVOD_CROSS_SIZE": str(self.num_hosts),
+            })
+        env.update(extra or {})
+        return env
+
+    def run(self, command, horovod=True, timeout=600, env=None, check=False, stream=None):
+        """Run ``command`` (an argument list) once per rank, inside the ranks' hosts.
+
+        Parameters
+        ----------
+        command : list of str
+            E.g. ``[sys.executable, "script.py", "--flag"]``; the same on every rank.
+        horovod : bool
+            Start Horovod's Gloo rendezvous and set Horovod's variables (``run_horovod``);
+            without it only torch.distributed's variables are set (``run_torch``).
+        timeout : float
+            Hard limit in seconds: past it every rank is killed and
+            :class:`~hvd_quant.cluster.launch.JobTimeout` is raised.
+        env : dict or None
+            Extra environment for every rank.
+        check : bool
+            Raise :class:`~hvd_quant.cluster.launch.JobFailed` if a rank fails.
+        stream : file-like or None
+            Echo each rank's prefixed output lines there as they arrive.
+
+        Returns
+        -------
+        JobResult
+            A ``subprocess.CompletedProcess`` with the prefixed output of all ranks.
+        """
+        self._require_open()
+        command = [str(c) for c in command]
+        if not command:
+            raise ValueError("empty command")
+        rendezvous = None
+        try:
+            port = None
+            if horovod:
+                rendezvous, port = self._start_rendezvous()
+            commands = [["ip", "netns", "exec", self.rank_host(r).netns, *command] for r in range(self.size)]
+            envs = [self.rank_env(r, port, env) for r in range(self.size)]
+            labels = [f"r{r}@{self.rank_host(r).name}" for r in range(self.size)]
+            result = run_ranks(commands, envs, labels, timeout, stream=stream)
+        finally:
+            if rendezvous is not None:
+                self._stop_rendezvous(rendezvous)
+        if check and result.returncode != 0:
+            raise JobFailed(f"rank {result.failed_rank} failed (exit {result.returncode}): "
+                            f"{' '.join(command)}\n" + result.tail(), result)
+        return result
+
+    def run_horovod(self, command, **kwargs):
+        """:meth:`run` with Horovod's Gloo rendezvous (one Horovod job, one rank per slot)."""
+        return self.run(command, horovod=True, **kwargs)
+
+    def run_torch(self, command, **kwargs):
+        """:meth:`run` without Horovod: a plain torch.distributed (Gloo, ``env://``) job."""
+        return self.run(command, horovod=False, **kwargs)
+
+    def exec(self, host, command, timeout=60, **kwargs):
+        """Run one command in host ``host``'s namespace (``subprocess.run``, bounded)."""
+        self._require_open()
+        return subprocess.run(["ip", "netns", "exec", self.hosts[host].netns, *map(str, command)],
+                              timeout=timeout, **kwargs)
+
+    def _start_rendezvous(self):
+        hosts_spec = ",".join(f"{h.name}:{self.slots}" for h in self.hosts)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch_netns, sys.executable, "-m",
+             "hvd_quant.cluster.rendezvous", hosts_spec],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True, env={**os.environ, "PYTHONPATH": _package_root_path()})
+        port = None
+        deadline = time.monotonic() + 60
+        try:
+            while port is None:
+                # The server prints one line; wait for it with a bound (select), so a server
+                # that neither prints nor exits cannot hang the launcher.
+                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                line = proc.stdout.readline() if ready else ""
+                if line.startswith("port "):
+                    port = int(line.split()[1])
+                elif not line:
+                    proc.kill()
+                    raise ClusterError("Horovod's rendezvous server did not start within 60 s:\n"
+                                       + proc.stderr.read())
+        except BaseException:
+            self._stop_rendezvous(proc)
+            raise
+        return proc, port
+
+    def _stop_rendezvous(self, proc):
+        try:
+            proc.stdin.close()  # the server exits at EOF
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=5)
+        for pipe in (proc.stdout, proc.stderr):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    def _require_open(self):
+        if not self._open:
+            raise ClusterError("the cluster is not running: use 'with EmulatedCluster(...) as c:' "
+                               "or call start() first")
+
+
+def _package_root_path():
+    """PYTHONPATH that makes ``hvd_quant`` importable for the helper processes."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+
+
+__all__ = ["ClusterError", "ClusterInterrupted", "ClusterUnavailable", "EmulatedCluster"]

@@ -1,0 +1,382 @@
+"""The emulated cluster (hvd_quant.cluster): clean-up on every exit path, clear refusals,
+real rate limits, process sets across hosts, and results identical to loopback.
+
+Tests that build namespaces need root and iproute2; where the machine cannot, they skip
+with the reason (``HVD_QUANT_REQUIRE_CLUSTER=1``, set by CI, turns that skip into a
+failure). Every job has a hard time limit, and every test a pytest-timeout.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hvd_quant.cluster import (ClusterUnavailable, EmulatedCluster, JobFailed, JobTimeout, netns,
+                               parse_delay, parse_rate, requirement_problems)
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def can_run():
+    """Skip (or fail under HVD_QUANT_REQUIRE_CLUSTER=1) where no cluster can be built."""
+    problems, _ = netns.probe()
+    if problems:
+        message = "emulated cluster unavailable: " + "; ".join(problems)
+        if os.environ.get("HVD_QUANT_REQUIRE_CLUSTER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def leftovers(prefix):
+    """Namespaces, /etc/netns directories and state files of ``prefix`` still present."""
+    found = [ns for ns in netns.list_namespaces() if ns.startswith(prefix)]
+    if netns.ETC_NETNS.is_dir():
+        found += [str(d) for d in netns.ETC_NETNS.iterdir() if d.name.startswith(prefix)]
+    if netns.state_file(prefix).exists():
+        found.append(str(netns.state_file(prefix)))
+    return found
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def quiet(msg):
+    pass
+
+
+# --- no root needed ------------------------------------------------------------------------------
+def test_rates_and_delays_parse():
+    assert parse_rate("100mbit") == 1e8
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("10Gbit") == 1e10
+    assert parse_rate("125mbps") == 1e9  # tc's bps is bytes per second
+    assert parse_rate(None) is None and parse_rate("unlimited") is None
+    assert parse_delay("0.5ms") == pytest.approx(5e-4)
+    assert parse_delay("200us") == pytest.approx(2e-4)
+    assert parse_delay(None) == 0.0
+    for bad in ("fast", "-1gbit", "0gbit"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+    with pytest.raises(ValueError):
+        parse_delay("soon")
+    with pytest.raises(ValueError):
+        EmulatedCluster(hosts=0)
+
+
+@pytest.mark.timeout(60)
+def test_refuses_clearly_without_ip_and_tc(tmp_path, monkeypatch):
+    """A PATH without ip/tc: a ClusterUnavailable naming them, and the CLI exits 3."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    problems = requirement_problems()
+    assert any("'ip' not found" in p for p in problems) and any("'tc' not found" in p for p in problems)
+    with pytest.raises(ClusterUnavailable, match="iproute2"):
+        EmulatedCluster(hosts=2, log=quiet).start()
+    env = {**os.environ, "PATH": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    for args in (["check"], ["run", "--hosts", "2", "--", PY, "-c", "pass"], ["cleanup"]):
+        proc = subprocess.run([PY, "-m", "hvd_quant.cluster", *args], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 3, (args, proc.stdout, proc.stderr)
+        assert "'ip' not found" in proc.stderr, proc.stderr
+
+
+def test_refuses_clearly_when_not_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ClusterUnavailable, match="not root"):
+        EmulatedCluster(hosts=2, log=quiet).start()
+
+
+# --- clean-up on every exit path ------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_success_leaves_nothing_and_each_rank_sees_its_host(can_run):
+    script = ("import os, socket; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], "
+              "'on', socket.gethostbyname(socket.gethostname()), 'h1 is', socket.gethostbyname('h1'))")
+    with EmulatedCluster(hosts=2, slots=2, rate="1gbit", log=quiet) as c:
+        prefix = c.prefix
+        assert leftovers(prefix)  # it exists while open
+        result = c.run_torch([PY, "-c", script], timeout=30, check=True)
+        addresses = [h.address for h in c.hosts]
+    assert leftovers(prefix) == []
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4
+    for rank in range(4):
+        host = rank // 2
+        expected = f"[r{rank}@h{host}] rank {rank} of 4 on {addresses[host]} h1 is {addresses[1]}"
+        assert expected in lines, result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_ends_the_job_promptly(can_run):
+    script = ("import os, sys, time\n"
+              "if os.environ['RANK'] == '1':\n"
+              "    sys.exit('rank 1: deliberate failure')\n"
+              "time.sleep(60)\n")
+    with EmulatedCluster(hosts=2, log=quiet) as c:
+        prefix = c.prefix
+        start = time.monotonic()
+        result = c.run_torch([PY, "-c", script], timeout=50)
+        took = time.monotonic() - start
+        with pytest.raises(JobFailed, match="rank 1 failed"):
+            c.run_torch([PY, "-c", script], timeout=50, check=True)
+    assert took < 15, f"the job took {took:.1f}s after rank 1 failed"
+    assert result.returncode == 1 and result.failed_rank == 1
+    assert "[r1@h1] rank 1: deliberate failure" in result.stdout
+    assert result.rank_returncodes[0] != 0  # rank 0 was stopped, not left sleeping
+    assert leftovers(prefix) == []
+
+
+@pytest.mark.timeout(60)
+def test_timeout_kills_every_rank(can_run):
+    script = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+    with EmulatedCluster(hosts=2, log=quiet) as c:
+        prefix = c.prefix
+        start = time.monotonic()
+        with pytest.raises(JobTimeout) as info:
+            c.run_torch([PY, "-c", script], timeout=3)
+        took = time.monotonic() - start
+    assert took < 15
+    result = info.value.result
+    assert result.timed_out and result.returncode == 124
+    pids = [int(line.split()[-1]) for line in result.stdout.splitlines() if " pid " in line]
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
+    assert leftovers(prefix) == []
+
+
+@pytest.mark.timeout(30)
+def test_exception_in_the_with_block_cleans_up(can_run):
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCluster(hosts=2, log=quiet) as c:
+            prefix = c.prefix
+            raise RuntimeError("boom")
+    assert leftovers(prefix) == []
+
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from hvd_quant.cluster import EmulatedCluster
+with EmulatedCluster(hosts=2, log=lambda m: None) as c:
+    print("prefix", c.prefix, flush=True)
+    c.run_torch([sys.executable, "-c", "import os, time; print('pid', os.getpid(), flush=True); time.sleep(120)"],
+                timeout=100, stream=sys.stdout)
+"""
+
+
+def start_holder():
+    """A process that opens a cluster and runs a sleeping job; returns (proc, prefix, rank pids)."""
+    proc = subprocess.Popen([PY, "-c", HOLDER.format(root=str(ROOT))], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    prefix, pids = None, []
+    deadline = time.monotonic() + 30
+    while (prefix is None or len(pids) < 2) and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("prefix "):
+            prefix = line.split()[1]
+        elif " pid " in line:
+            pids.append(int(line.split()[-1]))
+    assert prefix and len(pids) == 2, "the holder did not start its job"
+    return proc, prefix, pids
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_launcher_cleans_up(can_run, sig):
+    proc, prefix, pids = start_holder()
+    try:
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        assert leftovers(prefix) == []
+        assert not any(alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        netns.remove_cluster(prefix)
+
+
+@pytest.mark.timeout(90)
+def test_cleanup_command_removes_what_a_killed_run_left(can_run):
+    proc, prefix, pids = start_holder()
+    try:
+        proc.send_signal(signal.SIGKILL)  # no chance to clean up
+        proc.wait(timeout=30)
+        assert leftovers(prefix)
+        cli = subprocess.run([PY, "-m", "hvd_quant.cluster", "cleanup", "--prefix", prefix],
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert cli.returncode == 0, cli.stderr
+        assert "removed" in cli.stdout
+        assert leftovers(prefix) == []
+        time.sleep(0.2)
+        assert not any(alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        netns.remove_cluster(prefix)
+
+
+@pytest.mark.timeout(30)
+def test_delay_needs_netem_and_says_so(can_run):
+    """Kernels without sch_netem (this project's VMs) refuse a delay clearly and leave
+    nothing behind; where netem exists, a delayed cluster starts."""
+    _, notes = netns.probe()
+    cluster = EmulatedCluster(hosts=2, rate="1gbit", delay="1ms", log=quiet)
+    if netns.NETEM_MISSING in notes:
+        with pytest.raises(ClusterUnavailable, match="netem"):
+            cluster.start()
+    else:
+        with cluster:
+            assert "one-way delay 1 ms" in cluster.describe_link()
+    assert leftovers(cluster.prefix) == []
+
+
+# --- the link model -------------------------------------------------------------------------------
+SHAPING = """
+import os, socket, sys, time
+rank, senders, nbytes = int(os.environ["RANK"]), int(sys.argv[1]), int(sys.argv[2])
+receiver = int(os.environ["WORLD_SIZE"]) - 1
+if rank == receiver:
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("0.0.0.0", 5001)); srv.listen(8)
+    conns = [srv.accept()[0] for _ in range(senders)]
+    total, first = 0, None
+    for conn in conns:
+        conn.setblocking(False)
+    import selectors
+    sel = selectors.DefaultSelector()
+    for conn in conns:
+        sel.register(conn, selectors.EVENT_READ)
+    while sel.get_map():
+        for key, _ in sel.select(timeout=20):
+            data = key.fileobj.recv(1 << 20)
+            if first is None:
+                first = time.perf_counter()
+            if data:
+                total += len(data)
+            else:
+                sel.unregister(key.fileobj)
+    print(f"received {total} bytes in {time.perf_counter() - first:.4f} s", flush=True)
+elif rank < senders:
+    for _ in range(200):
+        try:
+            s = socket.create_connection((f"h{receiver}", 5001), timeout=5)
+            break
+        except OSError:
+            time.sleep(0.05)
+    s.sendall(b"x" * nbytes)
+    s.close()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_shaping_limits_both_directions_of_each_link(can_run):
+    """One sender alone is held to its upload rate; three senders into one host together
+    are held to that host's download rate (an unshaped download would take a third)."""
+    rate, total = 100e6, 6_000_000
+    ideal = total * 8 / rate  # 0.48 s
+    with EmulatedCluster(hosts=4, rate="100mbit", log=quiet) as c:
+        for senders in (1, 3):
+            result = c.run_torch([PY, "-c", SHAPING, str(senders), str(total // senders)], timeout=40,
+                                 check=True)
+            line = [l for l in result.stdout.splitlines() if "received" in l][0]
+            got, seconds = int(line.split()[2]), float(line.split()[5])
+            assert got == total
+            assert 0.7 * ideal <= seconds < 10 * ideal, \
+                f"{senders} sender(s): {total} bytes in {seconds:.3f}s at 100 Mbit/s (ideal {ideal:.3f}s)"
+
+
+# --- Horovod across hosts -------------------------------------------------------------------------
+PROCESS_SETS = """
+import horovod.torch as hvd, torch
+even = hvd.ProcessSet([0, 2])
+hvd.init(process_sets=[even])
+x = torch.full((4,), float(hvd.rank() + 1))
+total = hvd.allreduce(x, op=hvd.Sum, name="all")
+if hvd.rank() in (0, 2):
+    print("even", hvd.allreduce(x, op=hvd.Sum, name="even", process_set=even).tolist(), flush=True)
+print("all", total.tolist(), "local", hvd.local_rank(), hvd.local_size(), "cross", hvd.cross_rank(), flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_horovod_process_sets_across_hosts(can_run):
+    """Process-set Gloo contexts resolve the machine's hostname (Horovod 0.28.1); the
+    per-namespace hosts file makes them connect across the emulated hosts."""
+    with EmulatedCluster(hosts=3, rate="1gbit", log=quiet) as c:
+        result = c.run_horovod([PY, "-c", PROCESS_SETS], timeout=120, check=True,
+                               env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "60"})
+    for rank in range(3):
+        assert f"[r{rank}@h{rank}] all [6.0, 6.0, 6.0, 6.0] local 0 1 cross {rank}" in result.stdout, result.stdout
+    for rank in (0, 2):
+        assert f"[r{rank}@h{rank}] even [4.0, 4.0, 4.0, 4.0]" in result.stdout, result.stdout
+
+
+IDENTITY = """
+import hashlib, json, sys
+import torch
+import horovod.torch as hvd
+import hvd_quant.torch as hq
+
+hvd.init()
+torch.set_num_threads(1)
+rank, numel, out = hvd.rank(), int(sys.argv[2]), {}
+for config in ["none", "ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2", "global_qsgd_exp"]:
+    name, _, opts = config.partition(":")
+    options = dict(kv.split("=") for kv in opts.split(",") if kv)
+    w = torch.nn.Parameter(torch.zeros(numel))
+    opt = hq.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)],
+                                  compression=hq.Compression.get(name, **options))
+    digests = []
+    for step in range(2):
+        w.grad = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + rank))
+        opt.synchronize()
+        digests.append(hashlib.sha256(w.grad.numpy().tobytes()).hexdigest())
+    out[config] = digests
+x = torch.randn(numel, generator=torch.Generator().manual_seed(99 + rank))
+out["horovod_fp32"] = hashlib.sha256(hvd.allreduce(x, op=hvd.Sum, name="fp32").numpy().tobytes()).hexdigest()
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_compressed_reduction_identical_to_loopback(can_run, tmp_path):
+    """CI cluster test: 2 hosts at 1 Gbit/s, 750k floats (3 MB): every compressor's reduced
+    gradients over two steps are bit-identical to the same job under horovodrun on
+    loopback (and on both ranks)."""
+    from horovod_launch import load_rank_results, run_horovod
+
+    script = tmp_path / "identity.py"
+    script.write_text(IDENTITY)
+    numel = 750_000
+    (tmp_path / "loopback").mkdir()
+    (tmp_path / "cluster").mkdir()
+    run_horovod(script, 2, [tmp_path / "loopback", numel], timeout=150,
+                env={"PYTHONPATH": str(ROOT)})
+    with EmulatedCluster(hosts=2, rate="1gbit", log=quiet) as c:
+        c.run_horovod([PY, script, tmp_path / "cluster", numel], timeout=150, check=True,
+                      env={"PYTHONPATH": str(ROOT), "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"})
+    loopback = load_rank_results(tmp_path / "loopback", 2)
+    cluster = load_rank_results(tmp_path / "cluster", 2)
+    assert loopback[0] == loopback[1]  # every rank holds the same reduced values
+    assert cluster == loopback
+    assert set(cluster[0]) == {"none", "ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2",
+                               "global_qsgd_exp", "horovod_fp32"}
