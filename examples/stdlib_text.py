@@ -1,0 +1,435 @@
+"""Byte-level text from the Python standard library's own source: a language-modelling
+workload with no download, plus the settings shared by ``lm_torch.py`` and ``lm_keras.py``.
+
+The corpus is the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``, so it ships with
+every Python. It depends on the Python version (3.11.7 and 3.12 ship different files):
+runs are comparable only on the same version, and every summary records the version and
+a digest of the corpus (``Corpus.digest``) to make that checkable.
+
+How the corpus is built, deterministically:
+
+* every ``.py`` file under the stdlib directory, as a sorted list of POSIX relative paths,
+  skipping ``site-packages``/``dist-packages`` (installed packages, which differ between
+  machines), test suites (any directory named ``test``, ``tests`` or ``idle_test``),
+  ``encodings`` (generated codec tables), ``__pycache__``, files over ``MAX_FILE_BYTES`` (``pydoc_data/topics.py`` is 750 KB of
+  prose, which would dominate) and files that are not valid UTF-8;
+* files are visited in the order of the SHA-256 of their relative path (a fixed
+  pseudo-random order, so a size cap samples the whole library rather than its first
+  letters of the alphabet) and each goes to validation while validation holds less than
+  ``val_fraction`` of the bytes so far, else to training; visiting stops at ``max_bytes``.
+  Validation text therefore comes from files the model never trains on;
+* files are joined with a NUL byte (``SEPARATOR``), which never occurs in source, so the
+  model sees file boundaries.
+
+Tokens are bytes (vocabulary 256): no vocabulary to build or ship, and identical on every
+machine. Training batches: each rank draws its own random windows (generator seeded by
+``(seed, rank)``). Validation: a fixed set of evenly spaced windows, the same on every rank.
+
+``python examples/stdlib_text.py`` prints the corpus summary.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+VOCAB_SIZE = 256
+SEPARATOR = 0
+# Installed packages differ between machines; test suites and the generated codec tables
+# of encodings/ (about 100 near-identical charmaps) are not representative source.
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
+                       "encodings"})
+MAX_FILE_BYTES = 200_000
+DEFAULT_MAX_BYTES = 4_000_000
+DEFAULT_VAL_FRACTION = 0.1
+
+
+@dataclass
+class Corpus:
+    """Training and validation bytes (``np.uint8``) and where they came from."""
+
+    train: np.ndarray
+    val: np.ndarray
+    train_files: list = field(default_factory=list)
+    val_files: list = field(default_factory=list)
+    skipped_undecodable: list = field(default_factory=list)
+    root: str = ""
+    python_version: str = ""
+    digest: str = ""
+
+    def summary(self):
+        return {"python_version": self.python_version, "root": self.root, "digest": self.digest,
+                "train_bytes": int(self.train.size), "val_bytes": int(self.val.size),
+                "train_files": len(self.train_files), "val_files": len(self.val_files),
+                "skipped_undecodable": len(self.skipped_undecodable)}
+
+
+def stdlib_root():
+    """The directory of the running Python's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def source_files(root=None):
+    """Sorted relative POSIX paths of the eligible ``.py`` files under ``root``."""
+    root = Path(root) if root is not None else stdlib_root()
+    if not root.is_dir():
+        raise FileNotFoundError(f"standard library directory not found: {root}")
+    out = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if SKIP_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
+            continue
+        if path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        out.append(rel.as_posix())
+    return sorted(out)
+
+
+def _path_key(rel):
+    return hashlib.sha256(rel.encode("utf-8")).hexdigest()
+
+
+def load_corpus(max_bytes=DEFAULT_MAX_BYTES, val_fraction=DEFAULT_VAL_FRACTION, root=None):
+    """Build the corpus (see the module docstring); about 0.3 s for 4 MB.
+
+    Parameters
+    ----------
+    max_bytes : int
+        Stop adding files once training plus validation hold at least this many bytes.
+    val_fraction : float
+        Share of the bytes that goes to validation, in (0, 0.5].
+    root : path, optional
+        Directory to read instead of the running Python's standard library (tests).
+
+    Returns
+    -------
+    Corpus
+    """
+    if not 0.0 < val_fraction <= 0.5:
+        raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
+    if max_bytes < 10_000:
+        raise ValueError(f"max_bytes={max_bytes} is too small for a useful corpus (>= 10000)")
+    root = Path(root) if root is not None else stdlib_root()
+    files = sorted(source_files(root), key=_path_key)
+    parts = {"train": [], "val": []}
+    names = {"train": [], "val": []}
+    sizes = {"train": 0, "val": 0}
+    skipped = []
+    for rel in files:
+        if sizes["train"] + sizes["val"] >= max_bytes:
+            break
+        data = (root / rel).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(rel)
+            continue
+        if SEPARATOR in data or not data:
+            continue  # would blur the file boundary (or add nothing)
+        split = "val" if sizes["val"] < val_fraction * (sizes["train"] + sizes["val"]) else "train"
+        parts[split].append(data)
+        names[split].append(rel)
+        sizes[split] += len(data)
+    if not parts["train"] or not parts["val"]:
+        raise ValueError(f"not enough eligible source files under {root} for a train/validation split")
+    joined = {k: np.frombuffer(bytes([SEPARATOR]).join(v), dtype=np.uint8).copy() for k, v in parts.items()}
+    h = hashlib.sha256()
+    for k in ("train", "val"):
+        h.update(k.encode())
+        h.update(joined[k].tobytes())
+    return Corpus(joined["train"], joined["val"], names["train"], names["val"], skipped, str(root),
+                  ".".join(map(str, sys.version_info[:3])), h.hexdigest()[:16])
+
+
+def windows_at(data, offsets, context):
+    """Inputs ``data[o:o+context]`` and next-byte targets ``data[o+1:o+context+1]``,
+    as ``int64`` arrays of shape ``(len(offsets), context)``."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    idx = offsets[:, None] + np.arange(context + 1, dtype=np.int64)[None, :]
+    chunk = data[idx].astype(np.int64)
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+class TrainBatches:
+    """Random training windows, different on every rank: the generator is seeded by
+    ``(seed, rank)``, so a run is reproducible and ranks see different text.
+
+    Parameters
+    ----------
+    data : np.ndarray of uint8
+    context : int
+        Window length (the model's context).
+    batch : int
+        Windows per batch, per rank.
+    seed, rank : int
+    """
+
+    def __init__(self, data, context, batch, seed, rank):
+        if data.size < context + 2:
+            raise ValueError(f"training text ({data.size} bytes) is shorter than one window ({context + 1})")
+        if batch < 1 or context < 1:
+            raise ValueError(f"batch and context must be positive, got {batch}, {context}")
+        self.data, self.context, self.batch = data, int(context), int(batch)
+        self.rng = np.random.default_rng([int(seed), int(rank)])
+
+    def next(self):
+        offsets = self.rng.integers(0, self.data.size - self.context, size=self.batch)
+        return windows_at(self.data, offsets, self.context)
+
+    def take(self, steps):
+        """``steps`` batches stacked: arrays of shape ``(steps * batch, context)``."""
+        xs, ys = zip(*(self.next() for _ in range(steps))) if steps else ((), ())
+        if not xs:
+            empty = np.zeros((0, self.context), np.int64)
+            return empty, empty
+        return np.concatenate(xs), np.concatenate(ys)
+
+
+def validation_windows(data, context, count):
+    """``count`` evenly spaced windows over the validation text: fixed, no randomness,
+    identical on every rank and every run."""
+    if count < 1:
+        raise ValueError(f"need at least one validation window, got {count}")
+    last = data.size - context - 1
+    if last < 0:
+        raise ValueError(f"validation text ({data.size} bytes) is shorter than one window ({context + 1})")
+    offsets = np.linspace(0, last, count).round().astype(np.int64)
+    return windows_at(data, offsets, context)
+
+
+def decode(tokens):
+    """Bytes back to text (invalid UTF-8 replaced), for printing samples."""
+    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+# --- settings shared by lm_torch.py and lm_keras.py -------------------------------------------
+OPTIMIZERS = ("adam", "sgdm", "onebit_adam", "zero_one_adam", "binsgdm")
+BASELINES = ("adam", "sgdm")
+
+
+def lm_arguments(description, argv=None):
+    """The command line of both LM scripts (same names, same defaults)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                   help="adam/sgdm: fp32 allreduce baselines; the others: hvd_quant's 1-bit optimizers")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default per optimizer, see DEFAULT_LR)")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=16, help="windows per rank per step")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="linear warm-up steps from 0 to --lr (default: 25%% of --steps)")
+    p.add_argument("--decay", choices=["cosine", "constant"], default="cosine",
+                   help="after warm-up: cosine decay to --min-lr-ratio * lr, or constant")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--beta", type=float, default=0.9,
+                   help="momentum: Adam's beta1, SGD's momentum, BinSGDM's beta")
+    p.add_argument("--beta2", type=float, default=0.99,
+                   help="Adam's beta2 (Adam family); 0.99 as for small character-level models, and "
+                        "so that the variance the 1-bit methods freeze early is nearly settled")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--freeze-step", type=int, default=None,
+                   help="1-bit Adam: fp32 warm-up steps (default: the end of the LR warm-up)")
+    p.add_argument("--var-freeze-step", type=int, default=None,
+                   help="0/1 Adam: variance updates stop here (default: end of warm-up)")
+    p.add_argument("--var-update-scaler", type=int, default=16)
+    p.add_argument("--local-step-scaler", type=int, default=None,
+                   help="0/1 Adam: local steps between doublings of the sync interval "
+                        "(default: sized so that it reaches --local-step-clipper mid-run)")
+    p.add_argument("--local-step-clipper", type=int, default=16)
+    p.add_argument("--param-groups", choices=["one", "tensor"], default="one",
+                   help="1-bit optimizers, torch only: one flat group (one compression scale for "
+                        "the whole model, as DeepSpeed's fp16 optimizer), or one group per tensor")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES)
+    p.add_argument("--val-windows", type=int, default=256)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="rank 0 writes its summary here")
+    args = p.parse_args(argv)
+    return resolve_defaults(args, p)
+
+
+# Peak learning rates tuned on the torch LM (2 ranks, 600 steps, batch 16 per rank).
+DEFAULT_LR = {"adam": 3e-3, "sgdm": 0.3, "onebit_adam": 3e-3, "zero_one_adam": 3e-3, "binsgdm": 1e-3}
+
+
+def resolve_defaults(args, parser=None):
+    """Fill the defaults that depend on other options, and check the combination."""
+    def fail(msg):
+        if parser is not None:
+            parser.error(msg)
+        raise ValueError(msg)
+
+    if args.steps < 1 or args.batch < 1 or args.eval_every < 1:
+        fail("--steps, --batch and --eval-every must be positive")
+    if args.d_model % args.heads:
+        fail(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.optimizer]
+    if args.warmup is None:
+        # A quarter of the run: DeepSpeed's 1-bit Adam and 0/1 Adam have no bias
+        # correction, so their early steps are up to 2x Adam's; with a 10% warm-up that
+        # cost them 0.38 nats here (600 steps), with 25% nothing, and Adam 0.01.
+        args.warmup = max(1, args.steps // 4)
+    if args.freeze_step is None:
+        args.freeze_step = args.warmup
+    if args.var_freeze_step is None:
+        args.var_freeze_step = args.warmup
+    if args.local_step_scaler is None:
+        # Phase B has steps - var_freeze_step steps; H doubles log2(clipper) times, and it
+        # should reach the clipper by about the middle of that phase.
+        doublings = max(1, int(math.log2(max(2, args.local_step_clipper))))
+        args.local_step_scaler = max(1, (args.steps - args.var_freeze_step) // (2 * doublings))
+    return args
+
+
+def lr_at(step, args):
+    """Learning rate of step ``step`` (0-based): linear warm-up to ``args.lr`` over
+    ``args.warmup`` steps, then constant or cosine decay to ``min_lr_ratio * lr``."""
+    peak = args.lr
+    if step < args.warmup:
+        return peak * (step + 1) / args.warmup
+    if args.decay == "constant":
+        return peak
+    span = max(1, args.steps - args.warmup)
+    progress = min(1.0, (step - args.warmup) / span)
+    low = args.min_lr_ratio * peak
+    return low + 0.5 * (peak - low) * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_summary(args):
+    """The optimizer-specific options that apply to ``args.optimizer`` (for labels/JSON)."""
+    out = {"lr": args.lr, "warmup": args.warmup, "decay": args.decay, "beta": args.beta}
+    if args.optimizer in ("adam", "onebit_adam", "zero_one_adam"):
+        out["beta2"] = args.beta2
+    if args.optimizer == "onebit_adam":
+        out["freeze_step"] = args.freeze_step
+    if args.optimizer not in BASELINES and args.param_groups != "one":
+        out["param_groups"] = args.param_groups
+    if args.optimizer == "zero_one_adam":
+        out.update(var_freeze_step=args.var_freeze_step, var_update_scaler=args.var_update_scaler,
+                   local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)
+    return out
+
+
+def weights_digest(arrays):
+    """Short SHA-256 of a list of arrays' bytes: equal digests mean identical weights."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+class LMReport:
+    """Progress lines on rank 0 and the JSON summary of an LM run (both frameworks).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        From :func:`lm_arguments`.
+    framework : str
+        ``"torch"`` or ``"keras"``.
+    rank, size : int
+    numel : int
+        Trainable parameters (elements).
+    corpus : Corpus
+    allgather_object : callable
+        Horovod's ``allgather_object`` of the framework: every rank's value, in rank order.
+    """
+
+    def __init__(self, args, framework, rank, size, numel, corpus, allgather_object):
+        self.args, self.framework, self.rank, self.size = args, framework, rank, size
+        self.numel, self.corpus, self.gather = numel, corpus, allgather_object
+        self.label = f"{framework}/{args.optimizer} np={size}"
+        self.history = []
+        self.began = time.perf_counter()
+        # What one fp32 ring allreduce of the parameters sends per rank.
+        self.fp32_bytes_per_step = 2.0 * (size - 1) / size * 4 * numel
+        self._print(f"{numel:,} parameters; corpus {corpus.digest} (Python {corpus.python_version}): "
+                    f"{corpus.train.size:,} training bytes in {len(corpus.train_files)} files, "
+                    f"{corpus.val.size:,} validation bytes in {len(corpus.val_files)} files, "
+                    f"{args.val_windows} validation windows of {args.context}")
+        self._print(f"{args.steps} steps x {args.batch} windows per rank; {schedule_summary(args)}")
+
+    def _print(self, text):
+        if self.rank == 0:
+            print(f"[{self.label}] {text}", flush=True)
+
+    def evaluation(self, step, lr, train_loss, val_loss, bytes_sent, comm_rounds, step_time):
+        """Record one evaluation; ``train_loss`` and ``val_loss`` are this rank's, the row
+        holds their means over ranks. Every rank must call it (it communicates)."""
+        rows = self.gather([float(train_loss), float(val_loss), float(bytes_sent)])
+        train, val, sent = (np.array(col, dtype=np.float64) for col in zip(*rows))
+        row = {"step": step, "lr": lr, "train_loss": float(train.mean()), "val_loss": float(val.mean()),
+               "val_loss_spread": float(val.max() - val.min()), "bytes_per_step": float(sent[0] / step),
+               "comm_rounds": int(comm_rounds), "step_time_ms": 1000.0 * step_time}
+        self.history.append(row)
+        self._print(f"step {step:5d}/{self.args.steps}  lr {lr:.2e}  train {row['train_loss']:.4f}  "
+                    f"val {row['val_loss']:.4f}  bytes/step/rank {row['bytes_per_step']:,.0f}  "
+                    f"rounds {comm_rounds}  {row['step_time_ms']:.1f} ms/step")
+        return row
+
+    def finish(self, kind_counts, digest, skipped_steps=0):
+        """Gather every rank's weight digest and bytes; rank 0 prints and writes JSON.
+        ``skipped_steps``: steps the optimizer left out because values were not finite."""
+        if not self.history:
+            raise RuntimeError("finish() before any evaluation")
+        last = self.history[-1]
+        per_rank = self.gather([digest, last["bytes_per_step"] * last["step"]])
+        digests = [d for d, _ in per_rank]
+        a = self.args
+        summary = {
+            "framework": self.framework, "optimizer": a.optimizer, "ranks": self.size,
+            "schedule": schedule_summary(a), "steps": a.steps, "batch_per_rank": a.batch,
+            "seed": a.seed, "model": {"parameters": self.numel, "d_model": a.d_model, "heads": a.heads,
+                                      "layers": a.layers, "context": a.context},
+            "corpus": self.corpus.summary(), "val_windows": a.val_windows,
+            "final_train_loss": last["train_loss"], "final_val_loss": last["val_loss"],
+            "final_val_loss_spread": last["val_loss_spread"],
+            "bytes_per_step": last["bytes_per_step"],
+            "bytes_per_step_per_rank": [b / a.steps for _, b in per_rank],
+            "fp32_allreduce_bytes_per_step": self.fp32_bytes_per_step,
+            "comm_rounds": last["comm_rounds"], "step_kinds": kind_counts, "skipped_steps": int(skipped_steps),
+            "step_time_ms": last["step_time_ms"], "wall_time_s": time.perf_counter() - self.began,
+            "weights_digests": digests, "ranks_agree": len(set(digests)) == 1,
+            "history": self.history,
+        }
+        if summary["bytes_per_step"] > 0:
+            ratio = f"{self.fp32_bytes_per_step / summary['bytes_per_step']:.1f}x fewer than fp32 allreduce"
+        else:
+            ratio = "nothing sent"
+        self._print(f"final val loss {last['val_loss']:.4f} (train {last['train_loss']:.4f}); "
+                    f"{summary['bytes_per_step']:,.0f} bytes/step/rank ({ratio}); "
+                    f"{summary['comm_rounds']} rounds in {a.steps} steps; kinds {kind_counts}; "
+                    f"ranks {'agree' if summary['ranks_agree'] else 'differ'}"
+                    + (f"; {int(skipped_steps)} steps skipped (not finite)" if skipped_steps else ""))
+        if self.rank == 0 and a.json:
+            with open(a.json, "w") as f:
+                json.dump(summary, f, indent=1)
+        return summary
+
+
+def _main():
+    p = argparse.ArgumentParser(description="Print the stdlib corpus summary.")
+    p.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES)
+    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    args = p.parse_args()
+    corpus = load_corpus(args.max_bytes, args.val_fraction)
+    for key, value in corpus.summary().items():
+        print(f"{key:20s} {value}")
+    print("first validation files:", ", ".join(corpus.val_files[:5]))
+    print("sample:", repr(decode(corpus.val[:200])))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,238 @@
+"""The convergence workloads: the stdlib text pipeline, the LM scripts under horovodrun,
+and the benchmark runner's bookkeeping.
+
+Data tests run in one process on a small corpus (a fraction of a second each); the
+``multiprocess`` ones train the LM for a few steps on 2 ranks with a tiny model.
+"""
+
+import importlib.util
+import json
+import sys
+from argparse import Namespace
+
+import numpy as np
+import pytest
+
+from horovod_launch import HERE, run_horovod
+
+EXAMPLES = HERE.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import stdlib_text as st  # noqa: E402
+
+SMALL = 300_000  # bytes: enough for a split, fast to read
+
+
+def _load_convergence():
+    spec = importlib.util.spec_from_file_location("convergence", HERE.parent / "benchmarks" / "convergence.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return st.load_corpus(SMALL)
+
+
+# --- corpus -------------------------------------------------------------------------------
+def test_corpus_is_deterministic(corpus):
+    again = st.load_corpus(SMALL)
+    assert again.digest == corpus.digest
+    assert np.array_equal(again.train, corpus.train) and np.array_equal(again.val, corpus.val)
+    assert again.train_files == corpus.train_files and again.val_files == corpus.val_files
+
+
+def test_split_is_by_file_and_disjoint(corpus):
+    assert corpus.train_files and corpus.val_files
+    assert not set(corpus.train_files) & set(corpus.val_files)
+    # Validation holds about val_fraction of the bytes (one file of slack).
+    share = corpus.val.size / (corpus.val.size + corpus.train.size)
+    assert 0.05 < share < 0.2
+    # No validation file's text appears in training (checked on a distinctive chunk).
+    val_text = corpus.val.tobytes().split(bytes([st.SEPARATOR]))
+    train_text = corpus.train.tobytes()
+    for doc in val_text[:5]:
+        if len(doc) > 400:
+            assert doc[100:400] not in train_text
+
+
+def test_corpus_respects_size_cap_and_skips(corpus):
+    assert SMALL <= corpus.train.size + corpus.val.size < SMALL + st.MAX_FILE_BYTES + 10_000
+    for rel in corpus.train_files + corpus.val_files:
+        parts = rel.split("/")
+        assert not st.SKIP_DIRS.intersection(parts[:-1]) and rel.endswith(".py")
+    assert st.source_files() == sorted(st.source_files())
+
+
+def test_vocab_is_bytes_and_files_are_separated(corpus):
+    assert st.VOCAB_SIZE == 256
+    assert corpus.train.dtype == np.uint8 and corpus.val.dtype == np.uint8
+    assert int(np.sum(corpus.train == st.SEPARATOR)) == len(corpus.train_files) - 1
+    assert int(np.sum(corpus.val == st.SEPARATOR)) == len(corpus.val_files) - 1
+    assert "def " in st.decode(corpus.train[:50_000])
+
+
+def test_corpus_from_a_directory_skips_tests_packages_and_bad_files(tmp_path):
+    def write(rel, data):
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    for i in range(40):
+        write(f"mod{i:02d}.py", f"def f{i}(x):\n    return x + {i}\n".encode() * 200)
+    write("test/test_mod.py", b"import unittest\n" * 100)
+    write("pkg/tests/t.py", b"assert True\n" * 100)
+    write("site-packages/numpy/core.py", b"x = 1\n" * 100)
+    write("latin1.py", "caf\xe9 = 1\n".encode("latin-1") * 100)
+    write("big.py", b"#" * (st.MAX_FILE_BYTES + 1))
+    write("notes.txt", b"not python\n" * 100)
+    files = st.source_files(tmp_path)
+    assert "test/test_mod.py" not in files and "pkg/tests/t.py" not in files
+    assert not any(f.startswith("site-packages") for f in files)
+    assert "big.py" not in files and "notes.txt" not in files
+    c = st.load_corpus(10**6, root=tmp_path)
+    assert c.skipped_undecodable == ["latin1.py"]
+    assert len(c.train_files) + len(c.val_files) == 40
+
+
+def test_bad_corpus_options_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="val_fraction"):
+        st.load_corpus(SMALL, val_fraction=0.9)
+    with pytest.raises(ValueError, match="too small"):
+        st.load_corpus(100)
+    with pytest.raises(FileNotFoundError):
+        st.source_files(tmp_path / "missing")
+
+
+# --- batches ------------------------------------------------------------------------------
+def test_training_batches_depend_on_rank_and_are_reproducible(corpus):
+    a0 = st.TrainBatches(corpus.train, 32, 8, seed=0, rank=0).take(3)
+    a0_again = st.TrainBatches(corpus.train, 32, 8, seed=0, rank=0).take(3)
+    a1 = st.TrainBatches(corpus.train, 32, 8, seed=0, rank=1).take(3)
+    b0 = st.TrainBatches(corpus.train, 32, 8, seed=1, rank=0).take(3)
+    assert np.array_equal(a0[0], a0_again[0])
+    assert not np.array_equal(a0[0], a1[0]) and not np.array_equal(a0[0], b0[0])
+    x, y = a0
+    assert x.shape == y.shape == (24, 32) and x.dtype == np.int64
+    assert np.array_equal(x[:, 1:], y[:, :-1])  # targets are the next bytes
+    assert x.max() < st.VOCAB_SIZE and x.min() >= 0
+
+
+def test_validation_windows_are_fixed(corpus):
+    x, y = st.validation_windows(corpus.val, 64, 100)
+    x2, y2 = st.validation_windows(corpus.val, 64, 100)
+    assert np.array_equal(x, x2) and np.array_equal(y, y2)
+    assert x.shape == (100, 64) and np.array_equal(x[:, 1:], y[:, :-1])
+    assert np.array_equal(x[0], corpus.val[:64])  # first window at the start
+    assert np.array_equal(y[-1], corpus.val[-64:])  # last one ends at the end
+    with pytest.raises(ValueError):
+        st.validation_windows(corpus.val[:10], 64, 4)
+
+
+# --- shared settings ----------------------------------------------------------------------
+def test_learning_rate_schedule():
+    args = st.lm_arguments("t", ["--steps", "100", "--lr", "1e-3", "--warmup", "10"])
+    lrs = [st.lr_at(s, args) for s in range(100)]
+    assert lrs[9] == pytest.approx(1e-3) and lrs[0] == pytest.approx(1e-4)
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(1e-4, rel=0.01)
+    const = st.lm_arguments("t", ["--steps", "100", "--decay", "constant"])
+    assert st.lr_at(99, const) == const.lr
+
+
+def test_schedule_defaults_follow_the_run_length():
+    args = st.lm_arguments("t", ["--optimizer", "zero_one_adam", "--steps", "1000"])
+    assert args.warmup == 250 and args.var_freeze_step == 250 and args.freeze_step == 250
+    # The sync interval doubles every local_step_scaler steps: 4 doublings (1 -> 16) by
+    # the middle of the 750 local-phase steps.
+    assert args.local_step_scaler * 4 <= 375
+    with pytest.raises(SystemExit):
+        st.lm_arguments("t", ["--d-model", "100", "--heads", "3"])
+
+
+# --- the runner's bookkeeping -------------------------------------------------------------
+def test_runner_gaps_table_and_extra_args():
+    conv = _load_convergence()
+    rows = [{"workload": "lm_torch", "optimizer": o, "np": 2, "metric": m, "final_val_loss": m,
+             "final_test_accuracy": None, "bytes_per_step": b, "fp32_allreduce_bytes_per_step": 1000.0,
+             "comm_rounds": r, "steps": 10, "ranks_agree": True, "wall_s": 1.0}
+            for o, m, b, r in [("adam", 2.0, 1000.0, 10), ("zero_one_adam", 2.02, 50.0, 4)]]
+    rows.append({"workload": "digits", "optimizer": "adam", "np": 2, "metric": 0.9, "final_val_loss": None,
+                 "final_test_accuracy": 0.9, "bytes_per_step": 1.0, "fp32_allreduce_bytes_per_step": 1.0,
+                 "comm_rounds": None, "steps": None, "ranks_agree": None, "wall_s": 1.0})
+    conv.add_gaps(rows)
+    assert rows[1]["gap_to_adam"] == pytest.approx(1.0)
+    table = conv.markdown_table(rows + [{"workload": "lm_keras", "optimizer": "binsgdm", "np": 3,
+                                         "error": "exit status 1", "wall_s": 2.0}])
+    assert "+1.00%" in table and "20.0x" in table and "FAILED (exit status 1)" in table
+    extras = ["lm_torch=--lr 1", "lm_torch/binsgdm=--beta 0.95", "*/binsgdm=--lr 2"]
+    assert conv.extra_args(extras, "lm_torch", "binsgdm") == ["--lr", "1", "--beta", "0.95", "--lr", "2"]
+    assert conv.extra_args(extras, "lm_keras", "adam") == []
+
+
+def test_runner_reports_a_failing_or_hanging_job():
+    conv = _load_convergence()
+    with pytest.raises(conv.JobFailed, match="exit status 3") as err:
+        conv.run_job([sys.executable, "-c", "print('the reason'); raise SystemExit(3)"], 60, echo=False)
+    assert "the reason" in str(err.value)
+    with pytest.raises(conv.JobFailed, match="timed out"):
+        conv.run_job([sys.executable, "-c", "import time; time.sleep(60)"], 1, echo=False)
+
+
+# --- the scripts under horovodrun ---------------------------------------------------------
+TINY = ["--steps", "6", "--eval-every", "3", "--batch", "4", "--context", "32", "--d-model", "32",
+        "--heads", "2", "--layers", "1", "--val-windows", "8", "--corpus-bytes", str(SMALL)]
+
+
+def _train(tmp_path, script, optimizer, *extra, timeout=240):
+    out = tmp_path / f"{script}-{optimizer}.json"
+    run_horovod(EXAMPLES / script, 2, ["--optimizer", optimizer, *TINY, *extra, "--json", out], timeout=timeout)
+    return json.loads(out.read_text())
+
+
+def _check_summary(s, optimizer):
+    assert s["optimizer"] == optimizer and s["ranks"] == 2 and s["steps"] == 6
+    assert [h["step"] for h in s["history"]] == [3, 6]
+    assert all(np.isfinite(h["val_loss"]) and np.isfinite(h["train_loss"]) for h in s["history"])
+    assert s["final_val_loss"] < np.log(256) + 0.1
+    assert len(s["weights_digests"]) == 2 and len(s["bytes_per_step_per_rank"]) == 2
+    assert sum(s["step_kinds"].values()) == 6
+
+
+@pytest.mark.multiprocess
+def test_lm_torch_trains_with_adam_on_two_ranks(tmp_path):
+    s = _train(tmp_path, "lm_torch.py", "adam")
+    _check_summary(s, "adam")
+    assert s["ranks_agree"] and s["final_val_loss_spread"] == 0.0
+    assert s["comm_rounds"] == 6
+    # fp32 allreduce: 2 (n-1)/n * 4 bytes per parameter (plus the one-off check, < 1 byte/step).
+    assert s["bytes_per_step"] == pytest.approx(s["fp32_allreduce_bytes_per_step"], abs=10)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer,extra", [
+    ("onebit_adam", ["--freeze-step", "3"]),
+    ("zero_one_adam", ["--var-freeze-step", "3", "--local-step-scaler", "1", "--local-step-clipper", "2"]),
+    ("binsgdm", [])])
+def test_lm_torch_runs_the_one_bit_optimizers(tmp_path, optimizer, extra):
+    import hvd_quant.torch as hq
+    if not hasattr(hq, {"onebit_adam": "OnebitAdam", "zero_one_adam": "ZeroOneAdam", "binsgdm": "BinSGDM"}[optimizer]):
+        pytest.skip(f"hvd_quant.torch has no {optimizer} yet")
+    s = _train(tmp_path, "lm_torch.py", optimizer, *extra)
+    _check_summary(s, optimizer)
+    assert s["bytes_per_step"] < s["fp32_allreduce_bytes_per_step"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "onebit_adam"])
+def test_lm_keras_trains_on_two_ranks(tmp_path, optimizer):
+    s = _train(tmp_path, "lm_keras.py", optimizer, "--freeze-step", "3")
+    _check_summary(s, optimizer)
+    if optimizer == "adam":
+        assert s["ranks_agree"]
+        assert s["bytes_per_step"] == pytest.approx(s["fp32_allreduce_bytes_per_step"], abs=10)
+    else:
+        assert s["bytes_per_step"] < s["fp32_allreduce_bytes_per_step"]
