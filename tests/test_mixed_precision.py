@@ -17,8 +17,8 @@ from horovod_launch import HERE, load_rank_results, run_horovod
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # 48 torch + 21 TF cases, minutes
 WORKER = HERE / "mp" / "mixed_worker.py"
 ALL = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd:norm=l2",
-       "global_qsgd_exp"]
-STOCK_TF = ["none", "fp16", "ef_sign", "global_qsgd", "global_qsgd:norm=l2"]
+       "global_qsgd_exp", "onebit"]
+STOCK_TF = ["none", "fp16", "ef_sign", "global_qsgd", "global_qsgd:norm=l2", "onebit"]
 STEPS, OVERFLOW_STEP = 5, 2
 ONEBIT = ["onebit_adam", "zero_one_adam", "binsgdm"]
 

@@ -4,6 +4,8 @@
 * :class:`BroadcastGlobalVariablesCallback`: rank ``root_rank``'s model and optimizer
   variables to every rank when training starts (skipping per-rank compressor state).
 * :class:`MetricAverageCallback`: epoch metrics averaged over ranks.
+* :class:`CollectiveWatchdog`: ends the process when one training batch outlives a
+  deadline (a peer rank dead or hung inside a collective of the compiled train step).
 * :class:`LearningRateWarmupCallback`: the learning rate ramps from ``lr / size`` to
   ``lr`` over the first epochs (Goyal et al., "Accurate, Large Minibatch SGD: Training
   ImageNet in 1 Hour", 2017, section 2.2, gradual warmup), as Horovod's callback does.
@@ -18,6 +20,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from ..core.runner import check_agreement, digest63
+from ..core.watchdog import WATCHDOG
 from .tape import broadcast_variables
 
 
@@ -175,3 +178,39 @@ def _is_number(value):
     except (TypeError, ValueError):
         return False
     return np.ndim(value) == 0
+
+
+class CollectiveWatchdog(keras.callbacks.Callback):
+    """A deadline on every training batch, for collectives inside the compiled step.
+
+    ``model.fit`` runs the train step as a ``tf.function``: its collectives wait inside
+    TensorFlow, where the per-collective deadline of :mod:`hvd_quant.core.watchdog`
+    cannot see them. This callback arms that watchdog when a batch begins and disarms it
+    when the batch ends; a batch that takes longer than ``timeout`` seconds (default
+    ``HVD_QUANT_COLLECTIVE_TIMEOUT``, 600 s) prints which rank timed out and ends the
+    process with exit code 124, so that ``horovodrun`` ends the job. The first batch
+    also traces and compiles the step: ``first_batch_timeout`` (default three times
+    ``timeout``) bounds it.
+    """
+
+    def __init__(self, timeout=None, first_batch_timeout=None):
+        super().__init__()
+        self.timeout = timeout
+        self.first_batch_timeout = first_batch_timeout
+        self._token, self._first = None, True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        from ..core.watchdog import default_timeout
+
+        timeout = default_timeout() if self.timeout is None else float(self.timeout)
+        if self._first:
+            timeout = 3 * timeout if self.first_batch_timeout is None else float(self.first_batch_timeout)
+        self._token = WATCHDOG.arm(f"training batch {batch}", timeout)
+
+    def on_train_batch_end(self, batch, logs=None):
+        WATCHDOG.disarm(self._token)
+        self._token, self._first = None, False
+
+    def on_train_end(self, logs=None):
+        WATCHDOG.disarm(self._token)
+        self._token = None

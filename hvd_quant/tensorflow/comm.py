@@ -3,7 +3,10 @@
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
+from contextlib import nullcontext
+
 from ..core.comm import Communicator
+from ..core.watchdog import WATCHDOG
 from ..process_sets import ProcessSetTorus
 
 # Horovod's TF allreduce kernel types (no int16, no bool).
@@ -32,6 +35,12 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
         return name.replace("/", ".")
 
     @staticmethod
+    def _guard(label):
+        """The collective deadline (:mod:`hvd_quant.core.watchdog`) for eager calls; in a
+        graph the op runs later, after Python has returned."""
+        return WATCHDOG.guard(label) if tf.executing_eagerly() else nullcontext()
+
+    @staticmethod
     def _nbytes(x):
         return x.shape.num_elements() * x.dtype.size
 
@@ -40,12 +49,14 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
             raise TypeError(f"Horovod's TensorFlow allreduce cannot reduce {x.dtype.name}")
         self._count_allreduce(self._nbytes(x))
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
-        return hvd.allreduce(x, op=hvd_op, name=self._name(name), ignore_name_scope=True,
-                             process_set=self.process_set)
+        with self._guard(f"allreduce {name!r}"):
+            return hvd.allreduce(x, op=hvd_op, name=self._name(name), ignore_name_scope=True,
+                                 process_set=self.process_set)
 
     def allgather(self, x, name):
         self._count_allgather(self._nbytes(x))
-        out = hvd.allgather(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
+        with self._guard(f"allgather {name!r}"):
+            out = hvd.allgather(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
         # Every rank contributes the same length: give graphs the static shape.
         return tf.reshape(out, [self.size * x.shape.num_elements()])
 
@@ -53,7 +64,8 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
         if self.size == 1:
             return tf.identity(x)
         self._count_alltoall(self._nbytes(x))
-        out = hvd.alltoall(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
+        with self._guard(f"alltoall {name!r}"):
+            out = hvd.alltoall(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
         return tf.reshape(out, [x.shape.num_elements()])
 
     def sendrecv(self, x, dest, source, name, recv_numel=None):
@@ -63,6 +75,7 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
         self._count_send(self._nbytes(x), dest)
         # One hop = an alltoall in which this rank's only non-empty split goes to ``dest``.
         splits = tf.one_hot(dest, self.size, on_value=n, off_value=0, dtype=tf.int32)
-        received, _ = hvd.alltoall(x, splits=splits, name=self._name(name), ignore_name_scope=True,
-                                   process_set=self.process_set)
+        with self._guard(f"ring hop {name!r}"):
+            received, _ = hvd.alltoall(x, splits=splits, name=self._name(name), ignore_name_scope=True,
+                                       process_set=self.process_set)
         return tf.reshape(received, [n if recv_numel is None else recv_numel])

@@ -4,6 +4,7 @@ import torch
 import horovod.torch as hvd
 
 from ..core.comm import Communicator
+from ..core.watchdog import WATCHDOG
 from ..process_sets import ProcessSetTorus
 
 # Horovod's torch allreduce handles these dtypes only (no int8/uint8/bool: horovod #3661).
@@ -11,7 +12,8 @@ _ALLREDUCE_DTYPES = (torch.int32, torch.int64, torch.float16, torch.float32, tor
 
 
 class HorovodTorchComm(ProcessSetTorus, Communicator):
-    """Collectives over a Horovod process set (the global one by default)."""
+    """Collectives over a Horovod process set (the global one by default). Every call
+    runs under the collective deadline of :mod:`hvd_quant.core.watchdog`."""
 
     def __init__(self, process_set=None):
         super().__init__()
@@ -25,17 +27,20 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
                             "integers into int32 lanes (hvd_quant.core.packing.pack_lanes)")
         self._count_allreduce(x.numel() * x.element_size())
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
-        return hvd.allreduce(x, name=name, op=hvd_op, process_set=self.process_set)
+        with WATCHDOG.guard(f"allreduce {name!r}"):
+            return hvd.allreduce(x, name=name, op=hvd_op, process_set=self.process_set)
 
     def allgather(self, x, name):
         self._count_allgather(x.numel() * x.element_size())
-        return hvd.allgather(x, name=name, process_set=self.process_set)
+        with WATCHDOG.guard(f"allgather {name!r}"):
+            return hvd.allgather(x, name=name, process_set=self.process_set)
 
     def alltoall(self, x, name):
         if self.size == 1:
             return x.clone()
         self._count_alltoall(x.numel() * x.element_size())
-        return hvd.alltoall(x, name=name, process_set=self.process_set)
+        with WATCHDOG.guard(f"alltoall {name!r}"):
+            return hvd.alltoall(x, name=name, process_set=self.process_set)
 
     def sendrecv(self, x, dest, source, name, recv_numel=None):
         if self.size == 1:
@@ -44,5 +49,6 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
         # One hop = an alltoall in which this rank's only non-empty split goes to ``dest``.
         splits = torch.zeros(self.size, dtype=torch.int32)
         splits[dest] = x.numel()
-        received, _ = hvd.alltoall(x, splits=splits, name=name, process_set=self.process_set)
+        with WATCHDOG.guard(f"ring hop {name!r}"):
+            received, _ = hvd.alltoall(x, splits=splits, name=name, process_set=self.process_set)
         return received

@@ -22,12 +22,12 @@ import numpy as np
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 ALL = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd:norm=l2",
-       "global_qsgd_exp"]
-STOCK_TF = ["none", "fp16", "ef_sign", "global_qsgd", "global_qsgd:norm=l2"]  # no ring methods
+       "global_qsgd_exp", "onebit"]
+STOCK_TF = ["none", "fp16", "ef_sign", "global_qsgd", "global_qsgd:norm=l2", "onebit"]  # no ring methods
 STEPS, BATCH, OVERFLOW_STEP = 5, 8, 2
 # hvd_quant's 1-bit optimizers (they reduce by themselves), with schedules short enough
-# that the overflow lands after the switch to 1-bit rounds.
-ONEBIT = {"onebit_adam": dict(freeze_step=1), "zero_one_adam": dict(var_freeze_step=1, local_step_scaler=2),
+# that the overflow (step 3) is a 1-bit round (0/1 Adam: Phase A, whose ranks stay identical).
+ONEBIT = {"onebit_adam": dict(freeze_step=1), "zero_one_adam": dict(var_freeze_step=100, var_update_scaler=1),
           "binsgdm": dict()}
 results = {}
 

@@ -1,0 +1,72 @@
+"""Rank 1 dies or hangs at step 3 while the other ranks go on into hvd_quant's collectives.
+
+``python stall_worker.py METHOD MODE`` with METHOD one of marsit (the ring), ef_sign,
+global_qsgd, onebit_adam, zero_one_adam, binsgdm (torch), or keras_ef_sign (Keras 3
+``model.fit`` with ``CollectiveWatchdog``), and MODE ``hang`` or ``die``. The job must end
+by itself (the deadline, or horovodrun reacting to the dead rank).
+"""
+
+import os
+import sys
+import time
+
+METHOD, MODE = sys.argv[1], sys.argv[2]
+
+
+def stop(where):
+    print(f"rank 1 {'hangs' if MODE == 'hang' else 'dies'} at step 3, t={time.time():.3f}", flush=True)
+    if MODE == "hang":
+        time.sleep(3600)
+    os._exit(3)
+
+
+if METHOD.startswith("keras_"):
+    import numpy as np
+    import keras
+    import horovod.tensorflow as hvd
+
+    import hvd_quant.tensorflow as hq
+
+    hvd.init()
+
+    class StopAtThree(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 3 and hvd.rank() == 1:
+                stop("batch")
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8)])
+    model.compile(optimizer=hq.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                    compression=hq.Compression.get(METHOD[len("keras_"):])),
+                  loss="mse")
+    x, y = np.random.rand(16 * 1000, 64).astype("float32"), np.random.rand(16 * 1000, 8).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+              callbacks=[StopAtThree(), hq.callbacks.CollectiveWatchdog()])
+    print(f"rank {hvd.rank()} finished: the failure went unnoticed", flush=True)
+    sys.exit(0)
+
+import torch
+import horovod.torch as hvd
+
+import hvd_quant.torch as hq
+
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 8)
+if METHOD in ("onebit_adam", "zero_one_adam", "binsgdm"):
+    opts = {"onebit_adam": dict(freeze_step=2), "zero_one_adam": dict(var_freeze_step=1, local_step_scaler=1000),
+            "binsgdm": {}}[METHOD]
+    opt = getattr(hq, {"onebit_adam": "OnebitAdam", "zero_one_adam": "ZeroOneAdam", "binsgdm": "BinSGDM"}[METHOD])(
+        model.parameters(), lr=1e-3, named_parameters=model.named_parameters(), **opts)
+else:
+    opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(),
+                                  compression=hq.Compression.get(METHOD))
+for step in range(1000):
+    if step == 3 and hvd.rank() == 1:
+        stop("step")
+    loss = model(torch.randn(16, 64)).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print(f"rank {hvd.rank()} finished: the failure went unnoticed", flush=True)

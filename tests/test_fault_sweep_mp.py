@@ -1,0 +1,98 @@
+"""The fault and input sweep (tests/test_fault_sweep.py) under real Horovod, 2 and 3 ranks,
+torch and TensorFlow: every compressor and every 1-bit optimizer on empty tensors, one
+element, sizes not divisible by the world size or by 8, zeros, subnormals and values near
+the float32 maximum; one rank's inf or NaN in one element; and a parameter whose gradient
+is None on one rank only. One job per (framework, ranks) runs tests/mp/sweep_worker.py.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+
+from horovod_launch import HERE, load_rank_results, run_horovod
+from test_fault_sweep import COMPRESSORS, RULES, SIZES
+
+pytestmark = pytest.mark.multiprocess
+WORKER = HERE / "mp" / "sweep_worker.py"
+JOBS = [("torch", 2), ("torch", 3), ("tf", 2), ("tf", 3)]
+
+
+@pytest.fixture(scope="module", params=JOBS, ids=[f"{f}-{n}" for f, n in JOBS])
+def job(request, tmp_path_factory):
+    framework, size = request.param
+    out = tmp_path_factory.mktemp(f"sweep-{framework}{size}")
+    run_horovod(WORKER, size, [framework, out], timeout=600)
+    return {"framework": framework, "size": size, "ranks": load_rank_results(out, size)}
+
+
+def _ok(value):
+    assert not (isinstance(value, dict) and "error" in value), value
+    return value
+
+
+def _same_on_every_rank(job, key, differ_by_design=()):
+    per_rank = [_ok(rank[key]) for rank in job["ranks"]]
+    for other in per_rank[1:]:
+        for case, value in other.items():
+            if "digest" in value and not case.startswith(differ_by_design):
+                assert value["digest"] == per_rank[0][case]["digest"], f"{key}/{case}: ranks differ"
+    return per_rank[0]
+
+
+def _label(name, opts):
+    return name + "".join(f"-{k}={v}" for k, v in opts.items())
+
+
+def test_compressors_on_awkward_inputs(job):
+    got = _same_on_every_rank(job, "compressors")
+    for name, opts in COMPRESSORS:
+        for d in SIZES:
+            for kind in ("normal", "zeros", "subnormal", "near_max"):
+                case = f"{_label(name, opts)}/{d}/{kind}"
+                r = got[case]
+                assert r["shape_ok"], case
+                if kind == "near_max" and name in ("none", "fp16"):
+                    continue  # a plain sum overflows, as Horovod's own allreduce does
+                assert r["finite"], case
+                assert r["zeros_ok"], case
+                if kind == "near_max":
+                    assert r["max_abs"] <= 2 * r["input_max"], case
+                if kind == "normal" and d and name not in ("none", "fp16"):
+                    assert r["max_abs"] <= 4 * r["input_max"], case
+
+
+def test_one_non_finite_element_on_one_rank(job):
+    for rank in job["ranks"]:
+        got = _ok(rank["non_finite"])
+        for name, opts in COMPRESSORS:
+            for bad in ("inf", "-inf", "nan"):
+                case = f"{_label(name, opts)}/{bad}"
+                r = got[case]
+                if name in ("none", "fp16"):
+                    assert r["only_element_11"], case
+                else:
+                    assert r["all_non_finite"], case
+                assert r["state_unchanged"], case
+
+
+def test_optimizers_on_awkward_inputs(job):
+    # 0/1 Adam's ranks hold different weights between syncs (local steps), by design.
+    got = _same_on_every_rank(job, "rules", differ_by_design=("zero_one_adam",))
+    for name, _ in RULES:
+        if name == "binsgdm_2x2" and job["size"] % 2:
+            continue
+        for d in SIZES:
+            for kind in ("normal", "zeros", "subnormal"):
+                case = f"{name}/{d}/{kind}"
+                r = got[case]
+                assert r["finite"] and r["skipped"] == 0, case
+                if kind == "zeros" and not name.startswith("binsgdm"):
+                    assert r["unchanged"], case
+
+
+def test_gradient_none_on_one_rank_only(job):
+    got = _same_on_every_rank(job, "none_gradient", differ_by_design=("optimizer/zero_one_adam",))
+    assert len(got) == len(COMPRESSORS) + 3
+    for case, r in got.items():
+        assert r["finite"], case
