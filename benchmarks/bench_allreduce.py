@@ -21,7 +21,7 @@ from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.torch.backend import TorchBackend
 from hvd_quant.torch.comm import HorovodTorchComm
 
-METHODS = ["ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2", "global_qsgd_exp"]
+METHODS = ["ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2", "global_qsgd_exp", "onebit"]
 
 
 def timed(fn, repeats):

@@ -456,7 +456,8 @@ def compressor_setup(config):
     name, _, opt_text = config.partition(":")
     options = dict(kv.split("=", 1) for kv in opt_text.split(",") if kv)
     touched = {"none": touched_ring_fp32, "fp16": touched_fp16, "ef_sign": touched_sign,
-               "marsit": touched_sign, "cascading_sign": touched_cascading}.get(name)
+               "marsit": touched_sign, "cascading_sign": touched_cascading,
+               "onebit": touched_onebit}.get(name)
 
     def setup(ctx):
         def make(params, named):

@@ -7,6 +7,7 @@ from .compressors.ef_sign import EFSignCompressor
 from .compressors.exp_dithering import GlobalQSGDExpCompressor
 from .compressors.global_qsgd import GlobalQSGDCompressor
 from .compressors.marsit import CascadingSignCompressor, MarsitCompressor
+from .compressors.onebit import OnebitCompressor
 
 _REGISTRY = {}
 
@@ -43,5 +44,6 @@ def get(name, **options):
 
 
 for _cls in (NoCompression, FP16Compression, EFSignCompressor, MarsitCompressor,
-             CascadingSignCompressor, GlobalQSGDCompressor, GlobalQSGDExpCompressor):
+             CascadingSignCompressor, GlobalQSGDCompressor, GlobalQSGDExpCompressor,
+             OnebitCompressor):
     register(_cls)

@@ -338,7 +338,8 @@ import hvd_quant.torch as hq
 hvd.init()
 torch.set_num_threads(1)
 rank, numel, out = hvd.rank(), int(sys.argv[2]), {}
-for config in ["none", "ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2", "global_qsgd_exp"]:
+for config in ["none", "ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2", "global_qsgd_exp",
+               "onebit"]:
     name, _, opts = config.partition(":")
     options = dict(kv.split("=") for kv in opts.split(",") if kv)
     w = torch.nn.Parameter(torch.zeros(numel))
@@ -379,4 +380,4 @@ def test_compressed_reduction_identical_to_loopback(can_run, tmp_path):
     assert loopback[0] == loopback[1]  # every rank holds the same reduced values
     assert cluster == loopback
     assert set(cluster[0]) == {"none", "ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2",
-                               "global_qsgd_exp", "horovod_fp32"}
+                               "global_qsgd_exp", "onebit", "horovod_fp32"}

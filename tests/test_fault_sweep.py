@@ -24,7 +24,7 @@ FMAX = np.finfo(np.float32).max
 COMPRESSORS = [("none", {}), ("fp16", {}), ("ef_sign", {}), ("marsit", {}),
                ("marsit", {"compensation": "global"}), ("marsit", {"scale": 0.01}),
                ("cascading_sign", {}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"}),
-               ("global_qsgd", {"bits": 16}), ("global_qsgd_exp", {})]
+               ("global_qsgd", {"bits": 16}), ("global_qsgd_exp", {}), ("onebit", {})]
 IDS = [f"{n}{'-' + '-'.join(f'{k}={v}' for k, v in o.items()) if o else ''}" for n, o in COMPRESSORS]
 SIZES = [0, 1, 5, 13, 1001]
 
@@ -166,7 +166,7 @@ def test_compressed_allreduce_of_huge_values_does_not_overflow_its_norms():
 
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 5), d=st.integers(0, 200), seed=st.integers(0, 2 ** 31),
-       name=st.sampled_from(["ef_sign", "marsit", "global_qsgd", "global_qsgd_exp"]))
+       name=st.sampled_from(["ef_sign", "marsit", "global_qsgd", "global_qsgd_exp", "onebit"]))
 def test_any_world_size_any_length(n, d, seed, name):
     """Property: whatever the world size and length, every rank gets the same finite
     vector of the right length, and the unbiased compressors stay within their bounds."""

@@ -14,7 +14,7 @@ from horovod_launch import HERE, load_rank_results, run_horovod
 
 WORKER = HERE / "mp" / "keras_worker.py"
 COMPRESSORS = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd",
-               "global_qsgd:norm=l2", "global_qsgd_exp"]
+               "global_qsgd:norm=l2", "global_qsgd_exp", "onebit"]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_fit_trains_with_identical_weights_on_every_rank(keras_job, config):
 @pytest.mark.multiprocess
 def test_sign_compressors_send_far_fewer_bytes(keras_job):
     fit = _ok(keras_job["ranks"][0]["fit"])
-    for config in ("ef_sign", "marsit", "cascading_sign"):
+    for config in ("ef_sign", "marsit", "cascading_sign", "onebit"):
         assert fit[config]["bytes"] < fit["none"]["bytes"] / 8
 
 
@@ -136,7 +136,10 @@ def test_model_checkpoint_restores_compressor_state(keras_job):
             assert result["equal"], f"{config}: a restored run differs from the uninterrupted one"
             assert result["optimizer"] == "DistributedOptimizer"
             assert any(p.endswith(f"hvd_quant_rng{rank['rank']}_calls") for p in result["state_variables"])
-            if config != "global_qsgd":
+            if config == "onebit":  # buffer slots: padded worker error, this rank's server chunk
+                for slot in ("worker_error", "server_error"):
+                    assert any(p.endswith(f"hvd_quant_fused0_{slot}") for p in result["state_variables"])
+            elif config != "global_qsgd":
                 assert any(p.endswith("hvd_quant_fused0_residual") for p in result["state_variables"])
 
 

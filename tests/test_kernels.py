@@ -203,7 +203,7 @@ def test_lane_kernels_on_random_shapes(d, seed, width, levels, offset):
 
 COMPRESSORS = [("ef_sign", {}), ("marsit", {}), ("marsit", {"compensation": "global"}),
                ("marsit", {"scale": 0.01}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"}),
-               ("global_qsgd_exp", {})]
+               ("global_qsgd_exp", {}), ("onebit", {})]
 
 
 @pytest.mark.parametrize("name,opts", COMPRESSORS, ids=[f"{n}-{o}" for n, o in COMPRESSORS])

@@ -166,7 +166,7 @@ def test_stock_horovod_and_fused_paths_train(job):
         np.testing.assert_allclose(train["ef_sign/ours"], train["ef_sign/stock"], rtol=1e-6, atol=1e-7)
         assert {k.split("/")[1] for k in train} == {"ours", "stock"}
     else:
-        for name in ("ef_sign", "global_qsgd"):
+        for name in ("ef_sign", "global_qsgd", "onebit"):
             # Eager and tf.function consume the same random streams; graph optimisation
             # may reorder float ops, so equal to float tolerance. (Marsit is left out: one
             # ulp can flip a sign bit of a near-zero element.)
@@ -186,6 +186,17 @@ def test_checkpoint_restores_error_feedback_by_name(job):
     np.testing.assert_array_equal(ckpt["uninterrupted"], ckpt["restored"])
     assert all(k.endswith("/residual") for k in ckpt["state_keys"])
     assert len(ckpt["state_keys"]) == 4
+
+
+def test_checkpoint_restores_onebit_errors(job):
+    """Compression.onebit: worker and server errors (buffer slots) saved per rank and world
+    size; a restored run continues bit for bit."""
+    for rank in job["ranks"]:
+        ckpt = _ok(rank["checkpoint_onebit"])
+        np.testing.assert_array_equal(ckpt["uninterrupted"], ckpt["restored"])
+        tag = f"/rank{rank['rank']}of{job['size']}/"
+        assert sorted(k.rsplit("/", 1)[1] for k in ckpt["state_keys"]) == ["server_error", "worker_error"]
+        assert all(k.startswith("hvd_quant.buffer/") and tag in k for k in ckpt["state_keys"])
 
 
 def test_ring_and_torus_with_four_ranks(tmp_path):

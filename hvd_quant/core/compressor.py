@@ -68,6 +68,22 @@ class Compressor:
     #: Such chains must be issued one buffer at a time; Horovod's stock TF tape builds
     #: one reduction per variable that may run concurrently, so it refuses them.
     multi_hop = False
+    #: Names of the per-element float32 state tensors (one value per buffer element, saved
+    #: per parameter as ``"param/key"``). ``None``: ``("residual",)`` for a stateful
+    #: compressor, nothing for a stateless one (see ``CompressorRunner.state_slots``).
+    state_slots = None
+    #: Names of float32 state tensors kept per *buffer* rather than per element, whose
+    #: sizes depend on the world size (:meth:`buffer_state_sizes`), e.g. the 1-bit
+    #: allreduce's padded worker error and this rank's chunk of server error. They are
+    #: saved whole, tagged with the buffer's parameters, the rank and the world size, and
+    #: restored only into the same buffer on the same rank of a world of the same size;
+    #: otherwise they restart from zero (see :mod:`hvd_quant.core.state`).
+    buffer_slots = ()
+
+    def buffer_state_sizes(self, numel, world_size):
+        """``{key: number of elements}`` of each of :attr:`buffer_slots` for a buffer of
+        ``numel`` elements reduced over ``world_size`` ranks."""
+        return {}
 
     def options(self):
         """The options that define this compressor's behaviour (must agree across ranks)."""

@@ -134,8 +134,9 @@ class CompressorHandle:
 
     def state_dict(self, owner=None):
         """This rank's state for ``owner`` (see :meth:`owned`): error feedback keyed
-        ``"param/key"`` and random-stream positions keyed ``"hvd_quant.rng/<rank>/calls"``,
-        as numpy arrays. ``owner`` may be left out while the handle has at most one owner."""
+        ``"param/key"`` (per-buffer state such as ``onebit``'s error buffers keyed
+        ``"hvd_quant.buffer/<layout>/rank<r>of<n>/key"``, see :mod:`hvd_quant.core.state`)
+        and random-stream positions keyed ``"hvd_quant.rng/<rank>/calls"``, as numpy arrays. ``owner`` may be left out while the handle has at most one owner."""
         if owner is None and not list(self._live_owners()):
             return {}
         runner = self._find(owner).runner

@@ -94,12 +94,29 @@ class CompressorRunner:
             slots = ("residual",) if self.compressor.stateful else ()
         return tuple(slots)
 
-    def build(self, rank, groups):
+    def buffer_sizes(self, segments, world_size):
+        """``{key: size}`` of the compressor's buffer slots for a buffer made of
+        ``segments`` reduced over ``world_size`` ranks (``Compressor.buffer_state_sizes``)."""
+        slots = tuple(getattr(self.compressor, "buffer_slots", ()))
+        if not slots:
+            return {}
+        sizes = self.compressor.buffer_state_sizes(sum(int(n) for _, n in segments), world_size)
+        return {k: int(sizes[k]) for k in slots}
+
+    def build(self, rank, groups, size=None):
         """Create the state of ``groups`` (``[(group, segments)]``) and this rank's random
-        stream now, e.g. when a Keras optimizer is built, outside any ``tf.function``."""
+        stream now, e.g. when a Keras optimizer is built, outside any ``tf.function``.
+        ``size``, the world size, is needed by compressors with buffer slots (their
+        state's size depends on it)."""
         if self.store is not None:
+            buffer_slots = tuple(getattr(self.compressor, "buffer_slots", ()))
+            if buffer_slots and size is None:
+                raise TypeError(f"{self.compressor!r} keeps state whose size depends on the "
+                                "world size: CompressorRunner.build(rank, groups, size=...)")
             for group, segments in groups:
-                self.store.allocate(group, segments, {k: "float32" for k in self.state_slots()})
+                keys = {k: "float32" for k in self.state_slots() + buffer_slots}
+                sizes = self.buffer_sizes(segments, size) if buffer_slots else {}
+                self.store.allocate(group, segments, keys, buffer_sizes=sizes, world=(rank, size))
         self.rng(rank, creating=True)
 
     def rng(self, rank, creating=False):
@@ -156,12 +173,28 @@ class CompressorRunner:
              "hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0) in model.fit."])
         self._checked.add(key)
 
+    def reset_checks(self, world_size=None):
+        """Forget which agreement checks ran (:meth:`check_once`), so that they run again
+        on the next step, and re-validate the compressor for ``world_size`` ranks when
+        given (``ValueError`` if its options cannot work there). Used after an elastic
+        reset: ranks that joined run the check, so every survivor must run it too."""
+        if world_size is not None:
+            self.compressor.validate(int(world_size))
+        self._checked.clear()
+
+    def context(self, comm, group, segments):
+        """The :class:`ReduceContext` of buffer ``group`` on ``comm``: its state view (with
+        the buffer slots sized for ``comm.size`` ranks), collective names and random stream."""
+        state = None
+        if self.store is not None:
+            state = self.store.view(group, segments, world=(comm.rank, comm.size),
+                                    buffer_sizes=self.buffer_sizes(segments, comm.size))
+        return ReduceContext(self.backend, comm, self.collective_prefix(group), segments, state=state,
+                             rng=self.rng(comm.rank))
+
     def reduce(self, flat, comm, group, segments):
         """Mean over ranks of the flat float32 buffer ``flat`` made of ``segments``."""
-        state = self.store.view(group, segments) if self.store is not None else None
-        ctx = ReduceContext(self.backend, comm, self.collective_prefix(group), segments, state=state,
-                            rng=self.rng(comm.rank))
-        return self.compressor.reduce(flat, ctx)
+        return self.compressor.reduce(flat, self.context(comm, group, segments))
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self):

@@ -8,6 +8,28 @@ fusion layout, and restoring never depends on ``id(tensor)``.
 
 Keys in :meth:`StateStore.state_dict` look like ``"fc1.weight/residual"``.
 
+Buffer slots: state whose size depends on the world size
+--------------------------------------------------------
+Some state is not one value per element. The two-stage 1-bit allreduce
+(:mod:`hvd_quant.core.onebit`) keeps a worker error of the buffer's *padded* length ``D``
+(a multiple of ``n * lcm(n, 8)`` for ``n`` ranks) and, on rank ``j``, the server error of
+chunk ``j`` (``D / n`` elements). Its elements do not belong to parameters one to one,
+and the padding and the chunk change with ``n``. A compressor declares such tensors in
+``Compressor.buffer_slots`` and gives their sizes from ``(numel, world_size)`` in
+``Compressor.buffer_state_sizes``. They are stored, saved and restored whole, per buffer:
+
+* the key is ``"hvd_quant.buffer/<layout>/rank<r>of<n>/<slot>"``, where ``<layout>`` is a
+  digest of the buffer's ``(parameter name, size)`` list (:func:`buffer_key`);
+* a saved entry is restored only into a buffer with the same parameters, on the same
+  rank, in a world of the same size. An entry for the same parameters saved on another
+  rank or at another world size is **dropped**, with a warning, and the slot starts
+  from zeros (DeepSpeed itself always drops these buffers when a checkpoint is loaded);
+  entries for buffers that do not exist yet wait for them, like per-parameter state;
+* if the world size or rank of a live store changes (an elastic job that resized), its
+  buffer slots restart from zeros the same way, with a warning. A store whose tensors
+  the owner made (Keras optimizer variables, fixed shapes) refuses a change of size
+  with a ``ValueError``: rebuild the optimizer for the new world.
+
 Who creates the tensors
 -----------------------
 By default the store creates its tensors itself (``backend.variable``), the first time a
@@ -20,22 +42,36 @@ with a factory never creates a tensor lazily: a key that was not allocated is an
 rather than a variable that checkpoints would silently miss.
 """
 
+import hashlib
+import warnings
+
 import numpy as np
+
+#: Prefix of the state-dict keys of buffer slots (see the module docstring).
+BUFFER_PREFIX = "hvd_quant.buffer/"
 
 
 class StateView:
-    """The state of one buffer: a handful of named flat tensors of the buffer's length."""
+    """The state of one buffer: a handful of named flat tensors of the buffer's length,
+    and the buffer slots named in ``buffer_sizes`` (``{key: size}``), which belong to
+    this rank of a world of ``world = (rank, size)``."""
 
-    def __init__(self, store, group, segments):
+    def __init__(self, store, group, segments, world=None, buffer_sizes=None):
         self._store = store
         self.group = group
         self.segments = segments
         self.numel = sum(n for _, n in segments)
+        self.world = world
+        self.buffer_sizes = dict(buffer_sizes or {})
 
     def get(self, key, dtype="float32"):
         """The tensor stored under ``key``, created (zeros, or restored from a checkpoint
         loaded earlier) on first use."""
-        var = self._store._slot(self.group, self.segments, key, dtype)
+        if key in self.buffer_sizes:
+            var = self._store._buffer_slot(self.group, self.segments, key, dtype,
+                                           self.buffer_sizes[key], self.world)
+        else:
+            var = self._store._slot(self.group, self.segments, key, dtype)
         return self._store.backend.read(var)
 
     def set(self, key, value):
@@ -62,41 +98,115 @@ class StateStore:
         self._groups = {}
         self._restored = {}  # "param/key" -> numpy array, waiting for its buffer
 
-    def view(self, group, segments):
-        return StateView(self, group, _normalise(segments))
+    def view(self, group, segments, world=None, buffer_sizes=None):
+        return StateView(self, group, _normalise(segments), world, buffer_sizes)
 
-    def allocate(self, group, segments, keys):
+    def allocate(self, group, segments, keys, buffer_sizes=None, world=None):
         """Create the tensors of buffer ``group`` now: ``keys`` maps key to dtype name.
+        Keys named in ``buffer_sizes`` (``{key: size}``) are buffer slots of this rank of
+        ``world = (rank, size)`` (see the module docstring).
 
         Restored values waiting for these parameters (:meth:`load_state_dict` before the
         buffer existed) become the initial values."""
         segments = _normalise(segments)
+        buffer_sizes = buffer_sizes or {}
         for key, dtype in keys.items():
-            self._slot(group, segments, key, dtype, allocating=True)
+            if key in buffer_sizes:
+                self._buffer_slot(group, segments, key, dtype, buffer_sizes[key], world, allocating=True)
+            else:
+                self._slot(group, segments, key, dtype, allocating=True)
 
     def variables(self):
         """Every tensor this store holds, in creation order."""
         return [var for slots in self._groups.values() for var in slots["vars"].values()]
 
-    def _slot(self, group, segments, key, dtype, allocating=False):
-        slots = self._groups.setdefault(group, {"segments": segments, "vars": {}})
+    def _group(self, group, segments):
+        slots = self._groups.setdefault(group, {"segments": segments, "vars": {}, "buffer": {},
+                                                "world": None})
         if slots["segments"] != segments:
             raise ValueError(f"state group {group!r} was created for parameters "
                              f"{[n for n, _ in slots['segments']]}, now used for "
                              f"{[n for n, _ in segments]}")
+        return slots
+
+    def _create(self, group, key, initial, allocating, declared_in):
+        if self.make_variable is None:
+            return self.backend.variable(initial)
+        if allocating:
+            return self.make_variable(f"{group}_{key}", initial)
+        raise KeyError(
+            f"hvd_quant: state {key!r} of buffer {group!r} was not allocated when its "
+            f"owner was built; the compressor must declare it in Compressor.{declared_in}")
+
+    def _slot(self, group, segments, key, dtype, allocating=False):
+        slots = self._group(group, segments)
+        if key in slots["buffer"]:
+            raise KeyError(f"hvd_quant: state {key!r} of buffer {group!r} is a buffer slot; "
+                           "read it through a view that gives its size")
         var = slots["vars"].get(key)
         if var is None:
             initial = self._initial(segments, key, dtype)
-            if self.make_variable is None:
-                var = self.backend.variable(initial)
-            elif allocating:
-                var = self.make_variable(f"{group}_{key}", initial)
-            else:
-                raise KeyError(
-                    f"hvd_quant: state {key!r} of buffer {group!r} was not allocated when its "
-                    "owner was built; the compressor must declare it in Compressor.state_slots")
+            var = self._create(group, key, initial, allocating, "state_slots")
             slots["vars"][key] = var
         return var
+
+    def _buffer_slot(self, group, segments, key, dtype, size, world, allocating=False):
+        """The tensor of buffer slot ``key`` (``size`` elements) of this rank of ``world``."""
+        if world is None:
+            raise ValueError(f"hvd_quant: buffer slot {key!r} needs the rank and world size")
+        world, size = (int(world[0]), int(world[1])), int(size)
+        slots = self._group(group, segments)
+        if slots["world"] is not None and slots["world"] != world and slots["buffer"]:
+            self._restart_buffer_slots(slots, world)
+        slots["world"] = world
+        var = slots["vars"].get(key)
+        if var is None:
+            initial = self._initial_buffer(segments, key, dtype, size, world)
+            var = self._create(group, key, initial, allocating, "buffer_slots")
+            slots["vars"][key] = var
+            slots["buffer"][key] = (size, dtype)
+        elif slots["buffer"][key][0] != size:
+            raise ValueError(
+                f"hvd_quant: state {key!r} of buffer {group!r} has {slots['buffer'][key][0]} "
+                f"elements, but rank {world[0]} of {world[1]} needs {size}: its owner made it "
+                "with a fixed shape for another world size. Build the optimizer again for "
+                "the new world size (its error feedback restarts from zero).")
+        return var
+
+    def _restart_buffer_slots(self, slots, world):
+        """The world changed under a live buffer: its buffer slots restart from zero."""
+        _warn_dropped(slots["segments"], sorted(slots["buffer"]), slots["world"], world)
+        for key, (size, dtype) in list(slots["buffer"].items()):
+            if self.make_variable is None:  # created again, for the new world, on first use
+                del slots["vars"][key]
+                del slots["buffer"][key]
+            else:  # the owner's tensor has a fixed shape: zero it (a size change is refused)
+                self.backend.assign(slots["vars"][key], self.backend.zeros(size, dtype))
+
+    def _initial_buffer(self, segments, key, dtype, size, world):
+        wanted = buffer_key(segments, world, key)
+        saved = self._restored.pop(wanted, None)
+        self._drop_stale(segments, world)
+        if saved is None:
+            return np.zeros(size, dtype=dtype)
+        saved = np.asarray(saved, dtype=dtype).reshape(-1)
+        if saved.size != size:
+            raise ValueError(f"checkpoint state {wanted} has {saved.size} elements, the buffer "
+                             f"needs {size}")
+        return saved
+
+    def _drop_stale(self, segments, world, state=None):
+        """Remove (and warn about) entries of this buffer saved for another rank or world
+        size, from ``state`` or the restored entries waiting for their buffer."""
+        state = self._restored if state is None else state
+        prefix = BUFFER_PREFIX + layout_digest(segments) + "/"
+        here = _world_tag(world)
+        stale = [k for k in state if k.startswith(prefix) and k[len(prefix):].split("/")[0] != here]
+        if stale:
+            tags = sorted({k[len(prefix):].split("/")[0] for k in stale})
+            _warn_dropped(segments, sorted({k.rsplit("/", 1)[1] for k in stale}), tags, world)
+            for k in stale:
+                del state[k]
 
     def _initial(self, segments, key, dtype):
         pieces = []
@@ -118,6 +228,9 @@ class StateStore:
         for slots in self._groups.values():
             for key, var in slots["vars"].items():
                 flat = self.backend.to_numpy(self.backend.read(var))
+                if key in slots["buffer"]:  # whole, tagged with its layout, rank and world
+                    out[buffer_key(slots["segments"], slots["world"], key)] = flat.copy()
+                    continue
                 offset = 0
                 for pname, n in slots["segments"]:
                     out[f"{pname}/{key}"] = flat[offset:offset + n].copy()
@@ -129,6 +242,15 @@ class StateStore:
         state = {k: _to_numpy(v) for k, v in state.items()}
         for slots in self._groups.values():
             for key, var in slots["vars"].items():
+                if key in slots["buffer"]:
+                    full = buffer_key(slots["segments"], slots["world"], key)
+                    if full in state:
+                        saved = np.asarray(state.pop(full), dtype=slots["buffer"][key][1]).reshape(-1)
+                        if saved.size != slots["buffer"][key][0]:
+                            raise ValueError(f"checkpoint state {full} has {saved.size} elements, "
+                                             f"the buffer needs {slots['buffer'][key][0]}")
+                        self.backend.assign(var, self.backend.constant(saved, saved.dtype.name))
+                    continue
                 names = [f"{p}/{key}" for p, _ in slots["segments"]]
                 if any(n in state for n in names):
                     flat = self.backend.to_numpy(self.backend.read(var)).copy()
@@ -142,7 +264,38 @@ class StateStore:
                             flat[offset:offset + n] = saved
                         offset += n
                     self.backend.assign(var, self.backend.constant(flat, flat.dtype.name))
+        for slots in self._groups.values():
+            if slots["buffer"]:
+                self._drop_stale(slots["segments"], slots["world"], state)
         self._restored.update(state)
+
+
+def layout_digest(segments):
+    """16 hex digits identifying a buffer by its ``(parameter name, size)`` list."""
+    h = hashlib.sha256()
+    for name, n in _normalise(segments):
+        h.update(f"{name}\0{n}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def buffer_key(segments, world, key):
+    """The state-dict key of buffer slot ``key`` of the buffer made of ``segments``, on
+    rank ``world[0]`` of a world of ``world[1]`` ranks."""
+    return f"{BUFFER_PREFIX}{layout_digest(segments)}/{_world_tag(world)}/{key}"
+
+
+def _world_tag(world):
+    return f"rank{int(world[0])}of{int(world[1])}"
+
+
+def _warn_dropped(segments, keys, saved_for, now):
+    names = [n for n, _ in segments]
+    label = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    saved = saved_for if isinstance(saved_for, list) else [_world_tag(saved_for)]
+    warnings.warn(
+        f"hvd_quant: dropped the state {keys} of the buffer of [{label}], kept for "
+        f"{', '.join(saved)}; the buffer now runs as {_world_tag(now)}, so it restarts "
+        "from zero (this state depends on the rank and the world size)", stacklevel=4)
 
 
 def _normalise(segments):

@@ -169,7 +169,8 @@ class DistributedOptimizer(LossScaleOptimizer):
             return
         self._comm = HorovodTFComm(self._process_set)
         self._runner = self._compression.make_runner(make_variable=self._make_state_variable)
-        self._runner.build(self._comm.rank, group_segments(var_list, self._num_groups))
+        self._runner.build(self._comm.rank, group_segments(var_list, self._num_groups),
+                           size=self._comm.size)
 
     def _make_state_variable(self, name, initial):
         var = self.add_variable(shape=initial.shape, initializer="zeros", dtype=initial.dtype.name,

@@ -15,8 +15,9 @@ COMPRESSORS = [
     ("global_qsgd", "global_qsgd", {}),
     ("global_qsgd_l2", "global_qsgd", {"norm": "l2"}),
     ("global_qsgd_exp", "global_qsgd_exp", {}),
+    ("onebit", "onebit", {}),
 ]
-DETERMINISTIC = {"none", "fp16", "ef_sign"}
+DETERMINISTIC = {"none", "fp16", "ef_sign", "onebit"}
 
 
 def rank_input(rank, numel, step):

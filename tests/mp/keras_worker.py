@@ -21,7 +21,7 @@ import hvd_quant.tensorflow as hq
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 COMPRESSORS = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd",
-               "global_qsgd:norm=l2", "global_qsgd_exp"]
+               "global_qsgd:norm=l2", "global_qsgd_exp", "onebit"]
 STEPS, BATCH = 6, 16
 
 hvd.init()
@@ -106,7 +106,7 @@ def checkpoint_resumes_exactly():
     keras = keras3()
     x, y = data(seed=5)
     out = {}
-    for config in ("ef_sign", "marsit", "global_qsgd"):
+    for config in ("ef_sign", "marsit", "global_qsgd", "onebit"):
         path = str(OUT / f"ckpt-{config}-rank{RANK}-epoch{{epoch}}.keras")
         model = make_model(keras)
         compile_model(keras, model, compression(config))

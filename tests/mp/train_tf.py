@@ -12,7 +12,7 @@ from hvd_quant.core.runner import RankDisagreement
 
 keras = tf.keras
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
-COMPRESSORS = ("ef_sign", "marsit", "global_qsgd")
+COMPRESSORS = ("ef_sign", "marsit", "global_qsgd", "onebit")
 
 
 def make_model(seed=0):
@@ -61,10 +61,10 @@ def fused_vs_stock():
     return out
 
 
-def checkpoint_roundtrip():
+def checkpoint_roundtrip(name="ef_sign"):
     data = batches(4, seed_base=50)
     model = make_model()
-    comp = hq.Compression.ef_sign
+    comp = hq.Compression.get(name)
     step = make_step(model, keras.optimizers.SGD(0.1), comp, "ours", True)
     for x, y in data[:2]:
         step(x, y)
@@ -77,7 +77,7 @@ def checkpoint_roundtrip():
     model2 = make_model(seed=123)
     for v, w in zip(model2.trainable_variables, weights):
         v.assign(w)
-    comp2 = hq.Compression.ef_sign
+    comp2 = hq.Compression.get(name)
     comp2.load_state_dict(state, model2.trainable_variables)
     step2 = make_step(model2, keras.optimizers.SGD(0.1), comp2, "ours", True)
     for x, y in data[2:]:

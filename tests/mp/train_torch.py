@@ -7,7 +7,7 @@ import horovod.torch as hvd
 import hvd_quant.torch as hq
 from hvd_quant.core.runner import RankDisagreement
 
-STOCK_AND_OURS = ("ef_sign", "marsit", "global_qsgd")
+STOCK_AND_OURS = ("ef_sign", "marsit", "global_qsgd", "onebit")
 
 
 def make_model(seed=0):
@@ -46,25 +46,25 @@ def fused_vs_stock():
     return out
 
 
-def checkpoint_roundtrip():
+def checkpoint_roundtrip(name="ef_sign"):
     data = batches(4, seed_base=50)
     model = make_model()
     opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   named_parameters=model.named_parameters(),
-                                  compression=hq.Compression.ef_sign)
+                                  compression=hq.Compression.get(name))
     train(model, opt, data[:2])
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = opt.state_dict()
-    torch.save({"model": saved_model, "opt": saved_opt}, f"/tmp/hvdq_ckpt_{hvd.rank()}.pt")
+    torch.save({"model": saved_model, "opt": saved_opt}, f"/tmp/hvdq_ckpt_{name}_{hvd.rank()}.pt")
     train(model, opt, data[2:])
     uninterrupted = flat(model)
 
-    ckpt = torch.load(f"/tmp/hvdq_ckpt_{hvd.rank()}.pt")  # default weights_only=True
+    ckpt = torch.load(f"/tmp/hvdq_ckpt_{name}_{hvd.rank()}.pt")  # default weights_only=True
     model2 = make_model(seed=123)
     model2.load_state_dict(ckpt["model"])
     opt2 = hq.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model2.named_parameters(),
-                                   compression=hq.Compression.ef_sign)
+                                   compression=hq.Compression.get(name))
     opt2.load_state_dict(ckpt["opt"])
     train(model2, opt2, data[2:])
     return {"uninterrupted": uninterrupted, "restored": flat(model2),

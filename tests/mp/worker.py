@@ -135,6 +135,7 @@ else:
     import train_tf as train
 record("train", train.fused_vs_stock)
 record("checkpoint", train.checkpoint_roundtrip)
+record("checkpoint_onebit", lambda: train.checkpoint_roundtrip("onebit"))
 record("params_differ", train.params_differ)
 if FRAMEWORK != "torch":
     record("stock_multi_hop", train.stock_refuses_multi_hop)

@@ -1,0 +1,352 @@
+"""``Compression.onebit``: the two-stage 1-bit compressed allreduce as a compressor.
+
+One process, simulated ranks (ThreadWorld, numpy oracle, and numpy + fused kernels): the
+compressor, run through a :class:`~hvd_quant.core.runner.CompressorRunner` per rank as the
+optimizers and tapes run it, equals :func:`hvd_quant.core.onebit.compressed_allreduce` on
+the same inputs with the error buffers carried by hand, and DeepSpeed's rules
+(tests/deepspeed_reference.py); its state (buffer slots) checkpoints per rank and world
+size. The multi-process runs are in tests/test_multiprocess.py, tests/test_keras.py and
+tests/test_mixed_precision.py (``-k onebit``).
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import deepspeed_reference as ds
+import hvd_quant
+from hvd_quant import kernels
+from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.handle import CompressorHandle
+from hvd_quant.core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
+from hvd_quant.core.runner import CompressorRunner
+from hvd_quant.core.simulate import ThreadWorld
+from hvd_quant.core.state import BUFFER_PREFIX, StateStore, buffer_key
+
+B = NumpyBackend()
+BACKENDS = [B] + ([kernels.NumpyKernelBackend()] if kernels.enabled() else [])
+BACKEND_IDS = [b.name for b in BACKENDS]
+STEPS = 4
+
+
+def segs(d):
+    """Two named parameters (one may be empty): the buffer is a fusion of both."""
+    return [("layer.w", d // 3), ("layer.b", d - d // 3)]
+
+
+def data(n, d, steps=STEPS, seed=0):
+    return [[np.random.default_rng(seed + 1000 * r + 17 * s + d).standard_normal(d).astype(np.float32)
+             for s in range(steps)] for r in range(n)]
+
+
+def run_compressor(runners, xs, steps, group="fused0", segments=None, backend=B):
+    """Every rank's runner over ``steps`` steps; returns (per-rank outputs, world)."""
+    d = xs[0][0].size
+    segments = segs(d) if segments is None else segments
+    world = ThreadWorld(len(runners))
+    outs = world.run(lambda c: [runners[c.rank].reduce(xs[c.rank][s], c, group, segments)
+                                for s in steps])
+    return outs, world
+
+
+def by_hand(backend, xs, steps):
+    """compressed_allreduce with the error buffers carried by hand, on every rank."""
+    n, d = len(xs), xs[0][0].size
+    total = padded_size(d, n)
+
+    def body(c):
+        w, e, outs = np.zeros(total, np.float32), np.zeros(total // n, np.float32), []
+        for s in steps:
+            out, w, e, finite = compressed_allreduce(backend, c, xs[c.rank][s], w, e, f"c{s}")
+            assert finite
+            outs.append(out)
+        return outs, w.copy(), e.copy()
+    return ThreadWorld(n).run(body)
+
+
+def errors(runner):
+    """(worker error, server error) of a runner with one buffer."""
+    state = runner.state_dict()
+    get = lambda slot: next(v for k, v in state.items() if k.endswith("/" + slot))  # noqa: E731
+    return get("worker_error"), get("server_error")
+
+
+# --- the compressor equals the core collective -------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("d", [0, 1, 2, 7, 13, 100, 1001])
+def test_equals_compressed_allreduce_over_steps(backend, n, d):
+    xs = data(n, d)
+    runners = [CompressorRunner(hvd_quant.get("onebit"), backend) for _ in range(n)]
+    outs, world = run_compressor(runners, xs, range(STEPS), backend=backend)
+    expected = by_hand(backend, xs, range(STEPS))
+    total = padded_size(d, n)
+    for rank in range(n):
+        for s in range(STEPS):
+            assert outs[rank][s].shape == (d,) and outs[rank][s].dtype == np.float32
+            np.testing.assert_array_equal(outs[rank][s], outs[0][s])  # identical on every rank
+            np.testing.assert_array_equal(outs[rank][s], expected[rank][0][s])
+        w, e = errors(runners[rank])
+        assert w.shape == (total,) and e.shape == (total // n,)
+        np.testing.assert_array_equal(w, expected[rank][1])
+        np.testing.assert_array_equal(e, expected[rank][2])
+    comp = hvd_quant.get("onebit")
+    for m in world.meters:
+        assert m.bytes_sent == pytest.approx(STEPS * comp.wire_bytes(d, n))
+        assert m.bytes_sent == pytest.approx(STEPS * compressed_allreduce_bytes(d, n))
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("d", [1, 7, 1001])
+def test_equals_deepspeed(n, d):
+    xs = data(n, d, seed=5)
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    outs, _ = run_compressor(runners, xs, range(STEPS))
+    total = padded_size(d, n)
+    ref_w = [np.zeros(total, np.float32) for _ in range(n)]
+    ref_s = [np.zeros(total // n, np.float32) for _ in range(n)]
+    for s in range(STEPS):
+        expected = ds.compressed_allreduce([xs[r][s] for r in range(n)], ref_w, ref_s)
+        for r in range(n):
+            np.testing.assert_array_equal(outs[r][s], expected[r])
+    for r in range(n):
+        w, e = errors(runners[r])
+        np.testing.assert_array_equal(w, ref_w[r])
+        np.testing.assert_array_equal(e, ref_s[r])
+
+
+def test_one_rank_compresses_and_sends_nothing():
+    xs = data(1, 13)
+    runner = CompressorRunner(hvd_quant.get("onebit"), B)
+    outs, world = run_compressor([runner], xs, range(2))
+    expected = by_hand(B, xs, range(2))
+    np.testing.assert_array_equal(outs[0][1], expected[0][0][1])
+    assert world.meters[0].bytes_sent == 0.0 == hvd_quant.get("onebit").wire_bytes(13, 1)
+
+
+def test_error_feedback_tracks_the_mean():
+    """Biased per step, but the errors carry what was lost: averaged over many steps of a
+    constant input, the output approaches the true mean."""
+    n, d, steps = 3, 64, 400
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(d).astype(np.float32) for _ in range(n)]
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    outs, _ = run_compressor(runners, [[x] * steps for x in xs], range(steps))
+    mean = np.mean(xs, axis=0)
+    running = np.mean(np.asarray(outs[0], np.float64), axis=0)
+    assert np.abs(running - mean).max() < 0.05 * np.abs(mean).max()
+    assert np.abs(outs[0][0] - mean).max() > 0.1  # one step alone is far off
+
+
+def test_registry_and_options():
+    comp = hvd_quant.get("onebit")
+    assert "onebit" in hvd_quant.available()
+    assert comp.stateful and not comp.multi_hop and comp.horovod_wire_dtype is None
+    assert comp.buffer_state_sizes(1001, 3) == {"worker_error": 1008, "server_error": 336}
+    assert comp.fingerprint() == hvd_quant.get("onebit").fingerprint() != hvd_quant.get("ef_sign").fingerprint()
+    with pytest.raises(ValueError, match="bad options"):
+        hvd_quant.get("onebit", bits=2)
+
+
+# --- non-finite input ------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_on_one_rank_leaves_state_untouched(n, bad):
+    d = 37
+    xs = data(n, d, steps=4)
+    poisoned = [x[3].copy() for x in xs]
+    poisoned[n - 1][11] = bad
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    world = ThreadWorld(n)
+
+    def body(c):
+        r = runners[c.rank]
+        for s in range(3):  # some error feedback to protect
+            r.reduce(xs[c.rank][s], c, "fused0", segs(d))
+        before = {k: v.copy() for k, v in r.state_dict().items()}
+        sent = c.meter.bytes_sent
+        out = r.reduce(poisoned[c.rank], c, "fused0", segs(d))
+        return out, before, r.state_dict(), c.meter.bytes_sent - sent
+
+    for out, before, after, sent in world.run(body):
+        assert np.isnan(out).all() and out.shape == (d,)
+        assert before.keys() == after.keys() and len(before) == 2
+        for key in before:
+            np.testing.assert_array_equal(before[key], after[key], err_msg=key)
+        assert sent == pytest.approx(hvd_quant.get("onebit").wire_bytes(d, n))  # no extra collective
+    # The next finite step continues from the untouched errors, exactly as if the
+    # poisoned step had never happened.
+    fresh = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    run_compressor(fresh, xs, range(3))
+    again, _ = run_compressor(runners, xs, [2])
+    fresh_next, _ = run_compressor(fresh, xs, [2])
+    np.testing.assert_array_equal(again[0][0], fresh_next[0][0])
+
+
+# --- state: checkpoints, world size, owners ---------------------------------------------------
+class NumpyHandle(CompressorHandle):
+    framework = "numpy"
+
+    def make_backend(self):
+        return B
+
+
+class Owner:
+    """Stands for an optimizer."""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("d", [0, 1, 13, 1001])
+def test_state_dict_round_trip_resumes_exactly(n, d):
+    xs = data(n, d, steps=5)
+    handle = NumpyHandle("onebit")
+    owners = [Owner() for _ in range(n)]
+    runners = [handle.owned(o).runner for o in owners]
+    for runner in runners:  # one process stands for n: give the n owners one scope
+        runner.scope = "o"
+    run_compressor(runners, xs, range(2))
+    saved = [handle.state_dict(o) for o in owners]
+    for r, state in enumerate(saved):
+        total = padded_size(d, n)
+        assert sorted(state) == sorted(buffer_key(segs(d), (r, n), k) for k in ("server_error", "worker_error"))
+        assert state[buffer_key(segs(d), (r, n), "worker_error")].shape == (total,)
+        assert state[buffer_key(segs(d), (r, n), "server_error")].shape == (total // n,)
+    uninterrupted, _ = run_compressor(runners, xs, range(2, 5))
+
+    restored_owners = [Owner() for _ in range(n)]
+    for o, state in zip(restored_owners, saved):  # before the first step: waits for the buffer
+        handle.load_state_dict(state, o)
+    restored = [handle.owned(o).runner for o in restored_owners]
+    for runner in restored:
+        runner.scope = "o"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing dropped
+        resumed, _ = run_compressor(restored, xs, range(2, 5))
+    for r in range(n):
+        for a, b in zip(uninterrupted[r], resumed[r]):
+            np.testing.assert_array_equal(a, b)
+
+    # Loading into a runner that has already stepped overwrites its errors.
+    late = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    run_compressor(late, xs, range(1))
+    for runner, state in zip(late, saved):
+        runner.load_state_dict(state)
+    again, _ = run_compressor(late, xs, range(2, 5))
+    np.testing.assert_array_equal(again[0][-1], uninterrupted[0][-1])
+
+
+def test_torch_style_state_dict_values_load():
+    """Values may come back as other array types (torch tensors from torch.load)."""
+    torch = pytest.importorskip("torch")
+    n, d = 2, 21
+    xs = data(n, d)
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    run_compressor(runners, xs, range(2))
+    saved = [{k: torch.from_numpy(v) for k, v in r.state_dict().items()} for r in runners]
+    restored = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    for runner, state in zip(restored, saved):
+        runner.load_state_dict(state)
+    a, _ = run_compressor(runners, xs, [2, 3])
+    b, _ = run_compressor(restored, xs, [2, 3])
+    np.testing.assert_array_equal(a[1][1], b[1][1])
+
+
+def test_state_of_another_world_size_or_rank_is_dropped():
+    d = 50
+    xs2, xs3 = data(2, d), data(3, d)
+    two = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(2)]
+    run_compressor(two, xs2, range(2))
+    saved = [r.state_dict() for r in two]
+
+    # Loaded before the buffer exists, then run on 3 ranks: dropped, restarts from zero.
+    three = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(3)]
+    for r in range(3):
+        three[r].load_state_dict(saved[r % 2])
+    with pytest.warns(UserWarning, match="restarts from zero"):
+        got, _ = run_compressor(three, xs3, range(2))
+    expected = by_hand(B, xs3, range(2))
+    np.testing.assert_array_equal(got[0][1], expected[0][0][1])
+    for r in range(3):  # nothing stale is carried into the next save
+        assert all("of3/" in k for k in three[r].state_dict())
+
+    # Loaded after the buffer exists: the same rule.
+    with pytest.warns(UserWarning, match="rank0of2"):
+        three[0].load_state_dict(saved[0])
+    assert all("of3/" in k for k in three[0].state_dict())
+
+    # Same world size, another rank's file: dropped too (the server error is a chunk).
+    swapped = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(2)]
+    swapped[0].load_state_dict(saved[1])
+    swapped[1].load_state_dict(saved[0])
+    with pytest.warns(UserWarning, match="restarts from zero") as caught:
+        got, _ = run_compressor(swapped, xs2, range(1))
+    assert sorted(str(w.message).split("kept for ")[1].split(";")[0] for w in caught) == ["rank0of2", "rank1of2"]
+    np.testing.assert_array_equal(got[0][0], by_hand(B, xs2, range(1))[0][0][0])
+
+
+def test_state_of_another_buffer_layout_waits_for_it():
+    d = 30
+    xs = data(2, d)
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(2)]
+    run_compressor(runners, xs, range(1))
+    saved = runners[0].state_dict()
+    other = CompressorRunner(hvd_quant.get("onebit"), B)
+    other.load_state_dict(saved)
+    two = [other, CompressorRunner(hvd_quant.get("onebit"), B)]
+    run_compressor(two, xs, range(1), segments=[("layer.w", 10), ("other.b", 20)])
+    kept = other.state_dict()
+    for key, value in saved.items():  # not this buffer's: kept for the next save
+        np.testing.assert_array_equal(kept[key], value)
+    assert len(kept) == 4 and all(k.startswith(BUFFER_PREFIX) for k in kept)
+
+
+def test_a_live_world_change_restarts_the_errors():
+    """An elastic job that resized: the same runner reduces on 3 ranks after 2."""
+    d = 40
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(3)]
+    run_compressor(runners[:2], data(2, d), range(2))
+    xs3 = data(3, d)
+    with pytest.warns(UserWarning, match="restarts from zero") as caught:
+        got, _ = run_compressor(runners, xs3, range(2))
+    assert {str(w.message).split("kept for ")[1].split(";")[0] for w in caught} == {"rank0of2", "rank1of2"}
+    np.testing.assert_array_equal(got[2][1], by_hand(B, xs3, range(2))[2][0][1])
+    w, e = errors(runners[0])
+    assert w.size == padded_size(d, 3) and e.size == padded_size(d, 3) // 3
+
+
+def test_owner_made_variables_are_built_for_the_world_size():
+    """Keras' path: the optimizer creates the tensors when it is built."""
+    made = {}
+
+    def make_variable(name, initial):
+        made[name] = initial.shape
+        return B.variable(initial)
+
+    d, n = 100, 3
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B, make_variable=make_variable) for _ in range(n)]
+    with pytest.raises(TypeError, match="size="):
+        runners[0].build(0, [("fused0", segs(d))])
+    for r, runner in enumerate(runners):
+        runner.build(r, [("fused0", segs(d))], size=n)
+    assert made == {"fused0_worker_error": (padded_size(d, n),),
+                    "fused0_server_error": (padded_size(d, n) // n,)}
+    xs = data(n, d)
+    outs, _ = run_compressor(runners, xs, range(3))
+    expected = by_hand(B, xs, range(3))
+    np.testing.assert_array_equal(outs[1][2], expected[1][0][2])
+    # A world of another size does not fit tensors of a fixed shape: refused clearly.
+    with pytest.raises(ValueError, match="another world size"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_compressor(runners[:2], data(2, d), range(1))
+
+
+def test_store_keeps_per_element_slots_as_before():
+    """ef_sign's residual is still saved per parameter; a view without buffer slots is
+    what it always was."""
+    store = StateStore(B)
+    view = store.view("g", [("w", 5), ("b", 3)])
+    view.set("residual", view.get("residual") + np.arange(8, dtype=np.float32))
+    assert sorted(store.state_dict()) == ["b/residual", "w/residual"]
+    runner = CompressorRunner(hvd_quant.get("ef_sign"), B)
+    assert runner.buffer_sizes([("w", 5)], 2) == {}
