@@ -8,9 +8,10 @@ makes 1-bit methods pay off on small tensors.
 
 Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
 
-* gradients are reduced at ``step()``/``synchronize()``, not overlapped with backward;
-  ``backward_passes_per_step`` therefore needs no bookkeeping (gradients accumulate in
-  ``.grad`` until the step) and is accepted for compatibility;
+* by default gradients are reduced at ``step()``/``synchronize()``. With
+  ``bucket_size_mb`` (or ``overlap=True``) each fused buffer is a *bucket* that is
+  reduced as soon as backward has produced all of its gradients, during backward (see
+  "Overlap" below);
 * ``op`` may be ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is refused;
 * on the first step all ranks check that they use the same compressor and options, the
   same parameter names/shapes/dtypes and the same parameter values, and raise
@@ -25,21 +26,68 @@ Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
   Horovod: ``opt.synchronize(); scaler.unscale_(opt); with opt.skip_synchronize():
   scaler.step(opt)``. A non-finite gradient on any rank makes the reduced gradient
   non-finite on every rank, so every rank's scaler skips the same step.
+
+Overlap (buckets)
+-----------------
+``bucket_size_mb=25`` assigns the parameters to buckets of at most 25 MB of float32
+gradient in *reverse* registration order, as DDP does (the last layers' gradients are
+ready first). A post-accumulate-grad hook on every parameter counts its gradients; when
+every parameter of a bucket has received ``backward_passes_per_step`` of them, the bucket
+is handed to one worker thread that reduces buckets strictly in bucket order (0, 1, ...),
+each with the compressor's full reduction (its collectives, in the step-time order). So
+every rank issues the same collectives in the same order with the same names whatever
+order its gradients arrive in, ring methods included, and ``step()``/``synchronize()``
+only waits for what is still in flight.
+
+A bucket is a group: the result is bit-identical to the step-time path with the same
+groups (``groups=opt.bucket_groups``), for every compressor: same state keys, error
+feedback and random streams. ``overlap=False`` with ``bucket_size_mb`` keeps the buckets
+and reduces them at the step. A parameter without a gradient this step (unused on this
+rank) keeps its bucket waiting until ``step()``/``synchronize()``, which launches it with
+zeros for that parameter, as the step-time path does. Calling ``zero_grad()`` between
+``backward()`` and the step raises (as Horovod does): the reduction already started.
+``pipeline_chunk_mb`` additionally cuts each buffer of a chunkable compressor (``ef_sign``)
+into chunks whose sign allgathers are in flight while the next chunk is encoded
+(:mod:`hvd_quant.core.pipeline`; bit-identical as well).
 """
 
 import hashlib
+import threading
 from contextlib import contextmanager
 
 import torch
 import horovod.torch as hvd
 
+from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63
+from ..core.watchdog import WATCHDOG
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
 
 
+class _AsyncHandle:
+    def __init__(self, handle, label):
+        self._handle, self._label = handle, label
+
+    def wait(self):
+        with WATCHDOG.guard(self._label):
+            return hvd.synchronize(self._handle)
+
+
+class _OverlapComm(HorovodTorchComm):
+    """:class:`HorovodTorchComm` plus the asynchronous allgather that chunk pipelining
+    (:func:`hvd_quant.core.pipeline.chunked_reduce`) starts and later waits for."""
+
+    def allgather_async(self, x, name):
+        self._count_allgather(x.numel() * x.element_size())
+        return _AsyncHandle(hvd.allgather_async(x, name=name, process_set=self.process_set),
+                            f"allgather {name!r}")
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compression, op, groups, process_set):
+    def __init__(self, params, named_parameters, compression, op, groups, process_set,
+                 bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None,
+                 backward_passes_per_step=1):
         super(self.__class__, self).__init__(params)
         if not isinstance(compression, TorchCompressor):
             raise TypeError(
@@ -49,10 +97,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "hvd_quant.torch.Compression.none/fp16 here")
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.torch.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+        if bucket_size_mb is not None:
+            if groups not in (None, 0):
+                raise ValueError("bucket_size_mb forms the groups itself (one per bucket); "
+                                 "do not also pass num_groups/groups")
+            if not bucket_size_mb > 0:
+                raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+        if pipeline_chunk_mb is not None and not pipeline_chunk_mb > 0:
+            raise ValueError(f"pipeline_chunk_mb must be > 0 or None, got {pipeline_chunk_mb!r}")
+        if int(backward_passes_per_step) < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
         self._compression = compression
         self._runner = compression.make_runner()  # this optimizer's own state
         self._op = op
-        self._comm = HorovodTorchComm(process_set)
+        self._comm = _OverlapComm(process_set)
 
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         names = {}
@@ -67,39 +125,109 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) "
                                  "the optimizer updates; pass model.named_parameters()")
         param_name = {p: names.get(p, f"param.{i}") for i, p in enumerate(all_params)}
-        self._groups = _split_groups(all_params, groups)
+        if bucket_size_mb is not None:
+            self._groups = _buckets(all_params, bucket_size_mb)
+        else:
+            self._groups = _split_groups(all_params, groups)
         # (parameter name, numel) per fused buffer: fixed for the optimizer's lifetime.
         self._segments = [[(param_name[p], p.numel()) for p in group] for group in self._groups]
         self._should_sync = True
+        self._chunk_numel = int(pipeline_chunk_mb * 2 ** 20) // 4 if pipeline_chunk_mb else 0
+        self._passes = int(backward_passes_per_step)
+        self._overlap = (bucket_size_mb is not None) if overlap is None else bool(overlap)
+        self._hooks = []
+        if self._overlap:
+            self._pipeline = BucketPipeline(len(self._groups), self._reduce_group)
+            self._group_of = {p: gi for gi, group in enumerate(self._groups) for p in group}
+            self._hook_lock = threading.Lock()
+            self._reset_counts()
+            for p in all_params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+
+    # --- overlap ----------------------------------------------------------------------------
+    @property
+    def bucket_groups(self):
+        """The fused buffers (buckets), as lists of parameter names, in reduction order.
+        ``groups=`` with the same parameters in the same order gives identical results."""
+        return [[n for n, _ in segments] for segments in self._segments]
+
+    def _reset_counts(self):
+        self._grad_count = {p: 0 for p in self._group_of}
+        self._remaining = [len(g) * self._passes for g in self._groups]
+
+    def _make_hook(self):
+        def hook(p):
+            gi = self._group_of.get(p)
+            if gi is None:
+                return
+            with self._hook_lock:
+                count = self._grad_count[p] + 1
+                if count > self._passes or self._pipeline.launched(gi):
+                    raise RuntimeError(
+                        "hvd_quant: a gradient was computed more than backward_passes_per_step="
+                        f"{self._passes} times before step()/synchronize() (its bucket is "
+                        "already being reduced). Raise backward_passes_per_step, or call "
+                        "step()/synchronize() after each backward().")
+                self._grad_count[p] = count
+                self._remaining[gi] -= 1
+                ready = self._remaining[gi] == 0
+            if ready:
+                self._pipeline.launch(gi)
+        return hook
+
+    def zero_grad(self, set_to_none=True):
+        if self._overlap and self._pipeline.active:
+            raise AssertionError(
+                "hvd_quant: optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); the reduction of the gradients "
+                "has already started (bucket_size_mb/overlap). Call step() or synchronize() first.")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     # --- communication --------------------------------------------------------------------
+    def _reduce_group(self, gi):
+        """Mean (or sum) over ranks of group ``gi``'s gradients, as a flat float32 tensor.
+        Runs on the bucket worker thread under overlap, else on the caller's."""
+        group, segments = self._groups[gi], self._segments[gi]
+        key = f"fused{gi}"
+        self._runner.check_once(self._comm, key, lambda: (_structure_digest(segments, group),
+                                                          _value_digest(group)))
+        grads = []
+        for p in group:
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+            elif g.is_sparse:
+                g = g.to_dense()
+            grads.append(g.detach().reshape(-1).to(torch.float32))
+        flat = torch.cat(grads) if grads else torch.zeros(0)
+        mean = chunked_reduce(self._runner, flat, self._comm, key, segments, self._chunk_numel)
+        if self._op == hvd.Sum:
+            mean = mean * self._comm.size
+        return mean
+
+    def _write_back(self, gi, mean):
+        offset = 0
+        for p in self._groups[gi]:
+            n = p.numel()
+            value = mean[offset:offset + n].view_as(p).to(p.dtype)
+            if p.grad is None or p.grad.is_sparse:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+            offset += n
+
     def synchronize(self):
-        """Average every gradient over ranks now (``step()`` does this unless skipped)."""
-        for gi, (group, segments) in enumerate(zip(self._groups, self._segments)):
-            key = f"fused{gi}"
-            self._runner.check_once(self._comm, key, lambda: (_structure_digest(segments, group),
-                                                              _value_digest(group)))
-            grads = []
-            for p in group:
-                g = p.grad
-                if g is None:
-                    g = torch.zeros_like(p)
-                elif g.is_sparse:
-                    g = g.to_dense()
-                grads.append(g.reshape(-1).to(torch.float32))
-            flat = torch.cat(grads) if grads else torch.zeros(0)
-            mean = self._runner.reduce(flat, self._comm, key, segments)
-            if self._op == hvd.Sum:
-                mean = mean * self._comm.size
-            offset = 0
-            for p in group:
-                n = p.numel()
-                value = mean[offset:offset + n].view_as(p).to(p.dtype)
-                if p.grad is None or p.grad.is_sparse:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
-                offset += n
+        """Average every gradient over ranks now (``step()`` does this unless skipped).
+        Under overlap: launch the buckets backward did not complete, wait for all."""
+        if self._overlap:
+            try:
+                means = self._pipeline.wait_all()
+            finally:
+                self._reset_counts()
+        else:
+            means = [self._reduce_group(gi) for gi in range(len(self._groups))]
+        for gi, mean in enumerate(means):
+            self._write_back(gi, mean)
         self._should_sync = False
 
     @contextmanager
@@ -134,6 +262,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         ours = state_dict.pop("hvd_quant", None)
+        if self._overlap and self._pipeline.active:
+            # A round that was started and never finished (an elastic reset after a failed
+            # step): drop what was not reduced yet, issue no more collectives for it.
+            self._pipeline.abandon()
+            self._reset_counts()
         super(self.__class__, self).load_state_dict(state_dict)
         if ours is not None:
             self._runner.load_state_dict(ours["state"])
@@ -154,6 +287,24 @@ def _split_groups(params, groups):
     return [g for g in listed if g] + ([rest] if rest else [])
 
 
+def _buckets(params, bucket_size_mb):
+    """Parameters in reverse registration order, cut greedily into buckets of at most
+    ``bucket_size_mb`` MB of float32 gradient (a larger parameter is a bucket of its own);
+    within a bucket, parameters stay in that reverse order (as DDP forms its buckets)."""
+    cap = float(bucket_size_mb) * 2 ** 20
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        nbytes = 4 * p.numel()
+        if current and size + nbytes > cap:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 def _structure_digest(segments, params):
     return digest63(*(f"{n}:{tuple(p.shape)}:{p.dtype}" for (n, _), p in zip(segments, params)))
 
@@ -169,21 +320,44 @@ def _value_digest(params):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=hvd.global_process_set):
+                         sparse_as_dense=False, process_set=hvd.global_process_set,
+                         bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients with ``compression``.
 
     Parameters mirror ``horovod.torch.DistributedOptimizer``. ``compression`` is an
     ``hvd_quant.torch.Compression.<name>`` object. ``num_groups``/``groups`` split the
-    parameters into that many fused buffers (default: one). ``backward_passes_per_step``,
-    ``gradient_predivide_factor`` and ``sparse_as_dense`` are accepted for compatibility
-    (sparse gradients are always densified; averaging is exact).
+    parameters into that many fused buffers (default: one). ``gradient_predivide_factor``
+    and ``sparse_as_dense`` are accepted for compatibility (sparse gradients are always
+    densified; averaging is exact).
+
+    Overlap options (module docstring, "Overlap"):
+
+    bucket_size_mb : float or None
+        Default ``None``: no buckets (the groups above, reduced at the step). A number:
+        fused buffers of at most that many MB of float32 gradient, formed in reverse
+        registration order, replacing ``num_groups``/``groups``; implies ``overlap``.
+    overlap : bool or None
+        Reduce each fused buffer during backward as soon as its gradients are ready
+        (``None``: when ``bucket_size_mb`` is set). Works with ``num_groups``/``groups``
+        too; results are bit-identical either way.
+    pipeline_chunk_mb : float or None
+        Cut each buffer of a chunkable compressor (``ef_sign``) into chunks of about this
+        many MB whose collectives overlap the encoding of the next chunk (``None``: off).
+    backward_passes_per_step : int
+        Under overlap, a bucket is launched once every parameter in it has received this
+        many gradients; gradients accumulate in ``.grad`` meanwhile. A bucket that is still
+        incomplete at ``step()``/``synchronize()`` is reduced then.
 
     Returns an instance of a subclass of ``type(optimizer)`` with ``synchronize()``,
-    ``skip_synchronize()``, ``bytes_sent`` and checkpointable compressor state.
+    ``skip_synchronize()``, ``bytes_sent``, ``bucket_groups`` and checkpointable
+    compressor state.
     """
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor only applies to op=hvd.Average")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, op,
-               groups if groups is not None else num_groups, process_set)
+               groups if groups is not None else num_groups, process_set,
+               bucket_size_mb=bucket_size_mb, overlap=overlap,
+               pipeline_chunk_mb=pipeline_chunk_mb,
+               backward_passes_per_step=backward_passes_per_step)

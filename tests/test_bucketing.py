@@ -1,0 +1,201 @@
+"""Overlap (issue 7): buckets reduced during backward, chunks pipelined inside a buffer.
+
+One-process tests: the bucket worker's ordering and error handling, bucket formation, and
+chunked ef_sign against the unchunked method on the thread-world oracle (numpy and numba
+kernels). Multi-process tests (``horovodrun --gloo``, 2 and 3 ranks, tests/mp/bucket_worker.py):
+for every registered compressor, training with ``bucket_size_mb`` (reduced during
+backward) is bit-identical to the step-time path with the same groups, as are unused
+parameters, ``backward_passes_per_step=2``, the GradScaler pattern and checkpoints.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hvd_quant
+from hvd_quant import kernels
+from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.pipeline import BucketPipeline, chunk_bounds, chunked_reduce
+from hvd_quant.core.runner import CompressorRunner, RankDisagreement
+from hvd_quant.core.simulate import ThreadWorld
+
+from horovod_launch import HERE, load_rank_results, run_horovod
+
+
+# --- the bucket worker -------------------------------------------------------------------
+def test_buckets_are_reduced_in_index_order_whatever_the_readiness_order():
+    calls = []
+    pipe = BucketPipeline(4, lambda b: calls.append(b) or b * 10)
+    pipe.launch(2)
+    pipe.launch(1)
+    time.sleep(0.05)
+    assert calls == []  # bucket 0 is not ready: nothing may run before it
+    pipe.launch(0)
+    deadline = time.monotonic() + 5
+    while len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls == [0, 1, 2]  # ran during "backward", before wait_all
+    assert pipe.active
+    assert pipe.wait_all() == [0, 10, 20, 30]  # bucket 3 launched by wait_all
+    assert calls == [0, 1, 2, 3] and not pipe.active
+    assert pipe.wait_all() == [0, 10, 20, 30]  # a second round: all launched at the end
+    pipe.close()
+
+
+def test_an_error_skips_the_rest_of_the_round_and_reaches_wait_all():
+    calls = []
+
+    def reduce(b):
+        calls.append(b)
+        if b == 1:
+            raise RankDisagreement("ranks disagree")
+        return b
+
+    pipe = BucketPipeline(3, reduce)
+    with pytest.raises(RankDisagreement):
+        pipe.wait_all()
+    assert calls == [0, 1]  # bucket 2 issued no collectives
+    calls.clear()
+    pipe._reduce = lambda b: calls.append(b) or b
+    assert pipe.wait_all() == [0, 1, 2]  # the next round starts clean
+
+
+def test_abandon_issues_nothing_more():
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def reduce(b):
+        calls.append(b)
+        started.set()
+        release.wait(5)
+        return b
+
+    pipe = BucketPipeline(3, reduce)
+    pipe.launch(0)
+    assert started.wait(5)
+    threading.Timer(0.05, release.set).start()
+    pipe.abandon()  # waits for bucket 0, skips 1 and 2
+    assert calls == [0] and not pipe.active
+
+
+def test_bucket_formation_reverse_order_with_cap():
+    torch = pytest.importorskip("torch")
+    from hvd_quant.torch.optimizer import _buckets
+
+    params = [torch.zeros(n) for n in (100, 300, 50, 1000, 10)]
+    cap_mb = 1600 / 2 ** 20  # 400 float32 values
+    got = [[int(p.numel()) for p in b] for b in _buckets(params, cap_mb)]
+    assert got == [[10], [1000], [50, 300], [100]]
+
+
+# --- chunk pipelining inside a buffer ----------------------------------------------------
+def test_chunk_bounds_fall_on_bytes():
+    assert chunk_bounds(20, 5) == [(0, 8), (8, 16), (16, 20)]
+    assert chunk_bounds(16, 8) == [(0, 8), (8, 16)]
+    for a, b in chunk_bounds(1001, 100)[:-1]:
+        assert a % 8 == 0 and b % 8 == 0
+
+
+SEGMENTS = [("a", 13), ("b", 0), ("c", 250), ("d", 1), ("e", 737)]  # 1001 elements
+
+
+@pytest.mark.parametrize("backend", [NumpyBackend(), kernels.NumpyKernelBackend()], ids=["numpy", "kernels"])
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("chunk", [8, 100, 333, 4096])
+def test_chunked_ef_sign_is_bit_identical_to_unchunked(backend, size, chunk):
+    d = sum(n for _, n in SEGMENTS)
+
+    def train(chunk_numel):
+        world = ThreadWorld(size)
+        runners = [CompressorRunner(hvd_quant.get("ef_sign"), backend, seed=3) for _ in range(size)]
+
+        def body(comm):
+            outs = []
+            for step in range(3):
+                x = np.random.default_rng(100 * comm.rank + step).standard_normal(d).astype(np.float32)
+                x[:13] *= 50  # segments of very different magnitudes
+                outs.append(np.array(chunked_reduce(runners[comm.rank], x, comm, "fused0",
+                                                    SEGMENTS, chunk_numel)))
+            return outs, runners[comm.rank].state_dict()
+        results = world.run(body)
+        return results, [m.bytes_sent for m in world.meters]
+
+    (plain, plain_bytes), (chunked, chunked_bytes) = train(0), train(chunk)
+    assert chunked_bytes == plain_bytes
+    for (outs_p, state_p), (outs_c, state_c) in zip(plain, chunked):
+        for a, b in zip(outs_p, outs_c):
+            assert a.tobytes() == b.tobytes()
+        assert sorted(state_p) == sorted(state_c)
+        for k in state_p:
+            assert np.asarray(state_p[k]).tobytes() == np.asarray(state_c[k]).tobytes()
+
+
+def test_chunked_ef_sign_non_finite_step_keeps_the_residual():
+    world = ThreadWorld(2)
+    runners = [CompressorRunner(hvd_quant.get("ef_sign"), NumpyBackend()) for _ in range(2)]
+
+    def body(comm):
+        x = np.ones(100, np.float32)
+        chunked_reduce(runners[comm.rank], x, comm, "g", [("w", 100)], 16)
+        before = runners[comm.rank].state_dict()["w/residual"].copy()
+        if comm.rank == 1:
+            x = x.copy()
+            x[57] = np.nan
+        out = chunked_reduce(runners[comm.rank], x, comm, "g", [("w", 100)], 16)
+        return np.isnan(out).all(), (runners[comm.rank].state_dict()["w/residual"] == before).all()
+    assert world.run(body) == [(True, True), (True, True)]
+
+
+# --- real ranks ------------------------------------------------------------------------------
+WORKER = HERE / "mp" / "bucket_worker.py"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def ranks(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"bucket{request.param}")
+    run_horovod(WORKER, request.param, [out], timeout=240,
+                env={"HVD_QUANT_COLLECTIVE_TIMEOUT": "120"})
+    return load_rank_results(out, request.param)
+
+
+def _ok(value):
+    assert not (isinstance(value, dict) and "error" in value), value
+    return value
+
+
+@pytest.mark.multiprocess
+def test_every_compressor_bucketed_equals_step_time_groups(ranks):
+    names = set(hvd_quant.available())
+    for r, result in enumerate(ranks):
+        cases = _ok(result["compressors"])
+        assert names <= set(cases), f"rank {r}: missing {names - set(cases)}"
+        for label, case in cases.items():
+            case = _ok(case)
+            assert case["buckets"] >= 3, label
+            assert case["launched_in_backward"], f"{label}: no bucket was reduced during backward"
+            assert case["params_equal"], f"{label} (rank {r}): bucketed parameters differ from step-time groups"
+            assert case["state_equal"], f"{label} (rank {r}): compressor state differs"
+            assert case["bytes_equal"], f"{label} (rank {r}): bytes sent differ"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", ["unused_param", "two_passes", "grad_scaler", "chunked_ef_sign",
+                                      "checkpoint", "ring_thread_order"])
+def test_bucketed_scenarios_match_step_time(ranks, scenario):
+    for r, result in enumerate(ranks):
+        case = _ok(result[scenario])
+        assert case["equal"], f"{scenario} (rank {r}): {case}"
+
+
+@pytest.mark.multiprocess
+def test_zero_grad_between_backward_and_step_is_refused(ranks):
+    for result in ranks:
+        assert _ok(result["zero_grad_refused"]) is True
+
+
+@pytest.mark.multiprocess
+def test_ranks_agree(ranks):
+    first = ranks[0]["agree"]
+    for other in ranks[1:]:
+        assert other["agree"] == first
