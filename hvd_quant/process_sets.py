@@ -53,9 +53,42 @@ def registered_set(ranks):
     return None
 
 
+def forget_stale_sets():
+    """Invalidate the process sets made here that Horovod no longer knows.
+
+    Horovod Elastic resets with ``hvd.shutdown(); hvd.init()``, without process sets, and
+    does not invalidate the old ``ProcessSet`` objects: their ids would name sets that no
+    longer exist (or other ranks). Called by the elastic states of
+    :mod:`hvd_quant.torch.elastic` / :mod:`hvd_quant.tensorflow.elastic` on every reset;
+    the torus and node hops then run routed through the global set (same results) unless
+    the sets are registered again (e.g. ``hvd.add_process_set`` with
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``)."""
+    live = {}
+    try:
+        from horovod.common.process_sets import _basics
+        live = {int(i): sorted(r) for i, r in _basics._get_process_set_ids_and_ranks().items()}
+    except Exception:  # Horovod not initialised: nothing is live
+        live = {}
+    for ps in _CREATED:
+        if ps.process_set_id is not None and live.get(ps.process_set_id) != sorted(ps.ranks):
+            ps._invalidate()
+
+
 class ProcessSetTorus:
     """Mixin for Horovod communicators (torch and TF): torus rows and columns over
     registered process sets, else the routed default of ``Communicator.subgroups``."""
+
+    def refresh(self):
+        """Re-read ``rank`` and ``size`` from the process set and forget the cached torus
+        sub-groups. Call after Horovod was initialised again (an elastic reset): a
+        communicator caches both, and the world may have changed."""
+        if self.process_set.process_set_id is None:
+            raise RuntimeError(f"hvd_quant: the process set {self.process_set!r} is no longer "
+                               "registered with Horovod (after an elastic reset only the global "
+                               "process set exists); use the global process set with elastic jobs")
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
+        self.__dict__.pop("_torus", None)
 
     def subgroups(self, rows):
         """Row and column rings of a torus: over Horovod process sets when they were

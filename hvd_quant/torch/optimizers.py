@@ -156,6 +156,67 @@ class RuleOptimizer(torch.optim.Optimizer):
     def _named_params(self):
         return [(self._names[p], p) for g in self.param_groups for p in g["params"]]
 
+    # --- Horovod Elastic (see hvd_quant.torch.elastic) ----------------------------------
+    def _world_slots(self, numel, world_size):
+        """Names of the slots whose size or meaning depends on the world (the padded
+        error buffers of the compressed allreduce: worker and server error)."""
+        return sorted(set(self._rule.extra_slots(numel, world_size)) & set(self._rule.per_rank_slots))
+
+    def elastic_reset(self):
+        """Adapt to the world after Horovod was initialised again (an elastic reset).
+
+        Re-reads rank and size, re-validates the method for the new size (``ValueError``
+        if, e.g., BinSGDM's ``ranks_per_node`` no longer divides it; an automatic
+        ``ranks_per_node`` is recomputed), restarts from zero the error buffers whose size
+        or chunk depends on the world when this rank's ``(rank, size)`` changed, and makes
+        the first-step agreement check run again. Every other slot and counter is kept
+        (:meth:`elastic_sync` then makes them identical from the root)."""
+        old = (self._comm.rank, self._comm.size)
+        self._comm.refresh()
+        new = (self._comm.rank, self._comm.size)
+        if getattr(self, "_auto_ranks_per_node", False):
+            self._rule = BinSGDMRule(ranks_per_node=ranks_per_node_of(
+                hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()),
+                seed=self._seed)
+        self._rule.validate(new[1])
+        self._groups = {}
+        self._checked = False
+        for gi, group in enumerate(self.param_groups):
+            saved = self.state.get(_STATE_KEY.format(gi))
+            if saved is None:
+                continue
+            numel = sum(p.numel() for p in group["params"])
+            sizes = self._rule.extra_slots(numel, new[1])
+            for name in self._world_slots(numel, new[1]):
+                have = saved["slots"].get(name)
+                if old != new or have is None or have.numel() != sizes[name]:
+                    saved["slots"][name] = torch.zeros(sizes[name], dtype=torch.float32)
+
+    def elastic_sync(self, root_rank=0):
+        """Make the optimizer state identical to ``root_rank``'s (Horovod Elastic's sync,
+        after :meth:`elastic_reset`; every rank calls it). Hyper-parameters, counters and
+        every slot (moments, accumulators, master weights) are broadcast from the root,
+        as the model is; the world-dependent error buffers stay this rank's own. Ranks
+        that joined get the root's schedule, so every rank takes the same branch."""
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        hyper = hvd.broadcast_object(hyper, root_rank, name="hvd_quant.elastic.hyper",
+                                     process_set=self._comm.process_set)
+        for group, h in zip(self.param_groups, hyper):
+            group.update(h)
+        for gi, group in enumerate(self.param_groups):
+            st = self._group_state(gi, group)  # created here on a rank that joined
+            numel = sum(p.numel() for p in group["params"])
+            skip = set(self._world_slots(numel, self._comm.size))
+            scalars = hvd.broadcast_object(dict(st.scalars), root_rank,
+                                           name=f"hvd_quant.elastic.g{gi}.scalars",
+                                           process_set=self._comm.process_set)
+            st.scalars.update(scalars)
+            for name in sorted(st.slots):
+                if name not in skip:
+                    hvd.broadcast_(st.slots[name], root_rank, name=f"hvd_quant.elastic.g{gi}.{name}",
+                                   process_set=self._comm.process_set)
+        self._checked = False
+
     def __repr__(self):
         return f"hvd_quant.torch.{type(self).__name__}({self._rule!r}, lr={self.defaults['lr']})"
 
@@ -221,12 +282,14 @@ class BinSGDM(RuleOptimizer):
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
                  weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None):
         beta = single_beta(betas, beta)
-        if ranks_per_node is None:
+        auto = ranks_per_node is None
+        if auto:
             ranks_per_node = ranks_per_node_of(hvd.rank(), hvd.local_rank(), hvd.local_size(),
                                                hvd.cross_rank(), hvd.cross_size())
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
                          named_parameters, process_set, seed=seed)
+        self._auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 
 # --- helpers ---------------------------------------------------------------------------------
