@@ -229,7 +229,9 @@ def test_lm_torch_runs_the_one_bit_optimizers(tmp_path, optimizer, extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adam", "onebit_adam"])
 def test_lm_keras_trains_on_two_ranks(tmp_path, optimizer):
-    s = _train(tmp_path, "lm_keras.py", optimizer, "--freeze-step", "3")
+    # Six steps with the variance frozen after three: at the default lr 3e-3 the Keras model
+    # (a different initialisation than torch's) overshoots once 1-bit rounds begin.
+    s = _train(tmp_path, "lm_keras.py", optimizer, "--freeze-step", "3", "--lr", "1e-3")
     _check_summary(s, optimizer)
     if optimizer == "adam":
         assert s["ranks_agree"]
