@@ -15,12 +15,32 @@ def parse_args(description):
                    help="compressor option, e.g. --option norm=l2 (repeatable)")
     p.add_argument("--path", choices=["ours", "stock"], default="ours",
                    help="hvd_quant's fused optimizer/tape, or Horovod's stock one")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgdm",
+                   help="sgdm/adam: wrapped in a DistributedOptimizer with --compression; "
+                        "onebit_adam/zero_one_adam/binsgdm: hvd_quant's 1-bit optimizers "
+                        "(they communicate by themselves; --compression must stay none)")
+    p.add_argument("--opt-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="option of a 1-bit optimizer, e.g. --opt-option freeze_step=50 (repeatable)")
+    p.add_argument("--hidden", type=int, default=128, help="width of the MLP's hidden layers")
+    p.add_argument("--target-accuracy", type=float, default=0.95,
+                   help="report the training time until the test accuracy first reaches this")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=None,
+                   help="default: 0.05 for sgdm, 1e-3 for the Adam family and BinSGDM")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="rank 0 writes its results here")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.optimizer in ONE_BIT and args.compression != "none":
+        p.error(f"--optimizer {args.optimizer} communicates by itself; leave --compression at none")
+    if args.lr is None:
+        args.lr = 0.05 if args.optimizer == "sgdm" else 1e-3
+    return args
+
+
+#: --optimizer choices; the 1-bit ones map to hvd_quant.torch / hvd_quant.tensorflow classes.
+ONE_BIT = {"onebit_adam": "OnebitAdam", "zero_one_adam": "ZeroOneAdam", "binsgdm": "BinSGDM"}
+OPTIMIZERS = ("sgdm", "adam", *ONE_BIT)
 
 
 def parse_options(pairs):
@@ -81,10 +101,18 @@ class Reporter:
         self.args, self.rank, self.size, self.label = args, rank, size, label
         self.history = []
         self.start = time.perf_counter()
+        self.train_time = 0.0  # seconds of training steps (evaluation excluded)
+        self.time_to_target, self.epochs_to_target = None, None
 
-    def epoch(self, epoch, loss, acc, bytes_per_step, step_time):
+    def epoch(self, epoch, loss, acc, bytes_per_step, step_time, steps=0, rounds=None):
         row = {"epoch": epoch, "loss": loss, "test_accuracy": acc,
                "bytes_per_step": bytes_per_step, "step_time_ms": 1000 * step_time}
+        if rounds is not None:
+            row["comm_rounds"] = rounds
+        self.train_time += step_time * steps
+        if self.time_to_target is None and acc >= self.args.target_accuracy:
+            self.time_to_target = self.train_time
+            self.epochs_to_target = epoch
         self.history.append(row)
         if self.rank == 0:
             print(f"[{self.label}] epoch {epoch:3d}  loss {loss:.4f}  test acc {acc:.4f}  "
@@ -94,6 +122,11 @@ class Reporter:
         summary = {"label": self.label, "ranks": self.size, "compression": self.args.compression,
                    "options": parse_options(self.args.option), "path": self.args.path,
                    "epochs": self.args.epochs, "seed": self.args.seed,
+                   "optimizer": self.args.optimizer, "hidden": self.args.hidden,
+                   "target_accuracy": self.args.target_accuracy,
+                   "time_to_target_s": self.time_to_target, "epochs_to_target": self.epochs_to_target,
+                   "train_time_s": self.train_time,
+                   "comm_rounds": self.history[-1].get("comm_rounds"),
                    "final_test_accuracy": self.history[-1]["test_accuracy"],
                    "bytes_per_step": self.history[-1]["bytes_per_step"],
                    "fp32_allreduce_bytes_per_step": fp32_bytes_per_step,

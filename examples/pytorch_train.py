@@ -1,8 +1,13 @@
 """Data-parallel training of a small MLP on scikit-learn's digits with hvd_quant (PyTorch).
 
-    horovodrun -np 2 -H localhost:2 python examples/pytorch_train.py --compression ef_sign
+    horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_train.py --compression ef_sign
+    horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_train.py --optimizer zero_one_adam
 
 ``--path stock`` uses Horovod's own ``hvd.DistributedOptimizer`` with our compressor.
+``--optimizer sgdm|adam`` is wrapped in a DistributedOptimizer with ``--compression``;
+``onebit_adam``, ``zero_one_adam`` and ``binsgdm`` are hvd_quant's 1-bit optimizers, which
+communicate by themselves (options by ``--opt-option KEY=VALUE``; defaults below scale
+their schedules to the run's length).
 """
 
 import time
@@ -12,7 +17,38 @@ import torch
 import horovod.torch as hvd
 
 import hvd_quant.torch as hq
-from common import Reporter, describe, digits_split, parse_args, parse_options
+from common import ONE_BIT, Reporter, describe, digits_split, parse_args, parse_options
+
+
+def one_bit_defaults(name, total_steps):
+    """Options of the 1-bit optimizers for a short run on digits.
+
+    DeepSpeed's defaults assume long trainings (variance frozen after 100000 steps); here
+    1-bit Adam's warm-up and 0/1 Adam's variance updates take the first quarter of the
+    steps. ``eps=1e-4``: some digits pixels are constant, so their first-layer weights
+    never get a gradient and their variance stays 0; a 1-bit round still moves them by
+    the buffer's RMS scale, divided by ``sqrt(v) + eps``, which at DeepSpeed's 1e-8 blew
+    the model up (NaN within 3 epochs). DeepSpeed's ``exp_avg_mask`` is the other cure.
+    """
+    if name == "onebit_adam":
+        return {"freeze_step": max(1, total_steps // 4), "eps": 1e-4}
+    if name == "zero_one_adam":
+        return {"var_freeze_step": max(1, total_steps // 4), "local_step_scaler": max(1, total_steps // 20),
+                "eps": 1e-4}
+    return {}
+
+
+def make_optimizer(args, model, compression, total_steps):
+    if args.optimizer in ONE_BIT:
+        options = {**one_bit_defaults(args.optimizer, total_steps), **parse_options(args.opt_option)}
+        cls = getattr(hq, ONE_BIT[args.optimizer])
+        return cls(model.parameters(), lr=args.lr, named_parameters=model.named_parameters(), **options)
+    if args.optimizer == "adam":
+        base = torch.optim.Adam(model.parameters(), lr=args.lr)
+    else:
+        base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    wrap = hq.DistributedOptimizer if args.path == "ours" else hvd.DistributedOptimizer
+    return wrap(base, named_parameters=model.named_parameters(), compression=compression)
 
 
 def main():
@@ -24,23 +60,23 @@ def main():
     x_train, y_train = torch.from_numpy(x_train), torch.from_numpy(y_train)
     x_test, y_test = torch.from_numpy(x_test), torch.from_numpy(y_test)
 
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                                torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    h = args.hidden
+    model = torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(),
+                                torch.nn.Linear(h, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = hq.Compression.get(args.compression, seed=args.seed, **parse_options(args.option))
-    base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    wrap = hq.DistributedOptimizer if args.path == "ours" else hvd.DistributedOptimizer
-    opt = wrap(base, named_parameters=model.named_parameters(), compression=compression)
 
     numel = sum(p.numel() for p in model.parameters())
     fp32_bytes = 2.0 * (hvd.size() - 1) / hvd.size() * 4 * numel
-    label = f"torch/{args.path}/{args.compression}" + "".join(f",{o}" for o in args.option)
-    report = Reporter(args, hvd.rank(), hvd.size(), label)
-    if hvd.rank() == 0:
-        print(describe(compression, hvd.size()), flush=True)
     gen = torch.Generator().manual_seed(args.seed + hvd.rank())
     steps = len(x_train) // args.batch_size  # the same count on every rank
     steps = int(hvd.allreduce(torch.tensor(steps), op=hvd.Min, name="steps"))
+    opt = make_optimizer(args, model, compression, steps * args.epochs)
+    label = (f"torch/{args.optimizer}" if args.optimizer in ONE_BIT else
+             f"torch/{args.path}/{args.optimizer}/{args.compression}" + "".join(f",{o}" for o in args.option))
+    report = Reporter(args, hvd.rank(), hvd.size(), label)
+    if hvd.rank() == 0:
+        print(opt if args.optimizer in ONE_BIT else describe(compression, hvd.size()), flush=True)
     for epoch in range(1, args.epochs + 1):
         model.train()
         order = torch.randperm(len(x_train), generator=gen)
@@ -59,7 +95,7 @@ def main():
         with torch.no_grad():
             acc = (model(x_test).argmax(1) == y_test).float().mean().item()
         loss = float(hvd.allreduce(torch.tensor(np.mean(losses)), name=f"loss{epoch}"))
-        report.epoch(epoch, loss, acc, sent, step_time)
+        report.epoch(epoch, loss, acc, sent, step_time, steps, getattr(opt, "comm_rounds", None))
     report.finish(fp32_bytes)
 
 
