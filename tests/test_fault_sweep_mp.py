@@ -22,7 +22,8 @@ JOBS = [("torch", 2), ("torch", 3), ("tf", 2), ("tf", 3)]
 def job(request, tmp_path_factory):
     framework, size = request.param
     out = tmp_path_factory.mktemp(f"sweep-{framework}{size}")
-    run_horovod(WORKER, size, [framework, out], timeout=600)
+    # 100 s each on a quiet 2-core machine; the limit leaves room for a loaded one.
+    run_horovod(WORKER, size, [framework, out], timeout=1200)
     return {"framework": framework, "size": size, "ranks": load_rank_results(out, size)}
 
 
