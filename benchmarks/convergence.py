@@ -21,6 +21,11 @@ Workloads:
 
 ``--extra KEY=ARGS`` appends arguments to matching jobs; ``KEY`` is ``WORKLOAD``,
 ``WORKLOAD/OPTIMIZER`` or ``*/OPTIMIZER`` (repeatable, applied in order).
+
+``--variant [WORKLOAD/]OPTIMIZER+TAG=ARGS`` adds one more job per workload and world size
+(or only for WORKLOAD): OPTIMIZER with ARGS appended, listed as ``OPTIMIZER+TAG`` (e.g.
+``--variant "binsgdm+lr3e-3=--lr 3e-3"``), so that a tuned setting sits in the same
+table as the defaults and is compared with the same Adam row.
 """
 
 import argparse
@@ -56,12 +61,15 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=["lm_torch", "digits", "lm_keras"])
     p.add_argument("--np", nargs="+", type=int, default=[2, 3], help="world sizes")
-    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    p.add_argument("--optimizers", nargs="*", choices=OPTIMIZERS, default=list(OPTIMIZERS),
+                   help="the optimizers at their defaults (none given: only the --variant jobs)")
     p.add_argument("--steps", type=int, default=600, help="LM training steps")
     p.add_argument("--epochs", type=int, default=30, help="digits epochs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra", action="append", default=[], metavar="KEY=ARGS",
                    help="extra arguments for matching jobs, e.g. 'lm_torch/binsgdm=--lr 3e-4'")
+    p.add_argument("--variant", action="append", default=[], metavar="[WORKLOAD/]OPTIMIZER+TAG=ARGS",
+                   help="one more job per workload and world size, e.g. 'binsgdm+lr3e-3=--lr 3e-3'")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per job")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failed job")
     p.add_argument("--quiet", action="store_true", help="do not echo the jobs' progress lines")
@@ -75,7 +83,35 @@ def parse_args(argv=None):
         workload = key.split("/")[0]
         if not sep or (workload != "*" and workload not in WORKLOADS):
             p.error(f"--extra needs WORKLOAD[/OPTIMIZER]=ARGS with a known workload, got {item!r}")
+    if not args.optimizers and not args.variant:
+        p.error("nothing to run: give --optimizers or --variant")
+    for item in args.variant:
+        try:
+            parse_variant(item)
+        except ValueError as exc:
+            p.error(str(exc))
     return args
+
+
+def parse_variant(item):
+    """``"[WORKLOAD/]OPTIMIZER+TAG=ARGS"`` -> ``(workload or None, optimizer, label, [args])``."""
+    key, sep, value = item.partition("=")
+    workload, _, name = key.rpartition("/")
+    optimizer, plus, tag = name.partition("+")
+    if not sep or not plus or not tag or optimizer not in OPTIMIZERS or (workload and workload not in WORKLOADS):
+        raise ValueError(f"--variant needs [WORKLOAD/]OPTIMIZER+TAG=ARGS with a known optimizer, got {item!r}")
+    return workload or None, optimizer, name, shlex.split(value)
+
+
+def job_list(args, workloads):
+    """``(workload, np, optimizer, label, variant args)`` for every job, in run order."""
+    variants = [parse_variant(v) for v in args.variant]
+    jobs = []
+    for w in workloads:
+        for n in args.np:
+            jobs += [(w, n, o, o, []) for o in args.optimizers]
+            jobs += [(w, n, o, label, extra) for vw, o, label, extra in variants if vw in (None, w)]
+    return jobs
 
 
 def extra_args(extras, workload, optimizer):
@@ -97,7 +133,7 @@ def digits_has_optimizer_option(python):
     return proc.returncode == 0 and "--optimizer" in proc.stdout
 
 
-def job_command(bindir, workload, optimizer, np_, args, out):
+def job_command(bindir, workload, optimizer, np_, args, out, variant=()):
     cmd = [str(bindir / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
            str(bindir / "python"), str(EXAMPLES / WORKLOADS[workload]["script"]),
            "--optimizer", optimizer, "--seed", str(args.seed), "--json", str(out)]
@@ -105,7 +141,7 @@ def job_command(bindir, workload, optimizer, np_, args, out):
         cmd += ["--epochs", str(args.epochs)]
     else:
         cmd += ["--steps", str(args.steps)]
-    return cmd + extra_args(args.extra, workload, optimizer)
+    return cmd + extra_args(args.extra, workload, optimizer) + list(variant)
 
 
 def run_job(cmd, timeout, echo):
@@ -188,12 +224,12 @@ def add_gaps(rows):
 
 def markdown_table(rows):
     head = ("| workload | ranks | optimizer | final val loss | test acc | vs Adam | bytes/step/rank "
-            "| vs fp32 | comm rounds | steps | ranks agree | wall s |")
+            "| vs fp32 | comm rounds | steps | ms/step | ranks agree | wall s |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['workload']} | {r['np']} | {r['optimizer']} | FAILED ({r['error']}) "
-                       "| | | | | | | | |")
+                       "| | | | | | | | | |")
             continue
         loss = f"{r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else "–"
         acc = f"{100 * r['final_test_accuracy']:.2f}" if r.get("final_test_accuracy") is not None else "–"
@@ -210,12 +246,12 @@ def markdown_table(rows):
         agree = {True: "yes", False: "no", None: "–"}[r.get("ranks_agree")]
         out.append(f"| {r['workload']} | {r['np']} | {r['optimizer']} | {loss} | {acc} | {gap_text} | "
                    f"{_num(sent)} | {ratio} | {_num(r.get('comm_rounds'))} | {_num(r.get('steps'))} | "
-                   f"{agree} | {r['wall_s']:.0f} |")
+                   f"{_num(r.get('step_time_ms'), '.1f')} | {agree} | {r['wall_s']:.0f} |")
     return "\n".join(out)
 
 
-def _num(value):
-    return "–" if value is None else f"{value:,.0f}"
+def _num(value, fmt=",.0f"):
+    return "–" if value is None else format(value, fmt)
 
 
 def main(argv=None):
@@ -228,28 +264,28 @@ def main(argv=None):
               flush=True)
         workloads.remove("digits")
         skipped.append("digits: examples/pytorch_train.py has no --optimizer option")
-    jobs = [(w, n, o) for w in workloads for n in args.np for o in args.optimizers]
+    jobs = job_list(args, workloads)
     rows = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hvdq_convergence_") as tmp:
-        for i, (workload, np_, optimizer) in enumerate(jobs, 1):
-            out = Path(tmp) / f"{workload}-{np_}-{optimizer}.json"
-            cmd = job_command(bindir, workload, optimizer, np_, args, out)
+        for i, (workload, np_, optimizer, label, variant) in enumerate(jobs, 1):
+            out = Path(tmp) / f"{workload}-{np_}-{i}.json"
+            cmd = job_command(bindir, workload, optimizer, np_, args, out, variant)
             elapsed = time.monotonic() - started
-            print(f"=== [{i}/{len(jobs)}] {workload} np={np_} {optimizer}  ({elapsed / 60:.1f} min so far)\n"
+            print(f"=== [{i}/{len(jobs)}] {workload} np={np_} {label}  ({elapsed / 60:.1f} min so far)\n"
                   f"    $ {' '.join(shlex.quote(c) for c in cmd[5:])}", flush=True)
             begin = time.monotonic()
             try:
                 run_job(cmd, args.timeout, echo=not args.quiet)
                 if not out.exists():
                     raise JobFailed("the job exited 0 but rank 0 wrote no JSON summary")
-                row = summarize(workload, optimizer, np_, json.loads(out.read_text()), time.monotonic() - begin)
+                row = summarize(workload, label, np_, json.loads(out.read_text()), time.monotonic() - begin)
                 row["command"] = cmd
                 rows.append(row)
             except JobFailed as exc:
-                print(f"!!! {workload} np={np_} {optimizer} FAILED: {exc}", flush=True)
+                print(f"!!! {workload} np={np_} {label} FAILED: {exc}", flush=True)
                 first_line = str(exc).splitlines()[0]
-                rows.append({"workload": workload, "optimizer": optimizer, "np": np_, "command": cmd,
+                rows.append({"workload": workload, "optimizer": label, "np": np_, "command": cmd,
                              "error": first_line, "output_tail": str(exc), "wall_s": time.monotonic() - begin})
                 if args.fail_fast:
                     break

@@ -94,6 +94,24 @@ def describe(compression, world_size):
     return text
 
 
+def one_bit_defaults(name, total_steps):
+    """Options of the 1-bit optimizers for a short run on digits.
+
+    DeepSpeed's defaults assume long trainings (variance frozen after 100000 steps); here
+    1-bit Adam's warm-up and 0/1 Adam's variance updates take the first quarter of the
+    steps. ``eps=1e-4``: some digits pixels are constant, so their first-layer weights
+    never get a gradient and their variance stays 0; a 1-bit round still moves them by
+    the buffer's RMS scale, divided by ``sqrt(v) + eps``, which at DeepSpeed's 1e-8 blew
+    the model up (NaN within 3 epochs). DeepSpeed's ``exp_avg_mask`` is the other cure.
+    """
+    if name == "onebit_adam":
+        return {"freeze_step": max(1, total_steps // 4), "eps": 1e-4}
+    if name == "zero_one_adam":
+        return {"var_freeze_step": max(1, total_steps // 4), "local_step_scaler": max(1, total_steps // 20),
+                "eps": 1e-4}
+    return {}
+
+
 class Reporter:
     """Per-epoch lines on rank 0 and a JSON summary."""
 
@@ -104,19 +122,26 @@ class Reporter:
         self.train_time = 0.0  # seconds of training steps (evaluation excluded)
         self.time_to_target, self.epochs_to_target = None, None
 
-    def epoch(self, epoch, loss, acc, bytes_per_step, step_time, steps=0, rounds=None):
+    def epoch(self, epoch, loss, acc, bytes_per_step, step_time, steps=0, rounds=None, kinds=None):
+        """``rounds``: communication rounds so far (the 1-bit optimizers' ``comm_rounds``);
+        ``kinds``: steps so far per kind (``{"full": 11, "onebit": 30, ...}``)."""
         row = {"epoch": epoch, "loss": loss, "test_accuracy": acc,
                "bytes_per_step": bytes_per_step, "step_time_ms": 1000 * step_time}
         if rounds is not None:
-            row["comm_rounds"] = rounds
+            row["comm_rounds"] = int(rounds)
+        if kinds is not None:
+            row["kind_counts"] = {k: int(v) for k, v in kinds.items() if v}
         self.train_time += step_time * steps
+        row["train_time_s"] = self.train_time  # cumulative, evaluation excluded
         if self.time_to_target is None and acc >= self.args.target_accuracy:
             self.time_to_target = self.train_time
             self.epochs_to_target = epoch
         self.history.append(row)
         if self.rank == 0:
             print(f"[{self.label}] epoch {epoch:3d}  loss {loss:.4f}  test acc {acc:.4f}  "
-                  f"bytes/step/rank {bytes_per_step:,.0f}  step {1000 * step_time:.2f} ms", flush=True)
+                  f"bytes/step/rank {bytes_per_step:,.0f}  step {1000 * step_time:.2f} ms"
+                  + (f"  comm rounds {int(rounds)}" if rounds is not None else "")
+                  + (f"  steps {_kinds_text(row['kind_counts'])}" if kinds is not None else ""), flush=True)
 
     def finish(self, fp32_bytes_per_step):
         summary = {"label": self.label, "ranks": self.size, "compression": self.args.compression,
@@ -127,17 +152,29 @@ class Reporter:
                    "time_to_target_s": self.time_to_target, "epochs_to_target": self.epochs_to_target,
                    "train_time_s": self.train_time,
                    "comm_rounds": self.history[-1].get("comm_rounds"),
+                   "kind_counts": self.history[-1].get("kind_counts"),
                    "final_test_accuracy": self.history[-1]["test_accuracy"],
                    "bytes_per_step": self.history[-1]["bytes_per_step"],
+                   # the whole run (every epoch has the same steps): warm-ups included
+                   "mean_bytes_per_step": float(np.mean([h["bytes_per_step"] for h in self.history])),
                    "fp32_allreduce_bytes_per_step": fp32_bytes_per_step,
                    "mean_step_time_ms": float(np.mean([h["step_time_ms"] for h in self.history])),
+                   # the second half of the epochs: no tracing, warm-ups mostly over
+                   "late_step_time_ms": float(np.mean([h["step_time_ms"]
+                                                       for h in self.history[len(self.history) // 2:]])),
                    "wall_time_s": time.perf_counter() - self.start, "history": self.history}
         if self.rank == 0:
             ratio = fp32_bytes_per_step / max(summary["bytes_per_step"], 1e-9)
+            rounds = summary["comm_rounds"]
             print(f"[{self.label}] final test accuracy {summary['final_test_accuracy']:.4f}; "
-                  f"{summary['bytes_per_step']:,.0f} bytes/step/rank "
-                  f"({ratio:.1f}x fewer than an fp32 allreduce)", flush=True)
+                  f"{summary['bytes_per_step']:,.0f} bytes/step/rank in the last epoch "
+                  f"({ratio:.1f}x fewer than an fp32 allreduce), {summary['mean_bytes_per_step']:,.0f} on average"
+                  + (f"; {rounds} communication rounds" if rounds is not None else ""), flush=True)
             if self.args.json:
                 with open(self.args.json, "w") as f:
                     json.dump(summary, f, indent=1)
         return summary
+
+
+def _kinds_text(kinds):
+    return ",".join(f"{k}={v}" for k, v in kinds.items()) or "-"

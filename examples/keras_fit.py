@@ -8,7 +8,9 @@
 ``--compression NAME[:KEY=VALUE,...]`` picks the compressor; ``--optimizer`` the Keras
 optimizer it wraps (``sgd``, ``adam``), or one of hvd_quant's 1-bit optimizers
 (``onebit_adam``, ``zero_one_adam``, ``binsgdm``), which communicate by themselves and
-take no ``--compression`` (their options go by ``--opt-option KEY=VALUE``). Rank 0 prints per epoch the loss (averaged over ranks), the
+take no ``--compression`` (their options go by ``--opt-option KEY=VALUE``; the defaults
+scale their schedules to the run's length, as in the other digits examples). Rank 0
+prints per epoch the loss (averaged over ranks), the
 test accuracy, bytes sent per step per rank and the step time; ``--json`` writes the
 summary with a digest of every rank's final weights (identical weights, identical digest).
 """
@@ -24,10 +26,9 @@ import keras
 import horovod.tensorflow as hvd
 
 import hvd_quant.tensorflow as hq
-from common import digits_split, parse_options
+from common import ONE_BIT, digits_split, one_bit_defaults, parse_options
 
-# --optimizer name -> (hvd_quant.tensorflow attribute or Keras class, default learning rate)
-ONE_BIT = {"onebit_adam": "OnebitAdam", "zero_one_adam": "ZeroOneAdam", "binsgdm": "BinSGDM"}
+# --optimizer name -> default learning rate
 DEFAULT_LR = {"sgd": 0.05, "adam": 1e-3, "onebit_adam": 1e-3, "zero_one_adam": 1e-3, "binsgdm": 1e-3}
 
 
@@ -46,7 +47,7 @@ def parse_args():
     return p.parse_args()
 
 
-def make_optimizer(args):
+def make_optimizer(args, total_steps):
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
     name, _, opts = args.compression.partition(":")
     options = parse_options(filter(None, opts.split(",")))
@@ -56,7 +57,8 @@ def make_optimizer(args):
             raise SystemExit(f"hvd_quant.tensorflow.{ONE_BIT[args.optimizer]} is not available in this version")
         if name != "none":
             raise SystemExit(f"--optimizer {args.optimizer} communicates by itself: leave --compression out")
-        return cls(learning_rate=lr, **parse_options(args.opt_option)), None
+        options = {**one_bit_defaults(args.optimizer, total_steps), **parse_options(args.opt_option)}
+        return cls(learning_rate=lr, **options), None
     if args.opt_option:
         raise SystemExit("--opt-option is for hvd_quant's 1-bit optimizers")
     base = (keras.optimizers.SGD(lr, momentum=0.9) if args.optimizer == "sgd"
@@ -118,7 +120,7 @@ def main():
                               keras.layers.Dense(64, activation="relu", name="fc2"),
                               keras.layers.Dense(10, name="logits"),
                               keras.layers.Activation("linear", dtype="float32", name="out")], name="mlp")
-    opt, compression = make_optimizer(args)
+    opt, compression = make_optimizer(args, steps * args.epochs)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], jit_compile=False)
     if hvd.rank() == 0:

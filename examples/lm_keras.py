@@ -121,7 +121,7 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 def make_optimizer(args, schedule):
     """The optimizer named by ``--optimizer`` (Keras 3)."""
     if args.optimizer == "adam":
-        return keras.optimizers.Adam(schedule, beta_1=args.beta, beta_2=args.beta2, epsilon=1e-8,
+        return keras.optimizers.Adam(schedule, beta_1=args.beta, beta_2=args.beta2, epsilon=args.eps,
                                      weight_decay=args.weight_decay or None)
     if args.optimizer == "sgdm":
         return keras.optimizers.SGD(schedule, momentum=args.beta, weight_decay=args.weight_decay or None)
@@ -132,10 +132,10 @@ def make_optimizer(args, schedule):
                          "of it yet (hvd_quant.tensorflow lacks the class); use adam or sgdm")
     if args.optimizer == "onebit_adam":
         return cls(learning_rate=schedule, freeze_step=args.freeze_step, betas=(args.beta, args.beta2),
-                   weight_decay=args.weight_decay)
+                   eps=args.eps, weight_decay=args.weight_decay)
     if args.optimizer == "zero_one_adam":
-        return cls(learning_rate=schedule, betas=(args.beta, args.beta2), weight_decay=args.weight_decay,
-                   var_freeze_step=args.var_freeze_step, var_update_scaler=args.var_update_scaler,
+        return cls(learning_rate=schedule, betas=(args.beta, args.beta2), eps=args.eps,
+                   weight_decay=args.weight_decay, var_freeze_step=args.var_freeze_step, var_update_scaler=args.var_update_scaler,
                    local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)
     return cls(learning_rate=schedule, betas=(args.beta,), weight_decay=args.weight_decay, seed=args.seed)
 

@@ -99,7 +99,7 @@ def make_optimizer(args, model):
     params, named = list(model.parameters()), list(model.named_parameters())
     if args.optimizer in BASELINES:
         if args.optimizer == "adam":
-            base = torch.optim.Adam(params, lr=args.lr, betas=(args.beta, args.beta2),
+            base = torch.optim.Adam(params, lr=args.lr, betas=(args.beta, args.beta2), eps=args.eps,
                                     weight_decay=args.weight_decay)
         else:
             base = torch.optim.SGD(params, lr=args.lr, momentum=args.beta, weight_decay=args.weight_decay)
@@ -115,9 +115,10 @@ def make_optimizer(args, model):
         params = [{"params": [p]} for p in params]
     common = dict(lr=args.lr, named_parameters=named, weight_decay=args.weight_decay)
     if args.optimizer == "onebit_adam":
-        return cls(params, freeze_step=args.freeze_step, betas=(args.beta, args.beta2), **common)
+        return cls(params, freeze_step=args.freeze_step, betas=(args.beta, args.beta2), eps=args.eps,
+                   **common)
     if args.optimizer == "zero_one_adam":
-        return cls(params, betas=(args.beta, args.beta2), var_freeze_step=args.var_freeze_step,
+        return cls(params, betas=(args.beta, args.beta2), eps=args.eps, var_freeze_step=args.var_freeze_step,
                    var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
                    local_step_clipper=args.local_step_clipper, **common)
     return cls(params, betas=(args.beta,), **common)

@@ -10,6 +10,7 @@ communicate by themselves (options by ``--opt-option KEY=VALUE``; defaults below
 their schedules to the run's length).
 """
 
+import collections
 import time
 
 import numpy as np
@@ -17,25 +18,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_quant.torch as hq
-from common import ONE_BIT, Reporter, describe, digits_split, parse_args, parse_options
-
-
-def one_bit_defaults(name, total_steps):
-    """Options of the 1-bit optimizers for a short run on digits.
-
-    DeepSpeed's defaults assume long trainings (variance frozen after 100000 steps); here
-    1-bit Adam's warm-up and 0/1 Adam's variance updates take the first quarter of the
-    steps. ``eps=1e-4``: some digits pixels are constant, so their first-layer weights
-    never get a gradient and their variance stays 0; a 1-bit round still moves them by
-    the buffer's RMS scale, divided by ``sqrt(v) + eps``, which at DeepSpeed's 1e-8 blew
-    the model up (NaN within 3 epochs). DeepSpeed's ``exp_avg_mask`` is the other cure.
-    """
-    if name == "onebit_adam":
-        return {"freeze_step": max(1, total_steps // 4), "eps": 1e-4}
-    if name == "zero_one_adam":
-        return {"var_freeze_step": max(1, total_steps // 4), "local_step_scaler": max(1, total_steps // 20),
-                "eps": 1e-4}
-    return {}
+from common import ONE_BIT, Reporter, describe, digits_split, one_bit_defaults, parse_args, parse_options
 
 
 def make_optimizer(args, model, compression, total_steps):
@@ -95,7 +78,8 @@ def main():
         with torch.no_grad():
             acc = (model(x_test).argmax(1) == y_test).float().mean().item()
         loss = float(hvd.allreduce(torch.tensor(np.mean(losses)), name=f"loss{epoch}"))
-        report.epoch(epoch, loss, acc, sent, step_time, steps, getattr(opt, "comm_rounds", None))
+        kinds = collections.Counter(opt.step_kinds) if hasattr(opt, "step_kinds") else None
+        report.epoch(epoch, loss, acc, sent, step_time, steps, getattr(opt, "comm_rounds", None), kinds)
     report.finish(fp32_bytes)
 
 

@@ -233,6 +233,8 @@ def lm_arguments(description, argv=None):
     p.add_argument("--beta2", type=float, default=0.99,
                    help="Adam's beta2 (Adam family); 0.99 as for small character-level models, and "
                         "so that the variance the 1-bit methods freeze early is nearly settled")
+    p.add_argument("--eps", type=float, default=1e-8,
+                   help="Adam family: the denominator's epsilon (sqrt(v) + eps)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--freeze-step", type=int, default=None,
                    help="1-bit Adam: fp32 warm-up steps (default: the end of the LR warm-up)")
@@ -312,6 +314,8 @@ def schedule_summary(args):
     out = {"lr": args.lr, "warmup": args.warmup, "decay": args.decay, "beta": args.beta}
     if args.optimizer in ("adam", "onebit_adam", "zero_one_adam"):
         out["beta2"] = args.beta2
+        if getattr(args, "eps", 1e-8) != 1e-8:
+            out["eps"] = args.eps
     if args.optimizer == "onebit_adam":
         out["freeze_step"] = args.freeze_step
     if args.optimizer not in BASELINES and args.param_groups != "one":

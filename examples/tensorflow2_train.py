@@ -5,7 +5,9 @@
 
 A custom loop under ``tf.function`` (``examples/keras_fit.py`` does the same with ``model.fit``).
 With ``--optimizer onebit_adam|zero_one_adam|binsgdm`` the gradients go straight to
-hvd_quant's Keras 1-bit optimizer, which averages over ranks by itself (no tape wrapper).
+hvd_quant's Keras 1-bit optimizer, which averages over ranks by itself (no tape wrapper);
+rank 0 prints per epoch the bytes sent per step, the communication rounds so far and how
+many steps of each kind (full / 1-bit / local) ran.
 
 Runs with TF 2.21's Keras 3 through ``hvd_quant.tensorflow.DistributedGradientTape``.
 ``--path stock`` uses Horovod's own ``hvd.DistributedGradientTape``, which needs Keras 2:
@@ -20,8 +22,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import hvd_quant.tensorflow as hq
-from common import ONE_BIT, Reporter, describe, digits_split, parse_args, parse_options
-from pytorch_train import one_bit_defaults
+from common import ONE_BIT, Reporter, describe, digits_split, one_bit_defaults, parse_args, parse_options
 
 
 def main():
@@ -85,15 +86,15 @@ def main():
         if one_bit:  # the optimizer's meters count every executed step
             total = float(opt.bytes_sent)
             sent, sent_before = (total - sent_before) / steps, total
-            rounds = int(opt.comm_rounds)
+            rounds, kinds = int(opt.comm_rounds), opt.kind_counts
         else:
             # Bytes are counted when the reduction is traced (once); that count is per step.
             sent = (tapes[0].bytes_sent if args.path == "ours" else compression.bytes_sent) - _check_bytes(args)
-            rounds = None
+            rounds, kinds = None, None
         logits = model(x_test, training=False)
         acc = float(np.mean(np.argmax(logits, 1) == y_test))
         loss = float(hvd.allreduce(tf.constant(np.mean(losses)), name=f"loss{epoch}"))
-        report.epoch(epoch, loss, acc, sent, step_time, steps, rounds)
+        report.epoch(epoch, loss, acc, sent, step_time, steps, rounds, kinds)
     report.finish(fp32_bytes)
 
 

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import sys
 from argparse import Namespace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,6 +173,28 @@ def test_runner_gaps_table_and_extra_args():
     assert conv.extra_args(extras, "lm_keras", "adam") == []
 
 
+def test_runner_variants_add_labelled_jobs():
+    conv = _load_convergence()
+    args = conv.parse_args(["--workloads", "lm_torch", "digits", "--np", "2", "--optimizers", "adam",
+                            "--variant", "binsgdm+lr3e-3=--lr 3e-3",
+                            "--variant", "lm_torch/zero_one_adam+k=--var-update-scaler 1000"])
+    jobs = conv.job_list(args, args.workloads)
+    assert jobs == [("lm_torch", 2, "adam", "adam", []),
+                    ("lm_torch", 2, "binsgdm", "binsgdm+lr3e-3", ["--lr", "3e-3"]),
+                    ("lm_torch", 2, "zero_one_adam", "zero_one_adam+k", ["--var-update-scaler", "1000"]),
+                    ("digits", 2, "adam", "adam", []),
+                    ("digits", 2, "binsgdm", "binsgdm+lr3e-3", ["--lr", "3e-3"])]
+    cmd = conv.job_command(Path("/bin"), "lm_torch", "binsgdm", 2, args, "out.json", ["--lr", "3e-3"])
+    assert cmd[cmd.index("--optimizer") + 1] == "binsgdm" and cmd[-2:] == ["--lr", "3e-3"]
+    only = conv.parse_args(["--optimizers", "--variant", "binsgdm+x=--lr 1"])
+    assert [j[3] for j in conv.job_list(only, ["lm_torch"])] == ["binsgdm+x", "binsgdm+x"]
+    for bad in ["binsgdm=--lr 1", "nosuch+x=--lr 1", "mars/binsgdm+x=--lr 1"]:
+        with pytest.raises(SystemExit):
+            conv.parse_args(["--variant", bad])
+    with pytest.raises(SystemExit):
+        conv.parse_args(["--optimizers"])
+
+
 def test_runner_reports_a_failing_or_hanging_job():
     conv = _load_convergence()
     with pytest.raises(conv.JobFailed, match="exit status 3") as err:
@@ -238,3 +261,53 @@ def test_lm_keras_trains_on_two_ranks(tmp_path, optimizer):
         assert s["bytes_per_step"] == pytest.approx(s["fp32_allreduce_bytes_per_step"], abs=10)
     else:
         assert s["bytes_per_step"] < s["fp32_allreduce_bytes_per_step"]
+
+
+# --- the digits examples' --optimizer -------------------------------------------------
+def _digits(tmp_path, script, *args, timeout=300):
+    out = tmp_path / f"{script}.json"
+    run_horovod(EXAMPLES / script, 2, [*args, "--epochs", "1", "--json", out], timeout=timeout)
+    return json.loads(out.read_text())
+
+
+def _check_digits(s, optimizer):
+    assert s["optimizer"] == optimizer and s["ranks"] == 2 and len(s["history"]) == 1
+    assert np.isfinite(s["history"][0]["loss"]) and s["final_test_accuracy"] > 0.3
+    assert s["bytes_per_step"] > 0 and s["mean_bytes_per_step"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer", ["adam", "onebit_adam", "zero_one_adam", "binsgdm"])
+def test_pytorch_train_takes_every_optimizer(tmp_path, optimizer):
+    s = _digits(tmp_path, "pytorch_train.py", "--optimizer", optimizer)
+    _check_digits(s, optimizer)
+    if optimizer == "adam":  # fp32 allreduce through our DistributedOptimizer
+        assert s["comm_rounds"] is None
+        assert s["bytes_per_step"] == pytest.approx(s["fp32_allreduce_bytes_per_step"], rel=0.01)
+    else:  # the optimizer's own meters: fewer bytes than fp32 and every step accounted for
+        assert s["mean_bytes_per_step"] < s["fp32_allreduce_bytes_per_step"]
+        kinds = s["kind_counts"]
+        assert sum(kinds.values()) == 22  # 1437 // 2 // 32 steps
+        assert 0 < s["comm_rounds"] <= 22
+        if optimizer == "zero_one_adam":  # local steps skip communication
+            assert kinds.get("local", 0) > 0 and s["comm_rounds"] == 22 - kinds["local"]
+
+
+def test_one_bit_optimizer_refuses_a_compressor():
+    import subprocess
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "pytorch_train.py"), "--optimizer", "binsgdm",
+                           "--compression", "ef_sign"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "communicates by itself" in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "zero_one_adam", "binsgdm"])
+def test_tensorflow2_train_takes_the_optimizers(tmp_path, optimizer):
+    s = _digits(tmp_path, "tensorflow2_train.py", "--optimizer", optimizer)
+    _check_digits(s, optimizer)
+    if optimizer == "adam":
+        assert s["bytes_per_step"] == pytest.approx(s["fp32_allreduce_bytes_per_step"], rel=0.01)
+    else:
+        assert s["mean_bytes_per_step"] < s["fp32_allreduce_bytes_per_step"]
+        assert sum(s["kind_counts"].values()) == 22 and 0 < s["comm_rounds"] <= 22
