@@ -1,7 +1,7 @@
 """Keras 3 ``model.fit`` on digits with every compressor and 1-bit optimizer, side by side.
 
     .venv/bin/python benchmarks/keras_fit_table.py --np 2 3
-    .venv/bin/python benchmarks/keras_fit_table.py --np 2 --seeds 0 1 2 none cascading_sign
+    .venv/bin/python benchmarks/keras_fit_table.py none cascading_sign --np 2 --seeds 0 1 2
 
 Runs ``examples/keras_fit.py`` under ``horovodrun --gloo`` once per config, world size and
 seed (the same data, epochs and seed for every config) and prints a markdown table: test

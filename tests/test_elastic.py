@@ -1,10 +1,12 @@
 """Horovod Elastic: hvd_quant's state is committed, restored and adapted when ranks go.
 
-The multi-process test starts an elastic job of 3 ranks on two "hosts" that are both this
+The multi-process tests start an elastic job of 3 ranks on two "hosts" that are both this
 machine (``localhost:2`` and ``127.0.0.1:1``; Horovod blacklists a host whose worker
 fails, so the failing worker needs a host of its own). The worker on ``127.0.0.1`` dies
-mid-training; the discovery script then lists 2 slots and the survivors finish
-(tests/mp/elastic_worker.py). The single-process tests check the reset logic itself.
+mid-training; the discovery script then lists 2 slots and the survivors finish: torch
+(tests/mp/elastic_worker.py), a TensorFlow custom loop (tests/mp/elastic_worker_tf.py)
+and Keras ``model.fit`` (tests/mp/elastic_worker_tf_fit.py). The single-process tests
+check the reset logic itself.
 """
 
 import os
@@ -32,7 +34,7 @@ fi
 """
 
 
-def run_elastic(tmp_path, timeout=240):
+def run_elastic(tmp_path, timeout=240, worker=WORKER, args=(STEPS, KILL_STEP), extra=()):
     marker = tmp_path / "killed"
     script = tmp_path / "discover.sh"
     script.write_text(DISCOVERY.format(marker=marker))
@@ -41,9 +43,9 @@ def run_elastic(tmp_path, timeout=240):
     out.mkdir()
     cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(script), "--gloo", "--network-interface", "lo",
-           str(BIN / "python"), str(WORKER), str(out), str(STEPS), str(KILL_STEP), str(marker)]
+           str(BIN / "python"), str(worker), str(out), *map(str, args), str(marker), *map(str, extra)]
     env = horovod_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "10", "HOROVOD_ELASTIC_TIMEOUT": "120",
-                       "OMP_NUM_THREADS": "1"})
+                       "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"})
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -100,6 +102,97 @@ def test_elastic_torch_survivors_continue(tmp_path):
     for k in a["weights"]:
         for pa, pb in zip(a["weights"][k], b["weights"][k]):
             np.testing.assert_array_equal(pa, pb, err_msg=k)
+    assert a["final"] == b["final"]
+
+
+TF_WORKER = HERE / "mp" / "elastic_worker_tf.py"
+FIT_WORKER = HERE / "mp" / "elastic_worker_tf_fit.py"
+EPOCHS, KILL_EPOCH = 5, 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_elastic_tensorflow_custom_loop_survivors_continue(tmp_path):
+    import hvd_quant
+    from hvd_quant.compressors.global_qsgd import resolve_width_levels
+    from hvd_quant.core.onebit import padded_size
+
+    ranks, elapsed, log = run_elastic(tmp_path, timeout=400, worker=TF_WORKER)
+    print(f"elastic TF job took {elapsed:.1f}s")
+    assert not (tmp_path / "out" / "rank2.json").exists()
+    for r in ranks:
+        assert r["size"] == 2 and r["steps"] == STEPS and r["host"] == "localhost"
+        assert len(r["resets"]) == 1, r["resets"]
+        reset = r["resets"][0]
+        assert reset["size"] == 2 and reset["step"] == KILL_STEP and reset["generation"] >= 1
+        # Survivors keep their error feedback (as of the last commit)...
+        assert reset["ef_residual_abs"] > 0
+        # ...the world-dependent buffers restart from zero, sized for 2 ranks: dropped from
+        # the tape's store (made again on first use), resized as Keras variables...
+        assert reset["onebit_tape_buffers"] == []
+        assert all(f"rank{r['rank']}of2" in k for k in r["onebit_tape_buffers"]) and r["onebit_tape_buffers"]
+        dense = 8 * 2 + 2
+        [(key, numel, total)] = reset["onebit_opt_worker_error"]
+        assert f"rank{r['rank']}of2" in key and numel == padded_size(dense, 2) and total == 0.0
+        assert reset["zeroone_worker_error_abs"] == 0.0
+        assert reset["zeroone_worker_error_numel"] == padded_size(dense, 2) != padded_size(dense, 3)
+        # ...the 1-bit optimizer's agreement check is re-armed (it ran at the sync)...
+        assert reset["zeroone_recheck"] is True
+        # ...and Global-QSGD re-resolved its levels for 2 ranks.
+        norm = hvd_quant.get("global_qsgd", bits=8).norm
+        assert reset["qsgd_levels"] == list(resolve_width_levels(norm, 2, bits=8))
+        assert reset["qsgd_levels"] != list(resolve_width_levels(norm, 3, bits=8))
+        assert r["qsgd_levels"] == reset["qsgd_levels"]
+        assert "onebit" in r["zeroone_kinds"][KILL_STEP:]
+        for k in r["final"]:
+            bound = 0.9 if k == "zeroone" else 0.7  # 0/1 Adam: see the worker's docstring
+            assert r["final"][k] < bound * r["initial"][k], (k, r["initial"][k], r["final"][k])
+        # 0/1 Adam did what its numpy oracle does when replayed by the elastic rule.
+        assert r["final"]["zeroone"] == pytest.approx(r["zeroone_reference_loss"], rel=1e-3)
+        # Exact averaging of equal shards of the same global batches, at 3 ranks then 2,
+        # after a restore: the same as plain SGD in one process (the expected loss).
+        for got, want in zip(r["weights"]["exact"], r["reference_weights"]):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+        assert r["final"]["exact"] == pytest.approx(r["reference_loss"], rel=1e-4)
+    a, b = ranks
+    for k in a["weights"]:
+        for pa, pb in zip(a["weights"][k], b["weights"][k]):
+            np.testing.assert_array_equal(pa, pb, err_msg=k)
+    assert a["final"] == b["final"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("method", ["onebit", "zero_one_adam"])
+def test_elastic_keras_fit_survivors_continue(tmp_path, method):
+    from hvd_quant.core.onebit import padded_size
+
+    ranks, elapsed, log = run_elastic(tmp_path, timeout=400, worker=FIT_WORKER,
+                                      args=(EPOCHS, KILL_EPOCH), extra=(method,))
+    print(f"elastic fit job ({method}) took {elapsed:.1f}s")
+    assert not (tmp_path / "out" / "rank2.json").exists()
+    dense = 8 * 2 + 2
+    for r in ranks:
+        assert r["size"] == 2 and r["epoch"] == EPOCHS and r["host"] == "localhost"
+        assert len(r["resets"]) == 1, r["resets"]
+        reset = r["resets"][0]
+        # Restored to the commit of the epoch before the kill; fit traces again.
+        assert reset["size"] == 2 and reset["epoch"] == KILL_EPOCH
+        assert reset["train_function"] is False
+        # World-dependent error buffers: resized for 2 ranks, from zero.
+        assert {(n, t) for _, n, t in reset["buffers"]} <= {(padded_size(dense, 2), 0.0),
+                                                            (padded_size(dense, 2) // 2, 0.0)}
+        assert len(reset["buffers"]) == 2
+        # Epochs before the kill ran at 3 ranks, the rest at 2 (the killed one again).
+        assert [e for e, _ in r["epochs_run"]] == list(range(KILL_EPOCH + 1)) + list(range(KILL_EPOCH, EPOCHS))
+        assert {n for e, n in r["epochs_run"][KILL_EPOCH + 1:]} == {2}
+        assert r["iterations"] == 2 * EPOCHS  # restored optimizer step counter, 2 steps/epoch
+        assert r["final"] < 0.5 * r["initial"], (r["initial"], r["final"])
+    a, b = ranks
+    for pa, pb in zip(a["weights"], b["weights"]):
+        np.testing.assert_array_equal(pa, pb)
     assert a["final"] == b["final"]
 
 
@@ -180,14 +273,6 @@ def test_forget_stale_sets(monkeypatch):
     assert stale.process_set_id is None and live.process_set_id == 2
 
 
-def test_tensorflow_elastic_says_why_not():
-    pytest.importorskip("tensorflow")
-    from hvd_quant.tensorflow import elastic
-
-    with pytest.raises(NotImplementedError, match="Keras 3"):
-        elastic.KerasState(None)
-
-
 def test_torch_reset_in_one_process(monkeypatch):
     """One rank: the reset adapts the world-dependent state and re-arms the checks; the
     state handles sync/save/restore for every kind of hvd_quant optimizer."""
@@ -249,5 +334,240 @@ def test_torch_reset_in_one_process(monkeypatch):
     # BinSGDM whose ranks_per_node no longer divides the world refuses on reset.
     b = hq.BinSGDM(torch.nn.Linear(2, 2).parameters(), lr=0.01, ranks_per_node=1)
     b._rule.ranks_per_node = 2  # as if built for 2 ranks per node
+    with pytest.raises(ValueError):
+        b.elastic_reset()
+
+
+def test_store_adapt_world_resizes_only_buffer_slots():
+    import hvd_quant
+    from hvd_quant.core.backend import NumpyBackend
+    from hvd_quant.core.runner import CompressorRunner
+
+    B = NumpyBackend()
+    runner = CompressorRunner(hvd_quant.get("onebit"), B, make_variable=lambda name, v: B.variable(v))
+    segments = [("w", 30)]
+    runner.build(0, [("g", segments)], size=1)
+    sizes1 = runner.buffer_sizes(segments, 1)
+    for key, var in runner.store._groups["g"]["vars"].items():
+        B.assign(var, np.ones(sizes1[key], np.float32))
+    resized = []
+
+    def resize(var, size):
+        resized.append(size)
+        return B.variable(np.zeros(size, np.float32))
+
+    runner._checked.add("g")
+    runner.adapt_world(0, 1, resize=resize)  # same world: kept, but the check is re-armed
+    assert not resized and not runner._checked
+    assert all(B.read(v).sum() > 0 for v in runner.store.variables())
+    with pytest.warns(UserWarning, match="restarts from zero"):
+        runner.adapt_world(1, 3, resize=resize)
+    sizes3 = runner.buffer_sizes(segments, 3)
+    assert sizes3 != sizes1 and sorted(resized) == sorted(sizes3.values())
+    assert all(B.read(v).sum() == 0 for v in runner.store.variables())
+    assert 1 in runner._rng  # this rank number's stream was made up front
+    view = runner.context(type("C", (), {"rank": 1, "size": 3})(), "g", segments).state
+    assert np.size(view.get("worker_error")) == sizes3["worker_error"]
+    with pytest.raises(ValueError, match="no resize hook"), pytest.warns(UserWarning):
+        runner.adapt_world(0, 2)
+
+
+# --- TensorFlow / Keras 3, one process ------------------------------------------------------
+def _in_fresh_interpreter(name):
+    """Run test ``name`` of this file in a new interpreter when horovod.torch is loaded
+    (the two Horovod libraries share one process-set table in Python; see below)."""
+    if "horovod.torch" in sys.modules and not os.environ.get("HVDQ_ISOLATED"):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                 f"{__file__}::{name}"],
+                                env=dict(os.environ, HVDQ_ISOLATED="1"), capture_output=True,
+                                text=True, timeout=240, cwd=os.path.dirname(__file__))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+        return True
+    return False
+
+
+def _tf_world():
+    pytest.importorskip("tensorflow")
+    import keras
+    import horovod.tensorflow as hvd
+    import hvd_quant.tensorflow as hq
+
+    hvd.init()
+
+    def model(seed):
+        keras.utils.set_random_seed(seed)
+        inp = keras.Input((4,))
+        return keras.Model(inp, keras.layers.Dense(3)(inp))
+
+    return keras, hvd, hq, model
+
+
+def _train_step(elastic, pairs, tapes, x):
+    import tensorflow as tf
+
+    @elastic.function
+    def step():
+        for model, opt in pairs:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x) ** 2)
+            if model in tapes:
+                tape = tapes[model](tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+    return step
+
+
+def test_tf_state_commits_restores_and_syncs_by_the_rule(monkeypatch):
+    """Commit/restore cover weights, optimizer and compressor state; the sync broadcasts
+    everything but the per-rank state (the rule of hvd_quant.tensorflow.elastic)."""
+    if _in_fresh_interpreter("test_tf_state_commits_restores_and_syncs_by_the_rule"):
+        return
+    keras, hvd, hq, make = _tf_world()
+    import tensorflow as tf
+    from hvd_quant.tensorflow import elastic
+
+    m1, m2, m3 = make(0), make(1), make(2)
+    o1 = hq.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression=hq.Compression.ef_sign)
+    o2 = hq.ZeroOneAdam(learning_rate=0.01, var_freeze_step=1000, var_update_scaler=1)
+    o3 = keras.optimizers.SGD(0.1)
+    comp = hq.Compression.ef_sign
+    state = elastic.KerasState([m1, m2, m3], [o1, o2, o3], compression=comp, step=0)
+    step = _train_step(elastic, [(m1, o1), (m2, o2), (m3, o3)],
+                       {m3: lambda t: hq.DistributedGradientTape(t, compression=comp)},
+                       tf.random.normal((5, 4), seed=1))
+    sent = []
+    monkeypatch.setattr(elastic, "broadcast_variables", lambda vs, root_rank: sent.append(list(vs)))
+    state.sync()  # builds the optimizers first
+    for _ in range(2):
+        step()
+    state.step = 2
+    state.commit()
+    snap = [v.numpy().copy() for v in state._all_variables()]
+    residual = comp.state_dict(m3.trainable_variables)["dense_2/kernel/residual"].copy()
+    assert np.abs(residual).sum() > 0 and int(o2.iterations.numpy()) == 2
+    step()
+    state.step = 3
+    state.restore()
+    assert state.step == 2
+    for v, want in zip(state._all_variables(), snap):
+        np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
+    np.testing.assert_array_equal(comp.state_dict(m3.trainable_variables)["dense_2/kernel/residual"], residual)
+    state.sync()
+    shared = {id(v) for v in sent[-1]}
+    kept = {v.path for v in state._all_variables() if id(v) not in shared}
+    # Per rank: the compressor's error feedback and stream position, 0/1 Adam's padded
+    # error buffers. Shared: model, momentum, 0/1 Adam's moments and counters.
+    assert kept == {v.path for v in o1._per_rank} | {"zero_one_adam/hvd_quant_worker_error",
+                                                     "zero_one_adam/hvd_quant_server_error"}
+    assert {"zero_one_adam/hvd_quant_exp_avg", "zero_one_adam/hvd_quant_momentum_accumulator",
+            "zero_one_adam/hvd_quant_step"} <= {v.path for v in sent[-1]}
+    assert any("momentum" in v.path for v in sent[-1])
+    assert all(id(v) in shared for m in (m1, m2, m3) for v in m.variables)
+
+
+def test_tf_reset_adapts_world_state_and_retraces():
+    """A reset resizes the world-dependent Keras variables (from zero), re-arms the checks
+    and makes traced functions and model.fit trace again; training goes on."""
+    if _in_fresh_interpreter("test_tf_reset_adapts_world_state_and_retraces"):
+        return
+    keras, hvd, hq, make = _tf_world()
+    import tensorflow as tf
+    from hvd_quant.core.onebit import padded_size
+    from hvd_quant.tensorflow import elastic
+    from hvd_quant.tensorflow.optimizers import resize_keras_variable
+
+    m1, m2 = make(0), make(1)
+    o1 = hq.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hq.Compression.onebit)
+    o2 = hq.ZeroOneAdam(learning_rate=0.01, var_freeze_step=1000, var_update_scaler=1)
+    m1.compile(optimizer=o1, loss="mse")
+    state = elastic.KerasState([m1, m2], [o1, o2], step=0)
+    traces = []
+    x = tf.random.normal((5, 4), seed=2)
+    inner = _train_step(elastic, [(m1, o1), (m2, o2)], {}, x)
+    step = elastic.function(lambda: (traces.append(1), inner())[1])
+    state.sync()
+    step()
+    m1.train_function = "traced"
+    # Pretend this process was rank 2 of 3 before Horovod was initialised again.
+    n = 4 * 3 + 3
+    with pytest.warns(UserWarning, match="restarts from zero"):
+        o1._runner.adapt_world(2, 3, resize=o1._resize_state_variable)
+    o1._comm.rank, o1._comm.size = 2, 3
+    o2._hq_comm.rank, o2._hq_comm.size = 2, 3
+    for opt in (o1, o2):
+        for v in opt.elastic_local_variables():
+            if "error" in v.path:
+                if opt is o2:
+                    resize_keras_variable(v, (padded_size(n, 3) // (3 if "server" in v.path else 1),))
+                v.assign(tf.ones(v.shape, v.dtype))
+    state.commit()  # a commit at the old size: restored shapes that no longer fit are skipped
+    before, calls = elastic.generation(), len(traces)
+    with pytest.warns(UserWarning, match="restarts from zero"):
+        state.reset()
+    state.restore()
+    assert elastic.generation() == before + 1 and m1.train_function is None
+    for opt in (o1, o2):
+        errors = [v for v in opt.elastic_local_variables() if "error" in v.path]
+        assert sorted(int(np.prod(v.shape)) for v in errors) == [padded_size(n, 1)] * 2
+        assert all(np.abs(v.numpy()).sum() == 0 for v in errors)
+    assert not o1._runner._checked and o2._hq_recheck
+    state.sync()  # runs 0/1 Adam's check on every rank (ranks that joined build and check)
+    assert not o2._hq_recheck
+    step()
+    assert len(traces) == calls + 1  # traced again for the new world, and it runs
+    assert o1._runner._checked
+    m1.fit(np.zeros((4, 4), "float32"), np.zeros((4, 3), "float32"), verbose=0)
+
+
+def test_tf_run_resets_on_any_failed_horovod_collective():
+    if _in_fresh_interpreter("test_tf_run_resets_on_any_failed_horovod_collective"):
+        return
+    keras, hvd, hq, make = _tf_world()
+    import tensorflow as tf
+    from hvd_quant.tensorflow import elastic
+
+    v = tf.Variable([1.0, 2.0])
+    state = elastic.TensorFlowState([v], step=0)
+    seen = []
+
+    def failing(message):
+        def train(state):
+            seen.append((state.step, v.numpy().tolist(), elastic.generation()))
+            if len(seen) == 1:
+                v.assign([5.0, 5.0])
+                state.step = 7
+                raise tf.errors.UnknownError(None, None, message)
+            return "done"
+        return train
+
+    alltoall = "Horovod has been shut down. [Op:HorovodAlltoall] name: hvd_quant.x"
+    assert elastic.run(failing(alltoall))(state) == "done"
+    # Restored to the commit, after a reset (new generation), and ran again.
+    assert [s[:2] for s in seen] == [(0, [1.0, 2.0]), (0, [1.0, 2.0])] and seen[1][2] > seen[0][2]
+    # Horovod's own TensorFlow run() swallows a failed alltoall: it returns None at once.
+    seen.clear()
+    assert hvd.elastic.run(failing(alltoall))(state) is None and len(seen) == 1
+    # Errors that are not failed Horovod collectives go through.
+    seen.clear()
+    with pytest.raises(tf.errors.UnknownError, match="disk on fire"):
+        elastic.run(failing("disk on fire"))(state)
+
+
+def test_tf_elastic_refuses_what_cannot_survive_a_reset():
+    if _in_fresh_interpreter("test_tf_elastic_refuses_what_cannot_survive_a_reset"):
+        return
+    keras, hvd, hq, make = _tf_world()
+    from hvd_quant.tensorflow import elastic
+
+    unbuilt = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="built"):
+        elastic.KerasState(unbuilt, keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="one optimizer per model"):
+        elastic.KerasState([make(0), make(1)], [keras.optimizers.SGD(0.1)])
+    with pytest.raises(TypeError, match="Compression"):
+        elastic.TensorFlowState([], compression="ef_sign")
+    # BinSGDM built for 2 ranks per node refuses a world it no longer divides.
+    b = hq.BinSGDM(learning_rate=0.01, ranks_per_node=1)
+    b._hq_rule = type(b._hq_rule)(ranks_per_node=2, seed=0)
     with pytest.raises(ValueError):
         b.elastic_reset()

@@ -96,9 +96,17 @@ def test_keras_mixed_float16_skips_the_overflow_on_every_rank(keras_job, config)
 @pytest.mark.parametrize("name", ONEBIT)
 def test_torch_grad_scaler_with_onebit_optimizers(torch_job, name):
     runs = [_ok(rank["onebit_grad_scaler"])[name] for rank in torch_job]
-    # GradScaler.update() sees this rank's own overflow only: rank 1's scale halves.
-    check_overflow_skipped(runs, name, 2.0 ** 10, scale_ranks=[1])
+    # hq.GradScaler takes the optimizer's global verdict: every rank's scale halves.
+    check_overflow_skipped(runs, name, 2.0 ** 10)
     assert [run["skipped"] for run in runs] == [1, 1]
+
+
+def test_torch_stock_grad_scaler_with_a_onebit_optimizer_drifts(torch_job):
+    # The stock GradScaler sees only its own rank's overflow (rank 1's): the step is still
+    # skipped everywhere, but only rank 1 halves its scale. hq.GradScaler exists for this.
+    runs = [_ok(rank["onebit_grad_scaler"])["stock/binsgdm"] for rank in torch_job]
+    check_overflow_skipped(runs, "stock/binsgdm", 2.0 ** 10, scale_ranks=[1])
+    assert runs[0]["scales"] == [2.0 ** 10] * len(runs[0]["scales"])
 
 
 @pytest.mark.parametrize("name", ONEBIT)

@@ -182,6 +182,20 @@ class CompressorRunner:
             self.compressor.validate(int(world_size))
         self._checked.clear()
 
+    def adapt_world(self, rank, size, resize=None):
+        """Adapt to a new world after an elastic reset: re-validate the compressor for
+        ``size`` ranks (``ValueError`` before anything changed), make the agreement
+        checks run again, move the world-dependent buffer slots to rank ``rank`` of
+        ``size`` from zeros (:meth:`StateStore.adapt_world`; ``resize`` is the owner's hook
+        for fixed-shape tensors) and create this rank's random stream if the rank number
+        is new. Per-element error feedback and the streams of known ranks are kept."""
+        self.reset_checks(size)
+        if self.store is not None:
+            self.store.adapt_world((rank, size), lambda segments: self.buffer_sizes(segments, size),
+                                   resize)
+        # An owner-made stream counter can only be created here, outside any trace.
+        self.rng(int(rank), creating=True)
+
     def context(self, comm, group, segments):
         """The :class:`ReduceContext` of buffer ``group`` on ``comm``: its state view (with
         the buffer slots sized for ``comm.size`` ranks), collective names and random stream."""

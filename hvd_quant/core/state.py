@@ -27,8 +27,11 @@ and the padding and the chunk change with ``n``. A compressor declares such tens
   entries for buffers that do not exist yet wait for them, like per-parameter state;
 * if the world size or rank of a live store changes (an elastic job that resized), its
   buffer slots restart from zeros the same way, with a warning. A store whose tensors
-  the owner made (Keras optimizer variables, fixed shapes) refuses a change of size
-  with a ``ValueError``: rebuild the optimizer for the new world.
+  the owner made (Keras optimizer variables, fixed shapes) cannot grow a tensor by
+  itself: on first use at another size it raises ``ValueError``. An owner that knows
+  the world changed calls :meth:`StateStore.adapt_world` first, with a ``resize`` hook
+  that gives back a zero tensor of the new size (the Keras optimizers do this on an
+  elastic reset, :mod:`hvd_quant.tensorflow.elastic`).
 
 Who creates the tensors
 -----------------------
@@ -115,6 +118,40 @@ class StateStore:
                 self._buffer_slot(group, segments, key, dtype, buffer_sizes[key], world, allocating=True)
             else:
                 self._slot(group, segments, key, dtype, allocating=True)
+
+    def adapt_world(self, world, sizes_of, resize=None):
+        """Move every buffer's buffer slots to ``world = (rank, size)``, from zeros.
+
+        The same rule as a change seen on first use (module docstring), done up front so
+        that an owner with fixed-shape tensors can resize them. ``sizes_of(segments)``
+        gives ``{key: size}`` of a buffer's slots in the new world. Tensors the store
+        made are dropped (made again, at the new size, on first use); the owner's are
+        zeroed in place when their size holds, else replaced by
+        ``resize(tensor, size)``, which returns a zero tensor of ``size`` elements (it
+        may be the same object, reshaped). Buffers already in ``world`` are untouched:
+        a rank whose ``(rank, size)`` did not change keeps its state."""
+        world = (int(world[0]), int(world[1]))
+        for group, slots in self._groups.items():
+            if not slots["buffer"] or slots["world"] in (None, world):
+                continue
+            sizes = sizes_of(slots["segments"])
+            _warn_dropped(slots["segments"], sorted(slots["buffer"]), slots["world"], world)
+            for key, (size, dtype) in list(slots["buffer"].items()):
+                new = int(sizes[key])
+                if self.make_variable is None:
+                    del slots["vars"][key]
+                    del slots["buffer"][key]
+                elif new == size:
+                    self.backend.assign(slots["vars"][key], self.backend.zeros(size, dtype))
+                elif resize is None:
+                    raise ValueError(
+                        f"hvd_quant: state {key!r} of buffer {group!r} needs {new} elements "
+                        f"as rank {world[0]} of {world[1]}, its owner made it with {size}, "
+                        "and no resize hook was given")
+                else:
+                    slots["vars"][key] = resize(slots["vars"][key], new)
+                    slots["buffer"][key] = (new, dtype)
+            slots["world"] = world
 
     def variables(self):
         """Every tensor this store holds, in creation order."""

@@ -1,7 +1,8 @@
 """TensorFlow adapter: ``Compression``, the Keras 3 ``DistributedOptimizer`` and
-``callbacks`` for ``model.fit``, and ``DistributedGradientTape`` for custom loops,
-mirroring ``horovod.tensorflow``. Works with Keras 3 (TF 2.21's default); under tf-keras
-use Horovod's own ``hvd.keras.DistributedOptimizer`` or tape with our ``Compression``.
+``callbacks`` for ``model.fit``, ``DistributedGradientTape`` for custom loops and
+``elastic`` for Horovod Elastic, mirroring ``horovod.tensorflow``. Works with Keras 3
+(TF 2.21's default); under tf-keras use Horovod's own ``hvd.keras.DistributedOptimizer``
+or tape with our ``Compression``.
 
 >>> import hvd_quant.tensorflow as hq                                    # doctest: +SKIP
 >>> opt = hq.DistributedOptimizer(keras.optimizers.Adam(1e-3),           # doctest: +SKIP
@@ -17,7 +18,8 @@ from .tape import DistributedGradientTape, broadcast_variables
 from .keras import DistributedOptimizer
 from . import callbacks
 from .optimizers import BinSGDM, OnebitAdam, StepKindRecorder, ZeroOneAdam
+from . import elastic
 
 __all__ = ["BinSGDM", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodTFComm",
            "OnebitAdam", "StepKindRecorder", "TFBackend", "TFCompressor", "ZeroOneAdam",
-           "broadcast_variables", "callbacks"]
+           "broadcast_variables", "callbacks", "elastic"]

@@ -47,6 +47,7 @@ from keras.src.utils import tracking
 
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor
+from .optimizers import resize_keras_variable
 from .tape import check_agreement_once, group_segments, reduce_gradients
 
 _LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "apply_fn")
@@ -188,6 +189,46 @@ class DistributedOptimizer(LossScaleOptimizer):
         positions, and the wrapped optimizer's own): never broadcast them from one rank;
         :class:`~hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback` skips them."""
         return list(self._per_rank) + list(getattr(self.inner_optimizer, "per_rank_variables", []))
+
+    # --- Horovod Elastic (see hvd_quant.tensorflow.elastic) --------------------------------
+    def elastic_local_variables(self):
+        """Variables that an elastic sync leaves alone on every rank: the compressor's
+        state and random-stream positions (error feedback is kept by ranks that survive,
+        and starts from zero on ranks that join), and those of a wrapped hvd_quant
+        optimizer. The wrapped optimizer's own state (momentum, Adam moments) and the
+        loss scale are made identical from the root."""
+        inner = getattr(self.inner_optimizer, "elastic_local_variables", None)
+        return list(self._per_rank) + (list(inner()) if inner is not None else [])
+
+    def elastic_check(self):
+        """Run a wrapped hvd_quant optimizer's pending agreement check (a collective, see
+        ``RuleOptimizer.elastic_check``). The compressor's own check runs on the next step,
+        on every rank (:meth:`elastic_reset` re-armed it)."""
+        inner = getattr(self.inner_optimizer, "elastic_check", None)
+        if inner is not None:
+            inner()
+
+    def elastic_reset(self):
+        """Adapt to the world after Horovod was initialised again (an elastic reset):
+        re-read rank and size, re-validate the compressor for the new size (``ValueError``
+        when its options cannot work there), re-arm the agreement check, and restart from
+        zero (resized) the compressor state whose size depends on the world when this
+        rank's ``(rank, size)`` changed. No collective: only the surviving ranks reset."""
+        inner = getattr(self.inner_optimizer, "elastic_reset", None)
+        if inner is not None:
+            inner()
+        if self._runner is None:  # not built yet, or the inner optimizer communicates
+            return
+        self._comm.refresh()
+        self._runner.adapt_world(self._comm.rank, self._comm.size, resize=self._resize_state_variable)
+
+    def _resize_state_variable(self, backing, size):
+        """The runner's resize hook: it holds the tf.Variable behind one of our Keras
+        variables; resize the Keras variable and hand back its new tf.Variable."""
+        for var in self._per_rank:
+            if var.value is backing:
+                return resize_keras_variable(var, (size,)).value
+        raise KeyError("hvd_quant: compressor state that this optimizer did not make")
 
     @property
     def bytes_sent(self):

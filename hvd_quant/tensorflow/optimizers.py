@@ -103,6 +103,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         self._hq_hp = dict(hp)
         self._hq_process_set = process_set
         self._hq_comm = None
+        self._hq_recheck = False  # set by elastic_reset: run _check_ranks again
 
     # --- state ------------------------------------------------------------------------
     def build(self, var_list):
@@ -171,6 +172,59 @@ class RuleOptimizer(keras.optimizers.Optimizer):
             return []
         return [self._hq_slots[name] for name in self._hq_rule.per_rank_slots if name in self._hq_slots]
 
+    # --- Horovod Elastic (see hvd_quant.tensorflow.elastic) ----------------------------
+    def _world_slots(self):
+        """Names of the slots whose size or meaning depends on the world (the padded
+        error buffers of the compressed allreduce: worker and server error)."""
+        return sorted(set(self._hq_rule.extra_slots(1, 1)) & set(self._hq_rule.per_rank_slots))
+
+    def elastic_local_variables(self):
+        """Variables that an elastic sync leaves alone on every rank: the world-dependent
+        error buffers. Everything else (moments, accumulators, counters, master weights,
+        meters) is made identical from the root, as the model is, so that every rank
+        follows the same schedule."""
+        if not self.built:
+            return []
+        return [self._hq_slots[name] for name in self._world_slots() if name in self._hq_slots]
+
+    def elastic_reset(self):
+        """Adapt to the world after Horovod was initialised again (an elastic reset).
+
+        Re-reads rank and size, re-validates the method for the new size (``ValueError``
+        if, e.g., BinSGDM's ``ranks_per_node`` no longer divides it; an automatic
+        ``ranks_per_node`` is recomputed), restarts from zero the error buffers whose size
+        or chunk depends on the world when this rank's ``(rank, size)`` changed (resizing
+        the Keras variables), and makes the agreement check run again (:meth:`elastic_check`).
+        No collective: only the surviving ranks reset."""
+        comm = self._comm()
+        old = (comm.rank, comm.size)
+        comm.refresh()
+        new = (comm.rank, comm.size)
+        if getattr(self, "_hq_auto_ranks_per_node", False):
+            import horovod.tensorflow as hvd
+            self._hq_rule = BinSGDMRule(ranks_per_node=ranks_per_node_of(
+                hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()),
+                seed=self._hq_rule.seed)
+        self._hq_rule.validate(new[1])
+        if not self.built:
+            return
+        numel = int(sum(np.prod(v.shape) for v in self._trainable_variables))
+        sizes = self._hq_rule.extra_slots(numel, new[1])
+        for name in self._world_slots():
+            var = self._hq_slots.get(name)
+            if var is not None and (old != new or int(np.prod(var.shape)) != sizes[name]):
+                resize_keras_variable(var, (sizes[name],))
+        self._hq_recheck = True
+
+    def elastic_check(self):
+        """Run the agreement check again if a reset asked for it (a collective: every
+        rank calls this at the same point; the elastic sync does, ranks that joined build
+        the optimizer there, which checks). Otherwise the next ``apply`` does."""
+        if self.built and self._hq_recheck:
+            with tf.init_scope():
+                self._check_ranks(list(self._trainable_variables))
+        self._hq_recheck = False
+
     @property
     def step_was_finite(self):
         """Variable: 1 when the last step was applied, 0 when every rank skipped it
@@ -181,6 +235,8 @@ class RuleOptimizer(keras.optimizers.Optimizer):
     # --- the step ---------------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):
         _refuse_plain_loss_scaling(self)
+        if self._hq_recheck:  # after an elastic reset whose sync was skipped
+            self.elastic_check()
         return super().apply(grads, trainable_variables)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
@@ -279,13 +335,15 @@ class BinSGDM(RuleOptimizer):
     def __init__(self, learning_rate=1e-3, betas=(0.9,), beta=None, weight_decay=0.0,
                  ranks_per_node=None, seed=0, process_set=None, name="binsgdm", **kwargs):
         beta = single_beta(betas, beta)
-        if ranks_per_node is None:
+        auto = ranks_per_node is None
+        if auto:
             import horovod.tensorflow as hvd
             ranks_per_node = ranks_per_node_of(hvd.rank(), hvd.local_rank(), hvd.local_size(),
                                                hvd.cross_rank(), hvd.cross_size())
         super().__init__(BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed), learning_rate,
                          {"betas": (beta,), "eps": 0.0, "weight_decay": weight_decay}, name,
                          process_set, **kwargs)
+        self._hq_auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 
 def _refuse_plain_loss_scaling(optimizer):
@@ -318,6 +376,33 @@ class StepKindRecorder(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.kinds.append(self.model.optimizer.last_step_kind)
+
+
+def resize_keras_variable(var, shape):
+    """Give the Keras 3 variable ``var`` the shape ``shape``, filled with zeros.
+
+    Keras variables have fixed shapes (``assign`` refuses another), but the error
+    buffers of the 1-bit methods change size with the world. This swaps the
+    ``tf.Variable`` behind ``var`` for a new one and updates the shape Keras records:
+    Keras internals (``_value``, ``_shape``, ``_ndim``; checked on Keras 3.15's
+    TensorFlow backend). The Keras object stays the same, so the optimizer's variable
+    list, ``model.save`` and checkpoints see it; graphs traced before hold the old
+    ``tf.Variable`` and must be traced again (elastic resets do that). Returns ``var``."""
+    shape = tuple(int(d) for d in shape)
+    if tuple(var.shape) == shape:
+        var.assign(tf.zeros(shape, var._dtype))
+        return var
+    old = var._value
+    if not isinstance(old, tf.Variable) or not hasattr(var, "_shape"):
+        raise RuntimeError("hvd_quant: cannot resize this Keras variable (Keras internals "
+                           "changed); rebuild the optimizer for the new world")
+    with tf.init_scope():
+        new = tf.Variable(tf.zeros(shape, old.dtype), trainable=old.trainable,
+                          name=old.name.split(":")[0], aggregation=old.aggregation)
+    var._value = new
+    var._shape = shape
+    var._ndim = len(shape)
+    return var
 
 
 def _flat_values(variables):

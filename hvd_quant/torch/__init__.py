@@ -9,7 +9,7 @@ from .backend import TorchBackend
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
 from .optimizer import DistributedOptimizer
-from .optimizers import BinSGDM, OnebitAdam, ZeroOneAdam
+from .optimizers import BinSGDM, GradScaler, OnebitAdam, ZeroOneAdam
 
-__all__ = ["BinSGDM", "Compression", "DistributedOptimizer", "HorovodTorchComm", "OnebitAdam",
+__all__ = ["BinSGDM", "Compression", "DistributedOptimizer", "GradScaler", "HorovodTorchComm", "OnebitAdam",
            "TorchBackend", "TorchCompressor", "ZeroOneAdam"]

@@ -30,8 +30,10 @@ were not finite) show what each step did.
 
 Loss scaling: the optimizers accept ``torch.amp.GradScaler`` (``scaler.step(opt)``): they
 unscale the gradients themselves and skip a step whose gradients overflowed on any rank,
-on every rank at once. (GradScaler's own bookkeeping sees only this rank's overflow, so
-the ranks' loss scales may differ after such a step; results do not depend on it.)
+on every rank at once. The stock GradScaler's ``update()`` sees only this rank's overflow,
+so the ranks' loss scales drift apart after such a step; :class:`GradScaler` (a drop-in
+subclass) hands ``update()`` the optimizer's global verdict instead and keeps the scales
+identical on every rank.
 """
 
 import torch
@@ -46,6 +48,37 @@ from .backend import TorchBackend
 from .comm import HorovodTorchComm
 
 _STATE_KEY = "hvd_quant.group{}"
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` that keeps the loss scale identical on every rank when it
+    drives one of hvd_quant's 1-bit optimizers (with any other optimizer it is the stock
+    class).
+
+    The 1-bit optimizers skip a step on every rank when any rank's gradients overflowed
+    (the non-finite flag rides on the step's own collective). The stock ``update()`` only
+    knows whether *this* rank's gradients overflowed, so it would halve the scale on the
+    overflowing rank alone and the ranks' loss scales would drift apart (harmless for the
+    weights, which the optimizer unscales per rank, but a later overflow then hits ranks
+    at different scales). After ``step()`` this class writes the optimizer's global verdict
+    (``last_step_skipped``) into the overflow flags ``update()`` reads, so every rank backs
+    off and grows its scale together.
+
+    Examples
+    --------
+    >>> scaler = hq.GradScaler("cpu")                      # doctest: +SKIP
+    >>> scaler.scale(loss).backward(); scaler.step(opt); scaler.update()   # doctest: +SKIP
+    """
+
+    def step(self, optimizer, *args, **kwargs):
+        out = super().step(optimizer, *args, **kwargs)
+        verdict = getattr(optimizer, "last_step_skipped", None) if isinstance(optimizer, RuleOptimizer) else None
+        if verdict is not None and self.is_enabled():
+            # GradScaler's per-optimizer state (private, unchanged since torch 1.6): the
+            # per-device overflow flags that update() sums.
+            for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                flag.fill_(1.0 if verdict else 0.0)
+        return out
 
 
 class RuleOptimizer(torch.optim.Optimizer):
@@ -68,6 +101,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._checked = False
         self._restored = False
         self.step_kinds, self.bytes_sent, self.comm_rounds, self.skipped_steps = [], 0.0, 0, 0
+        self.last_step_skipped = False  # the verdict of every rank together (see GradScaler)
 
     # --- state ------------------------------------------------------------------------
     def _group_state(self, gi, group):
@@ -124,7 +158,9 @@ class RuleOptimizer(torch.optim.Optimizer):
             _write_back(group["params"], new_x)
             kinds.append(st.kinds[-1] if len(st.kinds) > before_kinds else "local")
             nbytes += st.bytes_sent - before_bytes
-            self.skipped_steps += int(st.skipped > before_skips) if gi == 0 else 0
+            if gi == 0:  # every group shares the verdict: one non-finite flag per step
+                self.last_step_skipped = st.skipped > before_skips
+                self.skipped_steps += int(self.last_step_skipped)
         self.step_kinds.append(kinds[0] if kinds else "local")
         self.bytes_sent += nbytes
         self.comm_rounds += int(bool(kinds) and kinds[0] != "local")

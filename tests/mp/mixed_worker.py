@@ -138,16 +138,19 @@ def torch_mode():
         return out
 
     def onebit_grad_scaler():
-        """hvd_quant's 1-bit optimizers under GradScaler: they unscale themselves and skip
-        the overflowing step on every rank (the scale follows each rank's own overflow)."""
+        """hvd_quant's 1-bit optimizers under a GradScaler: they unscale themselves and skip
+        the overflowing step on every rank. ``hq.GradScaler`` then backs off on every rank;
+        the stock one (``stock/NAME``) only where the overflow was."""
         out = {}
         xs, ys = inputs(rank, overflow=True)
         classes = {"onebit_adam": hq.OnebitAdam, "zero_one_adam": hq.ZeroOneAdam, "binsgdm": hq.BinSGDM}
-        for name, options in ONEBIT.items():
+        runs = [(name, hq.GradScaler, options) for name, options in ONEBIT.items()]
+        runs.append(("stock/binsgdm", torch.amp.GradScaler, ONEBIT["binsgdm"]))
+        for name, scaler_cls, options in runs:
             model = net()
-            opt = classes[name](model.parameters(), lr=0.01, named_parameters=model.named_parameters(),
-                                **options)
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+            opt = classes[name.split("/")[-1]](model.parameters(), lr=0.01,
+                                               named_parameters=model.named_parameters(), **options)
+            scaler = scaler_cls("cpu", init_scale=2.0 ** 10, growth_interval=1000)
             after, scales = [], []
             for x, y in zip(xs, ys):
                 opt.zero_grad()
