@@ -167,7 +167,10 @@ def test_exception_in_the_with_block_cleans_up(can_run):
 
 
 HOLDER = """
-import sys, time
+import signal, sys, time
+# Ctrl-C must raise KeyboardInterrupt here even when pytest itself was started in the
+# background of a non-interactive shell, whose children inherit SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {root!r})
 from hvd_quant.cluster import EmulatedCluster
 with EmulatedCluster(hosts=2, log=lambda m: None) as c:
