@@ -72,12 +72,11 @@ class GradScaler(torch.amp.GradScaler):
 
     def step(self, optimizer, *args, **kwargs):
         out = super().step(optimizer, *args, **kwargs)
-        verdict = getattr(optimizer, "last_step_skipped", None) if isinstance(optimizer, RuleOptimizer) else None
-        if verdict is not None and self.is_enabled():
+        if isinstance(optimizer, RuleOptimizer) and self.is_enabled():
             # GradScaler's per-optimizer state (private, unchanged since torch 1.6): the
             # per-device overflow flags that update() sums.
             for flag in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                flag.fill_(1.0 if verdict else 0.0)
+                flag.fill_(1.0 if optimizer.last_step_skipped else 0.0)
         return out
 
 
