@@ -132,11 +132,12 @@ def make_optimizer(args, schedule):
                          "of it yet (hvd_quant.tensorflow lacks the class); use adam or sgdm")
     if args.optimizer == "onebit_adam":
         return cls(learning_rate=schedule, freeze_step=args.freeze_step, betas=(args.beta, args.beta2),
-                   eps=args.eps, weight_decay=args.weight_decay)
+                   eps=args.eps, weight_decay=args.weight_decay, scales=args.scales)
     if args.optimizer == "zero_one_adam":
         return cls(learning_rate=schedule, betas=(args.beta, args.beta2), eps=args.eps,
                    weight_decay=args.weight_decay, var_freeze_step=args.var_freeze_step, var_update_scaler=args.var_update_scaler,
-                   local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)
+                   local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper,
+                   scales=args.scales)
     return cls(learning_rate=schedule, betas=(args.beta,), weight_decay=args.weight_decay, seed=args.seed)
 
 
@@ -224,9 +225,6 @@ class TapeLoop:
 
 def main():
     args = lm_arguments(__doc__.splitlines()[0])
-    if args.param_groups != "one":
-        raise SystemExit("--param-groups tensor is torch only: hvd_quant's Keras optimizers "
-                         "update all trainable variables as one group")
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     tf.config.threading.set_inter_op_parallelism_threads(1)  # ranks share the machine's cores

@@ -109,18 +109,14 @@ def make_optimizer(args, model):
     if cls is None:
         raise SystemExit(f"--optimizer {args.optimizer}: this hvd_quant has no torch implementation "
                          "of it yet (hvd_quant.torch lacks the class); use adam or sgdm")
-    if args.param_groups == "tensor":
-        # One group per tensor: each gets its own compression scale, so small-gradient
-        # tensors (LayerNorm, biases) are not quantized at the scale of the large ones.
-        params = [{"params": [p]} for p in params]
     common = dict(lr=args.lr, named_parameters=named, weight_decay=args.weight_decay)
     if args.optimizer == "onebit_adam":
         return cls(params, freeze_step=args.freeze_step, betas=(args.beta, args.beta2), eps=args.eps,
-                   **common)
+                   scales=args.scales, **common)
     if args.optimizer == "zero_one_adam":
         return cls(params, betas=(args.beta, args.beta2), eps=args.eps, var_freeze_step=args.var_freeze_step,
                    var_update_scaler=args.var_update_scaler, local_step_scaler=args.local_step_scaler,
-                   local_step_clipper=args.local_step_clipper, **common)
+                   local_step_clipper=args.local_step_clipper, scales=args.scales, **common)
     return cls(params, betas=(args.beta,), **common)
 
 

@@ -245,9 +245,10 @@ def lm_arguments(description, argv=None):
                    help="0/1 Adam: local steps between doublings of the sync interval "
                         "(default: sized so that it reaches --local-step-clipper mid-run)")
     p.add_argument("--local-step-clipper", type=int, default=16)
-    p.add_argument("--param-groups", choices=["one", "tensor"], default="one",
-                   help="1-bit optimizers, torch only: one flat group (one compression scale for "
-                        "the whole model, as DeepSpeed's fp16 optimizer), or one group per tensor")
+    p.add_argument("--scales", choices=["tensor", "group"], default="tensor",
+                   help="1-bit Adam and 0/1 Adam: one compression scale per tensor (as "
+                        "DeepSpeed's step()), or one for the whole model (as DeepSpeed's fp16 "
+                        "optimizer, which flattens it)")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -318,8 +319,8 @@ def schedule_summary(args):
             out["eps"] = args.eps
     if args.optimizer == "onebit_adam":
         out["freeze_step"] = args.freeze_step
-    if args.optimizer not in BASELINES and args.param_groups != "one":
-        out["param_groups"] = args.param_groups
+    if args.optimizer in ("onebit_adam", "zero_one_adam") and args.scales != "tensor":
+        out["scales"] = args.scales
     if args.optimizer == "zero_one_adam":
         out.update(var_freeze_step=args.var_freeze_step, var_update_scaler=args.var_update_scaler,
                    local_step_scaler=args.local_step_scaler, local_step_clipper=args.local_step_clipper)

@@ -316,6 +316,9 @@ total = hvd.allreduce(x, op=hvd.Sum, name="all")
 if hvd.rank() in (0, 2):
     print("even", hvd.allreduce(x, op=hvd.Sum, name="even", process_set=even).tolist(), flush=True)
 print("all", total.tolist(), "local", hvd.local_rank(), hvd.local_size(), "cross", hvd.cross_rank(), flush=True)
+# A rank that exits shuts Horovod down for all: rank 1 must not leave while 0 and 2
+# are still in the process-set allreduce (seen in CI as a race).
+hvd.allreduce(torch.zeros(1), name="done")
 """
 
 

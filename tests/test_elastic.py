@@ -85,7 +85,8 @@ def test_elastic_torch_survivors_continue(tmp_path):
         # ...the world-dependent padded buffers of 0/1 Adam restart from zero at the new size...
         assert reset["zeroone_worker_error_abs"] == 0.0
         from hvd_quant.core.onebit import padded_size
-        assert reset["zeroone_worker_error_numel"] == padded_size(8 * 2 + 2, 2)
+        # (one padded segment per tensor: weight and bias, as DeepSpeed's per-tensor step)
+        assert reset["zeroone_worker_error_numel"] == padded_size([8 * 2, 2], 2)
         # ...and the agreement checks run again.
         assert reset["zeroone_checked"] is False and reset["ef_checked"] == []
         # Global-QSGD re-resolved its levels for 2 ranks.
@@ -136,7 +137,8 @@ def test_elastic_tensorflow_custom_loop_survivors_continue(tmp_path):
         [(key, numel, total)] = reset["onebit_opt_worker_error"]
         assert f"rank{r['rank']}of2" in key and numel == padded_size(dense, 2) and total == 0.0
         assert reset["zeroone_worker_error_abs"] == 0.0
-        assert reset["zeroone_worker_error_numel"] == padded_size(dense, 2) != padded_size(dense, 3)
+        tensors = [8 * 2, 2]  # 0/1 Adam pads each tensor (kernel, bias) on its own
+        assert reset["zeroone_worker_error_numel"] == padded_size(tensors, 2) != padded_size(tensors, 3)
         # ...the 1-bit optimizer's agreement check is re-armed (it ran at the sync)...
         assert reset["zeroone_recheck"] is True
         # ...and Global-QSGD re-resolved its levels for 2 ranks.
@@ -182,8 +184,9 @@ def test_elastic_keras_fit_survivors_continue(tmp_path, method):
         assert reset["size"] == 2 and reset["epoch"] == KILL_EPOCH
         assert reset["train_function"] is False
         # World-dependent error buffers: resized for 2 ranks, from zero.
-        assert {(n, t) for _, n, t in reset["buffers"]} <= {(padded_size(dense, 2), 0.0),
-                                                            (padded_size(dense, 2) // 2, 0.0)}
+        # (the onebit compressor pads the fused buffer; 0/1 Adam each tensor on its own)
+        size = padded_size(dense if method == "onebit" else [8 * 2, 2], 2)
+        assert {(n, t) for _, n, t in reset["buffers"]} <= {(size, 0.0), (size // 2, 0.0)}
         assert len(reset["buffers"]) == 2
         # Epochs before the kill ran at 3 ranks, the rest at 2 (the killed one again).
         assert [e for e, _ in r["epochs_run"]] == list(range(KILL_EPOCH + 1)) + list(range(KILL_EPOCH, EPOCHS))
@@ -316,11 +319,11 @@ def test_torch_reset_in_one_process(monkeypatch):
     # Pretend this process was rank 2 of 3 before Horovod was initialised again.
     z._comm.rank, z._comm.size = 2, 3
     slots = z.state["hvd_quant.group0"]["slots"]
-    slots["worker_error"] = torch.ones(padded_size(15, 3))
+    slots["worker_error"] = torch.ones(padded_size([12, 3], 3))  # weight, bias
     state.restore()
     state.reset()
     slots = z.state["hvd_quant.group0"]["slots"]
-    assert slots["worker_error"].numel() == padded_size(15, 1) and slots["worker_error"].abs().sum() == 0
+    assert slots["worker_error"].numel() == padded_size([12, 3], 1) and slots["worker_error"].abs().sum() == 0
     assert z._checked is False and not ours._runner._checked
     assert not stock._compression.owned(stock).runner._checked
     # Survivors keep their error feedback (restored from the commit).
@@ -497,8 +500,8 @@ def test_tf_reset_adapts_world_state_and_retraces():
     for opt in (o1, o2):
         for v in opt.elastic_local_variables():
             if "error" in v.path:
-                if opt is o2:
-                    resize_keras_variable(v, (padded_size(n, 3) // (3 if "server" in v.path else 1),))
+                if opt is o2:  # 0/1 Adam pads each tensor (kernel, bias) on its own
+                    resize_keras_variable(v, (padded_size([12, 3], 3) // (3 if "server" in v.path else 1),))
                 v.assign(tf.ones(v.shape, v.dtype))
     state.commit()  # a commit at the old size: restored shapes that no longer fit are skipped
     before, calls = elastic.generation(), len(traces)
@@ -508,7 +511,8 @@ def test_tf_reset_adapts_world_state_and_retraces():
     assert elastic.generation() == before + 1 and m1.train_function is None
     for opt in (o1, o2):
         errors = [v for v in opt.elastic_local_variables() if "error" in v.path]
-        assert sorted(int(np.prod(v.shape)) for v in errors) == [padded_size(n, 1)] * 2
+        want = padded_size(n if opt is o1 else [12, 3], 1)
+        assert sorted(int(np.prod(v.shape)) for v in errors) == [want] * 2
         assert all(np.abs(v.numpy()).sum() == 0 for v in errors)
     assert not o1._runner._checked and o2._hq_recheck
     state.sync()  # runs 0/1 Adam's check on every rank (ranks that joined build and check)

@@ -66,6 +66,57 @@ def test_compressed_allreduce_equals_deepspeed(backend, n, d):
         assert m.bytes_sent == pytest.approx(steps * compressed_allreduce_bytes(d, n))
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize("counts", [[1, 0, 7, 100], [1001, 3], [16, 16, 16]])
+def test_compressed_allreduce_per_tensor_equals_deepspeed_per_tensor(backend, n, counts):
+    """``counts``: one set of collectives, the numbers of DeepSpeed's ``step()`` compressing
+    every tensor on its own (own scales, own error buffers, concatenated in tensor order)."""
+    steps, d = 3, sum(counts)
+    data = [[np.random.default_rng(100 * r + s).standard_normal(d).astype(np.float32)
+             for s in range(steps)] for r in range(n)]
+    bounds = np.cumsum([0] + counts)
+    ref_w = [[np.zeros(padded_size(c, n), np.float32) for _ in range(n)] for c in counts]
+    ref_s = [[np.zeros(padded_size(c, n) // n, np.float32) for _ in range(n)] for c in counts]
+    expected = [np.concatenate([
+        ds.compressed_allreduce([data[r][s][bounds[i]:bounds[i + 1]] for r in range(n)],
+                                ref_w[i], ref_s[i])[0] for i in range(len(counts))])
+        for s in range(steps)]
+    total = padded_size(counts, n)
+    assert total == sum(padded_size(c, n) for c in counts)
+
+    def body(comm):
+        w, e = np.zeros(total, np.float32), np.zeros(total // n, np.float32)
+        outs = []
+        for s in range(steps):
+            out, w, e, finite = compressed_allreduce(backend, comm, data[comm.rank][s], w, e,
+                                                     f"c{s}", counts=counts)
+            assert finite
+            outs.append(out)
+        return outs, w, e
+
+    world = ThreadWorld(n)
+    for rank, (outs, w, e) in enumerate(world.run(body)):
+        for s in range(steps):
+            np.testing.assert_array_equal(outs[s], expected[s])
+        np.testing.assert_array_equal(w, np.concatenate([ref_w[i][rank] for i in range(len(counts))]))
+        np.testing.assert_array_equal(e, np.concatenate([ref_s[i][rank] for i in range(len(counts))]))
+    # 3 collectives per step however many tensors: 2 scale gathers, 1 alltoall, 1 gather.
+    for m in world.meters:
+        assert m.bytes_sent == pytest.approx(steps * compressed_allreduce_bytes(counts, n))
+    assert compressed_allreduce_bytes(counts, n) == pytest.approx(
+        sum(compressed_allreduce_bytes(c, n) for c in counts))
+
+
+def test_compressed_allreduce_refuses_sizes_that_do_not_add_up():
+    def body(comm):
+        compressed_allreduce(NumpyBackend(), comm, np.ones(10, np.float32), np.zeros(32, np.float32),
+                             np.zeros(16, np.float32), "c", counts=[4, 5])
+
+    with pytest.raises(ValueError, match="do not add up"):
+        ThreadWorld(2).run(body)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_compressed_allreduce_non_finite_leaves_errors_untouched(bad):
     n, d = 3, 50
@@ -86,13 +137,13 @@ def test_compressed_allreduce_non_finite_leaves_errors_untouched(bad):
         np.testing.assert_array_equal(e, e0[rank])
 
 
-def run_rule(rule_factory, n, grads, lrs, hp=HP, backend=None, mask=None, x0=None):
+def run_rule(rule_factory, n, grads, lrs, hp=HP, backend=None, mask=None, x0=None, counts=None):
     """Each rank's OracleOptimizer over the steps; returns the per-rank optimizers."""
     d = grads[0][0].size
     x0 = dyadic(d, 7) if x0 is None else x0
 
     def body(comm):
-        opt = OracleOptimizer(rule_factory(), x0, comm, hp, backend=backend, mask=mask)
+        opt = OracleOptimizer(rule_factory(), x0, comm, hp, backend=backend, mask=mask, counts=counts)
         for s, lr in enumerate(lrs):
             opt.step(grads[comm.rank][s], lr)
         return opt
@@ -155,6 +206,46 @@ def test_zero_one_adam_equals_deepspeed(backend, n, wd, masked):
     assert "local" in kinds[15:] and kinds.count("onebit") > 8
     for a in opts[1:]:
         assert not np.array_equal(a.x, opts[0].x) or kinds[-1] == "onebit"  # local steps differ
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("which", ["onebit_adam", "zero_one_adam"])
+def test_per_tensor_scales_equal_deepspeed_per_tensor(backend, n, which):
+    """A group of three tensors with ``scales="tensor"`` steps exactly as DeepSpeed's
+    ``step()`` does on the three tensors one by one; ``"group"`` as on their concatenation."""
+    counts, steps = [40, 3, 157], 30
+    d = sum(counts)
+    bounds = np.cumsum([0] + counts)
+    options = (dict(freeze_step=5) if which == "onebit_adam" else
+               dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4))
+    Rule, Ref = ((OnebitAdamRule, ds.OnebitAdam) if which == "onebit_adam" else (ZeroOneAdamRule, ds.ZeroOneAdam))
+    # Tensors of very different magnitudes, as a LayerNorm's and an embedding's gradients.
+    magnitude = np.repeat([1.0, 2.0 ** -8, 2.0 ** 4], counts).astype(np.float32)
+    grads = [[dyadic(d, 1000 * r + s) * magnitude for s in range(steps)] for r in range(n)]
+    lrs = [1e-2] * steps
+    x0 = dyadic(d, 7)
+
+    def reference(parts):
+        out = []
+        for a, b in parts:
+            ref = Ref([x0[a:b]] * n, lrs[0], **options)
+            for s in range(steps):
+                ref.step([grads[r][s][a:b] for r in range(n)])
+            out.append(ref)
+        return [np.concatenate([ref.x[r] for ref in out]) for r in range(n)]
+
+    per_tensor = reference(list(zip(bounds[:-1], bounds[1:])))
+    flat = reference([(0, d)])
+    for scales, expected in (("tensor", per_tensor), ("group", flat)):
+        opts, _ = run_rule(lambda: Rule(scales=scales, **options), n, grads, lrs, backend=backend,
+                           x0=x0, counts=counts)
+        for rank, opt in enumerate(opts):
+            np.testing.assert_array_equal(opt.x, expected[rank], err_msg=scales)
+        rule = Rule(scales=scales, **options)
+        assert opts[0].state.bytes_sent == pytest.approx(
+            sum(rule.wire_bytes(k, counts, n) for k in opts[0].state.kinds))
+    assert not np.array_equal(per_tensor[0], flat[0])
 
 
 def test_zero_one_adam_one_rank_is_local_adam_with_the_schedule():

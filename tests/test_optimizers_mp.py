@@ -41,7 +41,7 @@ def oracle(name, n, k, drop_rank=None):
     hp = cases.HP if name != "binsgdm" else dict(cases.HP, betas=(0.9,), eps=0.0)
 
     def body(comm):
-        opt = OracleOptimizer(rules[name](), cases.initial_params(), comm, hp)
+        opt = OracleOptimizer(rules[name](), cases.initial_params(), comm, hp, counts=cases.COUNTS)
         for s in range(cases.STEPS):
             g = cases.grad(comm.rank, s)
             if drop_rank == comm.rank and s == 3:  # parameter p1 had no gradient

@@ -34,6 +34,16 @@ alltoall ``(n - 1) / n * D / 8``, the server allgather ``(n - 1) * D / (8 n)``, 
 allgathers of one float32: about ``2 (n - 1) / n * D / 8``, 32 times less than an fp32
 allreduce's ``2 (n - 1) / n * 4 D``.
 
+Per-tensor scales in one collective (``counts``): DeepSpeed's ``step()`` calls
+``compressed_allreduce`` once per parameter tensor, each with its own error buffers and so
+its own worker and server scales; only under its fp16 optimizer, which flattens each
+parameter group into one tensor, is there one scale per group. Passing the tensor sizes
+as ``counts`` gives exactly the per-tensor results (each tensor padded by the rule above,
+its error buffers concatenated in tensor order) with one set of collectives for all
+tensors: tensor ``i``'s chunk ``j`` goes to rank ``j``, so the alltoall sends rank ``j``
+the concatenation of every tensor's chunk ``j``, and the scale gathers carry one float32
+per tensor.
+
 Non-finite input: a rank whose ``c`` holds inf or NaN has a non-finite ``sigma_w``; the
 scales are gathered before any error buffer changes, so every rank sees it, leaves both
 error buffers exactly as they were, and returns NaN for the whole buffer. (DeepSpeed
@@ -52,9 +62,21 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def padded_size(numel, world_size):
-    """``numel`` rounded up to a multiple of ``n * lcm(n, 8)`` (DeepSpeed's padding)."""
+    """``numel`` rounded up to a multiple of ``n * lcm(n, 8)`` (DeepSpeed's padding).
+    With a list of tensor sizes, the sum of their padded sizes (one buffer per tensor)."""
+    if not isinstance(numel, int):
+        return sum(padded_size(int(c), world_size) for c in numel)
     unit = world_size * (world_size * 8 // math.gcd(world_size, 8))
     return numel + (-numel) % unit
+
+
+def rms_scales(B, x, e, counts):
+    """float32 :func:`rms_scale` of every segment of ``x + e`` (``counts`` elements each)."""
+    norms = B.sqrt(compensate_sums(B, x, e, counts, squares=True))
+    roots = np.sqrt(np.maximum(np.asarray(counts, np.float64), 1.0))
+    as_deepspeed = B.cast(norms, "float32") / B.constant(roots.astype(np.float32), "float32")
+    return B.where(B.less(norms, B.full(1, FLOAT32_MAX, "float64")), as_deepspeed,
+                   B.cast(norms / B.constant(roots, "float64"), "float32"))
 
 
 def rms_scale(B, x, e, numel):
@@ -71,7 +93,7 @@ def rms_scale(B, x, e, numel):
                    B.cast(norm / root, "float32"))
 
 
-def compressed_allreduce(B, comm, x, worker_error, server_error, name):
+def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=None):
     """Average the flat float32 ``x`` over ``comm``'s ranks at 1 bit per element.
 
     Parameters
@@ -79,10 +101,14 @@ def compressed_allreduce(B, comm, x, worker_error, server_error, name):
     B : Backend
     comm : Communicator
     x : float32 tensor of ``d`` elements
-    worker_error : float32 tensor of ``padded_size(d, n)`` elements (this rank's state)
-    server_error : float32 tensor of ``padded_size(d, n) // n`` elements
+    worker_error : float32 tensor of ``padded_size(counts, n)`` elements (this rank's state)
+    server_error : float32 tensor of ``padded_size(counts, n) // n`` elements
     name : str
         Prefix of the collective names, identical on every rank.
+    counts : list of int or None
+        Sizes of the tensors concatenated in ``x``, each compressed with its own scales
+        and error buffers as DeepSpeed's per-tensor ``step()`` does (see the module
+        docstring); None: ``x`` is one tensor (DeepSpeed's flattened fp16 group).
 
     Returns
     -------
@@ -92,46 +118,108 @@ def compressed_allreduce(B, comm, x, worker_error, server_error, name):
     finite : boolean scalar tensor, False when any rank's input was not finite
     """
     n, d = comm.size, B.numel(x)
-    total = padded_size(d, n)
-    chunk = total // n
-    buf = B.pad(x, total - d)
+    counts = [d] if counts is None else [int(c) for c in counts]
+    if sum(counts) != d:
+        raise ValueError(f"tensor sizes {counts} do not add up to the buffer's {d} elements")
+    padded = [padded_size(c, n) for c in counts]
+    chunks = [p // n for p in padded]
+    total, chunk = sum(padded), sum(chunks)
+    buf = _pad_tensors(B, x, counts, padded)
 
-    # Phase 1 (worker): RMS scale, gathered first so every rank knows if the step is finite.
-    worker_scale = B.reshape(rms_scale(B, buf, worker_error, total), (1,))
-    worker_scales = comm.allgather(worker_scale, f"{name}.worker_scale")
+    # Phase 1 (worker): RMS scales, gathered first so every rank knows if the step is finite.
+    worker_scale = rms_scales(B, buf, worker_error, padded)
+    worker_scales = comm.allgather(worker_scale, f"{name}.worker_scale")  # n rows of len(counts)
     finite = B.all_finite(worker_scales)
     bits, worker_error = B.cond(
-        finite, lambda: sign_pack_residual(B, buf, worker_error, worker_scale, [total], out=worker_error),
+        finite, lambda: sign_pack_residual(B, buf, worker_error, worker_scale, padded, out=worker_error),
         lambda: (B.zeros(packed_sign_bytes(total), "uint8"), worker_error))
-    received = comm.alltoall(bits, f"{name}.worker_signs")  # n rows: every rank's signs of my chunk
+    # n rows, row r: every tensor's chunk r, in tensor order; row j goes to rank j.
+    received = comm.alltoall(_rank_major(B, bits, chunks, n), f"{name}.worker_signs")
 
-    # Phase 2 (server): average this rank's chunk, add the server error, re-sign it.
+    # Phase 2 (server): average this rank's chunks, add the server error, re-sign them.
     def server_stage():
-        compensated = unpack_scaled_sum(B, received, worker_scales * (1.0 / n), [chunk], chunk,
+        compensated = unpack_scaled_sum(B, received, worker_scales * (1.0 / n), chunks, chunk,
                                         base=server_error)
-        scale = B.reshape(rms_scale(B, compensated, None, chunk), (1,))
-        server_bits, new_error = sign_pack_residual(B, compensated, None, scale, [chunk], out=server_error)
+        scale = rms_scales(B, compensated, None, chunks)
+        server_bits, new_error = sign_pack_residual(B, compensated, None, scale, chunks, out=server_error)
         return server_bits, new_error, scale
 
     server_bits, server_error, server_scale = B.cond(
         finite, server_stage,
-        lambda: (B.zeros(packed_sign_bytes(chunk), "uint8"), server_error, B.zeros(1)))
+        lambda: (B.zeros(packed_sign_bytes(chunk), "uint8"), server_error, B.zeros(len(counts))))
 
-    # Phase 3: every rank gathers every chunk's signs and scale, and decodes them.
+    # Phase 3: every rank gathers every chunk's signs and scales, and decodes them.
     all_bits = comm.allgather(server_bits, f"{name}.server_signs")
     server_scales = comm.allgather(server_scale, f"{name}.server_scale")
-    out = B.cond(finite,
-                 lambda: B.slice(unpack_scaled_sum(B, all_bits, server_scales, [chunk] * n, total), 0, d),
-                 lambda: B.full(d, float("nan")))
+
+    def decode():
+        tensor_bits, tensor_scales = _tensor_major(B, all_bits, server_scales, chunks, n)
+        per_chunk = [c for c in chunks for _ in range(n)]
+        return _unpad_tensors(B, unpack_scaled_sum(B, tensor_bits, tensor_scales, per_chunk, total),
+                              counts, padded)
+
+    out = B.cond(finite, decode, lambda: B.full(d, float("nan")))
     return out, worker_error, server_error, finite
 
 
+def _pad_tensors(B, x, counts, padded):
+    """Each tensor of ``x`` followed by its zero padding."""
+    if len(counts) == 1:
+        return B.pad(x, padded[0] - counts[0])
+    parts, offset = [], 0
+    for c, p in zip(counts, padded):
+        parts.append(B.pad(B.slice(x, offset, offset + c), p - c))
+        offset += c
+    return B.concat(parts)
+
+
+def _unpad_tensors(B, y, counts, padded):
+    """Inverse of :func:`_pad_tensors`."""
+    if len(counts) == 1:
+        return B.slice(y, 0, counts[0])
+    parts, offset = [], 0
+    for c, p in zip(counts, padded):
+        parts.append(B.slice(y, offset, offset + c))
+        offset += p
+    return B.concat(parts)
+
+
+def _rank_major(B, bits, chunks, n):
+    """Packed signs in tensor order (tensor i: n chunks of ``chunks[i] / 8`` bytes) to
+    rank order (chunk r of every tensor, then chunk r + 1...). Bytes only: 1/32 of the
+    buffer's size."""
+    if len(chunks) == 1:
+        return bits
+    columns, offset = [], 0
+    for c in chunks:
+        columns.append(B.reshape(B.slice(bits, offset, offset + n * (c // 8)), (n, c // 8)))
+        offset += n * (c // 8)
+    return B.reshape(B.concat_columns(columns), (-1,))
+
+
+def _tensor_major(B, bits, scales, chunks, n):
+    """Inverse of :func:`_rank_major` for the gathered server signs, and their scales
+    (``n`` rows of one scale per tensor) in the same order."""
+    if len(chunks) == 1:
+        return bits, scales
+    rows = B.reshape(bits, (n, -1))
+    scale_rows = B.reshape(scales, (n, len(chunks)))
+    out_bits, out_scales, offset = [], [], 0
+    for i, c in enumerate(chunks):
+        out_bits.append(B.reshape(B.slice_columns(rows, offset, offset + c // 8), (-1,)))
+        out_scales.append(B.reshape(B.slice_columns(scale_rows, i, i + 1), (-1,)))
+        offset += c // 8
+    return B.concat(out_bits), B.concat(out_scales)
+
+
 def compressed_allreduce_bytes(numel, world_size):
-    """Bytes one rank sends in :func:`compressed_allreduce` (WireMeter cost model)."""
+    """Bytes one rank sends in :func:`compressed_allreduce` (WireMeter cost model).
+    ``numel``: the buffer's size, or the list of its tensors' sizes (``counts``)."""
     n = world_size
     if n == 1:
         return 0.0
     total = padded_size(numel, n)
+    tensors = 1 if isinstance(numel, int) else len(numel)
     return ((n - 1) / n * (total // 8)      # alltoall of the worker signs
             + (n - 1) * (total // n // 8)   # allgather of the server signs
-            + 2 * (n - 1) * 4.0)            # allgathers of the two float32 scales
+            + 2 * (n - 1) * 4.0 * tensors)  # allgathers of the float32 scales

@@ -12,9 +12,11 @@ runs it on numpy arrays for the tests.
 
 One rule instance serves one optimizer; it sees one *parameter group* at a time as two
 flat float32 tensors (the parameters ``x`` and this rank's gradient ``g``, concatenated in
-a fixed order), plus the group's flat state in a :class:`GroupState`. Under DeepSpeed's
-fp16 optimizer, which 1-bit Adam and 0/1 Adam are used with, each parameter group is
-likewise one flat fp32 tensor: so one scale per group and step, as there.
+a fixed order), plus the group's flat state in a :class:`GroupState`, and the sizes of
+the tensors in it (``StepContext.counts``). DeepSpeed's 1-bit optimizers compress each
+tensor of a group with its own scale (``step()`` loops over them), unless its fp16
+optimizer has flattened the group into one tensor; the 1-bit Adam family here does either
+(``scales="tensor"``, the default, or ``"group"``), with one set of collectives per group.
 
 Non-finite gradients: a step whose averaged (or, on a local step, local) values are not
 finite changes nothing. Rules compute new values first and store them with one
@@ -91,12 +93,16 @@ class StepContext:
         Prefix of this group's collective names, identical on every rank.
     rng : generator
         This rank's random stream (``B.generator``), for randomized rules.
+    counts : list of int
+        Sizes of the group's tensors, in the order they are concatenated in ``x`` and
+        ``g`` (default: one tensor).
     """
 
-    def __init__(self, B, comm, state, g, x, lr, hp, name, rng=None, mask=None):
+    def __init__(self, B, comm, state, g, x, lr, hp, name, rng=None, mask=None, counts=None):
         self.B, self.comm, self.state = B, comm, state
         self.g, self.x, self.lr, self.hp = g, x, lr, hp
         self.name, self.rng, self.mask = name, rng, mask
+        self.counts = [B.numel(x)] if counts is None else [int(c) for c in counts]
 
     def collective_name(self, phase):
         return f"hvd_quant.{self.name}.{phase}"
@@ -129,9 +135,10 @@ class Rule:
         """Options that every rank must share (checked on the first step)."""
         return dict(self._options)
 
-    def extra_slots(self, numel, world_size):
+    def extra_slots(self, counts, world_size):
         """``{name: size}`` of flat float32 slots whose size is not the group's
-        (DeepSpeed's padded error buffers)."""
+        (DeepSpeed's padded error buffers). ``counts``: the group's tensor sizes (a list),
+        or its size (an int: one tensor)."""
         return {}
 
     def scalars(self):
@@ -146,7 +153,8 @@ class Rule:
         raise NotImplementedError
 
     def wire_bytes(self, kind, numel, world_size):
-        """Bytes one rank sends in a ``kind`` step of a group of ``numel`` elements."""
+        """Bytes one rank sends in a ``kind`` step of a group of ``numel`` elements (an
+        int, or the list of the group's tensor sizes)."""
         raise NotImplementedError
 
     def __repr__(self):
@@ -162,6 +170,29 @@ def adam_hyperparameters(betas, eps, weight_decay):
     if not eps >= 0.0 or not weight_decay >= 0.0:
         raise ValueError(f"eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
     return {"betas": betas, "eps": float(eps), "weight_decay": float(weight_decay)}
+
+
+#: ``scales`` of the 1-bit Adam family: one RMS scale (and error buffer) per tensor, as
+#: DeepSpeed's ``step()`` loops over a group's tensors; or one per group, as under
+#: DeepSpeed's fp16 optimizer, which flattens each group into one tensor.
+SCALES = ("tensor", "group")
+
+
+def scales_option(value):
+    if value not in SCALES:
+        raise ValueError(f"scales must be one of {SCALES}, got {value!r}")
+    return value
+
+
+def tensor_sizes(counts):
+    """A group's tensor sizes as a list (``counts`` an int: one tensor)."""
+    return [int(counts)] if isinstance(counts, (int,)) or hasattr(counts, "__index__") else [int(c) for c in counts]
+
+
+def compressed_counts(scales, counts):
+    """The tensor sizes the compressed allreduce keeps apart under ``scales``."""
+    counts = tensor_sizes(counts)
+    return counts if scales == "tensor" else [sum(counts)]
 
 
 def keep_if(B, ok, new, old):
@@ -189,13 +220,14 @@ def full_precision_bytes(numel, world_size):
     return 2.0 * (world_size - 1) / world_size * 4 * numel if world_size > 1 else 0.0
 
 
-def initial_state(rule, numel, world_size):
-    """``(slots, scalars)`` of a new group: float32 numpy zeros for every slot, and the
-    rule's initial counters. Adapters copy these into their own tensors/variables."""
+def initial_state(rule, counts, world_size):
+    """``(slots, scalars)`` of a new group of tensors of sizes ``counts`` (or one of
+    ``counts`` elements): float32 numpy zeros for every slot, and the rule's initial
+    counters. Adapters copy these into their own tensors/variables."""
     import numpy as np
 
-    sizes = {name: numel for name in rule.param_slots}
-    sizes.update(rule.extra_slots(numel, world_size))
+    sizes = {name: sum(tensor_sizes(counts)) for name in rule.param_slots}
+    sizes.update(rule.extra_slots(tensor_sizes(counts), world_size))
     return {name: np.zeros(size, np.float32) for name, size in sizes.items()}, dict(rule.scalars())
 
 

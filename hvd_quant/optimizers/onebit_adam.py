@@ -36,7 +36,8 @@ Deliberate departures from DeepSpeed, and why:
 """
 
 from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
-from .base import Rule, full_precision_bytes, full_precision_mean, keep_if
+from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
+                   scales_option, tensor_sizes)
 
 
 class OnebitAdamRule(Rule):
@@ -48,20 +49,26 @@ class OnebitAdamRule(Rule):
         Step (counting the initialisation step) after which the variance is frozen and
         the momentum is compressed. DeepSpeed's default is 100000; its tutorials warm
         up for 15-25% of the total steps.
+    scales : {"tensor", "group"}
+        ``"tensor"`` (default): one RMS scale and one pair of error buffers per tensor,
+        as DeepSpeed's ``step()`` compresses each parameter tensor on its own (all
+        tensors still go in one set of collectives). ``"group"``: one per parameter
+        group, as under DeepSpeed's fp16 optimizer, which flattens each group.
     """
 
     name = "onebit_adam"
     param_slots = ("exp_avg", "exp_avg_sq")
     per_rank_slots = ("worker_error", "server_error")
 
-    def __init__(self, freeze_step=100000):
+    def __init__(self, freeze_step=100000, scales="tensor"):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
             raise ValueError(f"freeze_step must be an int >= 0, got {freeze_step!r}")
-        super().__init__(freeze_step=freeze_step)
+        super().__init__(freeze_step=freeze_step, scales=scales_option(scales))
         self.freeze_step = freeze_step
+        self.scales = scales
 
-    def extra_slots(self, numel, world_size):
-        total = padded_size(numel, world_size)
+    def extra_slots(self, counts, world_size):
+        total = padded_size(compressed_counts(self.scales, counts), world_size)
         return {"worker_error": total, "server_error": total // world_size}
 
     def scalars(self):
@@ -69,9 +76,9 @@ class OnebitAdamRule(Rule):
 
     def wire_bytes(self, kind, numel, world_size):
         if kind == "full":
-            return full_precision_bytes(numel, world_size)
+            return full_precision_bytes(sum(tensor_sizes(numel)), world_size)
         if kind in ("onebit", "init"):
-            return compressed_allreduce_bytes(numel, world_size)
+            return compressed_allreduce_bytes(compressed_counts(self.scales, numel), world_size)
         return 0.0
 
     def step(self, ctx):
@@ -83,7 +90,7 @@ class OnebitAdamRule(Rule):
         def compress(value):
             out, worker, server, finite = compressed_allreduce(
                 B, comm, value, st.slot("worker_error"), st.slot("server_error"),
-                ctx.collective_name("momentum"))
+                ctx.collective_name("momentum"), compressed_counts(self.scales, ctx.counts))
             # The error buffers are already left untouched on a non-finite step.
             st.commit(True, {"worker_error": worker, "server_error": server})
             return out, finite
@@ -96,7 +103,7 @@ class OnebitAdamRule(Rule):
             # DeepSpeed's first step: the zero momentum goes through the compressed
             # allreduce once (it stays zero, so do both error buffers); no update.
             m = compress(st.slot("exp_avg"))[0] if n > 1 else st.slot("exp_avg")
-            st.count("init", self.wire_bytes("init", d, n))
+            st.count("init", self.wire_bytes("init", ctx.counts, n))
             st.commit(True, {"exp_avg": masked(m)}, {"step": step, "initialized": 1})
             return ctx.x
 
@@ -108,7 +115,7 @@ class OnebitAdamRule(Rule):
 
         def warm_up():
             g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
-            st.count("full", self.wire_bytes("full", d, n))
+            st.count("full", self.wire_bytes("full", ctx.counts, n))
             m = st.slot("exp_avg") * beta1 + g * (1.0 - beta1)
             v = st.slot("exp_avg_sq") * beta2 + g * g * (1.0 - beta2)
             ok = B.all_finite(g)
@@ -121,7 +128,7 @@ class OnebitAdamRule(Rule):
             m = st.slot("exp_avg") * beta1 + ctx.g * (1.0 - beta1)
             if n > 1:
                 m, ok = compress(m)
-                st.count("onebit", self.wire_bytes("onebit", d, n))
+                st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
             else:
                 ok = B.all_finite(m)
                 st.count("local", 0.0)

@@ -29,19 +29,23 @@ class OracleOptimizer:
     backend : Backend
         ``NumpyBackend()`` (the oracle) by default; ``NumpyKernelBackend()`` runs the same
         rule through the fused kernels.
+    counts : list of int or None
+        Sizes of the tensors concatenated in ``x`` (None: one tensor).
     """
 
-    def __init__(self, rule, x, comm, hp, seed=0, mask=None, backend=None, name="opt.g0"):
+    def __init__(self, rule, x, comm, hp, seed=0, mask=None, backend=None, name="opt.g0", counts=None):
         self.rule, self.comm, self.hp, self.mask, self.name = rule, comm, dict(hp), mask, name
         self.B = backend or NumpyBackend()
         self.x = np.array(x, np.float32).reshape(-1)
+        self.counts = [self.x.size] if counts is None else [int(c) for c in counts]
         rule.validate(comm.size)
-        slots, scalars = initial_state(rule, self.x.size, comm.size)
+        slots, scalars = initial_state(rule, self.counts, comm.size)
         self.state = EagerGroupState(slots, scalars)
         self.rng = self.B.generator(seed + 1_000_003 * comm.rank)
 
     def step(self, g, lr):
         ctx = StepContext(self.B, self.comm, self.state, np.asarray(g, np.float32).reshape(-1),
-                          self.x, lr, self.hp, self.name, rng=self.rng, mask=self.mask)
+                          self.x, lr, self.hp, self.name, rng=self.rng, mask=self.mask,
+                          counts=self.counts)
         self.x = np.asarray(self.rule.step(ctx), np.float32)
         return self.x

@@ -57,7 +57,8 @@ Deliberate departures from DeepSpeed, and why:
 """
 
 from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
-from .base import Rule, full_precision_bytes, full_precision_mean, keep_if
+from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
+                   scales_option, tensor_sizes)
 
 
 def _positive_int(name, value):
@@ -86,6 +87,13 @@ class ZeroOneAdamRule(Rule):
         rounding differs per rank: after a sync the ranks agree to a few ulps, not bit
         for bit. With ``exact_sync=True`` those parameters are kept (one more parameter
         sized buffer) and every sync leaves all ranks with identical parameters.
+    scales : {"tensor", "group"}
+        ``"tensor"`` (default): one RMS scale and one pair of error buffers per tensor,
+        as DeepSpeed's ``step()`` compresses each parameter tensor on its own (all
+        tensors still go in one set of collectives). ``"group"``: one per parameter
+        group, as under DeepSpeed's fp16 optimizer, which flattens each group. In Phase
+        A raw gradients are compressed, and with one scale per group the tensors with
+        small gradients (LayerNorm, biases) are swamped by the group's scale.
     """
 
     name = "zero_one_adam"
@@ -94,25 +102,26 @@ class ZeroOneAdamRule(Rule):
     per_rank_slots = ("exp_avg", "momentum_accumulator", "worker_error", "server_error")
 
     def __init__(self, var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
-                 local_step_clipper=16, exact_sync=False):
+                 local_step_clipper=16, exact_sync=False, scales="tensor"):
         if isinstance(var_freeze_step, bool) or not isinstance(var_freeze_step, int) or var_freeze_step < 0:
             raise ValueError(f"var_freeze_step must be an int >= 0, got {var_freeze_step!r}")
         super().__init__(var_freeze_step=var_freeze_step,
                          var_update_scaler=_positive_int("var_update_scaler", var_update_scaler),
                          local_step_scaler=_positive_int("local_step_scaler", local_step_scaler),
                          local_step_clipper=_positive_int("local_step_clipper", local_step_clipper),
-                         exact_sync=bool(exact_sync))
+                         exact_sync=bool(exact_sync), scales=scales_option(scales))
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
         self.exact_sync = bool(exact_sync)
+        self.scales = scales
 
-    def extra_slots(self, numel, world_size):
-        total = padded_size(numel, world_size)
+    def extra_slots(self, counts, world_size):
+        total = padded_size(compressed_counts(self.scales, counts), world_size)
         slots = {"worker_error": total, "server_error": total // world_size}
         if self.exact_sync:
-            slots["synced_params"] = numel
+            slots["synced_params"] = sum(tensor_sizes(counts))
         return slots
 
     def scalars(self):
@@ -122,9 +131,9 @@ class ZeroOneAdamRule(Rule):
 
     def wire_bytes(self, kind, numel, world_size):
         if kind == "full":
-            return full_precision_bytes(numel, world_size)
+            return full_precision_bytes(sum(tensor_sizes(numel)), world_size)
         if kind in ("onebit", "init"):
-            return compressed_allreduce_bytes(numel, world_size)
+            return compressed_allreduce_bytes(compressed_counts(self.scales, numel), world_size)
         return 0.0
 
     def step(self, ctx):
@@ -137,7 +146,7 @@ class ZeroOneAdamRule(Rule):
         def compress(value, phase):
             out, worker, server, finite = compressed_allreduce(
                 B, comm, value, st.slot("worker_error"), st.slot("server_error"),
-                ctx.collective_name(phase))
+                ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts))
             # The error buffers are already left untouched on a non-finite step.
             st.commit(True, {"worker_error": worker, "server_error": server})
             return (out * ctx.mask if ctx.mask is not None else out), finite
@@ -153,7 +162,7 @@ class ZeroOneAdamRule(Rule):
             u = st.slot("momentum_accumulator")
             if n > 1:  # the zero accumulator through the compressed allreduce, once
                 u = compress(u, "sync")[0]
-            st.count("init", self.wire_bytes("init", d, n))
+            st.count("init", self.wire_bytes("init", ctx.counts, n))
             st.commit(True, {"momentum_accumulator": u}, {"step": step, "initialized": 1})
             return ctx.x
 
@@ -163,14 +172,14 @@ class ZeroOneAdamRule(Rule):
 
             def full_round():
                 g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
-                st.count("full", self.wire_bytes("full", d, n))
+                st.count("full", self.wire_bytes("full", ctx.counts, n))
                 v = st.slot("exp_avg_sq") * beta2 + g * g * (1.0 - beta2)
                 return g, v, B.all_finite(g)
 
             def onebit_round():
                 if n > 1:
                     g, ok = compress(ctx.g, "grad_onebit")
-                    st.count("onebit", self.wire_bytes("onebit", d, n))
+                    st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
                 else:  # one rank: local Adam (DeepSpeed skips the momentum update here)
                     g, ok = ctx.g, B.all_finite(ctx.g)
                     st.count("local", 0.0)
@@ -227,7 +236,7 @@ class ZeroOneAdamRule(Rule):
                 w = u * denom
                 if n > 1:
                     w, ok = compress(w, "sync")
-                    st.count("onebit", self.wire_bytes("onebit", d, n))
+                    st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
                 else:
                     ok = B.all_finite(w)
                     st.count("local", 0.0)

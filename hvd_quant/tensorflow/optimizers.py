@@ -118,8 +118,9 @@ class RuleOptimizer(keras.optimizers.Optimizer):
     def _build_state(self, var_list):
         comm = self._comm()
         self._hq_rule.validate(comm.size)
-        numel = int(sum(np.prod(v.shape) for v in var_list))
-        slots, scalars = initial_state(self._hq_rule, numel, comm.size)
+        counts = [int(np.prod(v.shape)) for v in var_list]
+        numel = sum(counts)
+        slots, scalars = initial_state(self._hq_rule, counts, comm.size)
         self._hq_slots = {name: self.add_variable((value.size,), "zeros", "float32", name=f"hvd_quant_{name}")
                           for name, value in slots.items()}
         if any(v.dtype != "float32" for v in var_list):
@@ -208,8 +209,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         self._hq_rule.validate(new[1])
         if not self.built:
             return
-        numel = int(sum(np.prod(v.shape) for v in self._trainable_variables))
-        sizes = self._hq_rule.extra_slots(numel, new[1])
+        sizes = self._hq_rule.extra_slots([int(np.prod(v.shape)) for v in self._trainable_variables], new[1])
         for name in self._world_slots():
             var = self._hq_slots.get(name)
             if var is not None and (old != new or int(np.prod(var.shape)) != sizes[name]):
@@ -257,7 +257,8 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         master = self._hq_slots.get("master")
         x = tf.convert_to_tensor(master.value) if master is not None else _flat_values(variables)
         ctx = StepContext(B, self._comm(), _VariableGroupState(B, self), g, x,
-                          tf.cast(learning_rate, tf.float32), self._hq_hp, "opt.g0")
+                          tf.cast(learning_rate, tf.float32), self._hq_hp, "opt.g0",
+                          counts=[int(np.prod(v.shape)) for v in variables])
         new_x = self._hq_rule.step(ctx)
         if master is not None:
             master.assign(new_x)
@@ -306,8 +307,8 @@ class OnebitAdam(RuleOptimizer):
     :mod:`hvd_quant.optimizers.onebit_adam` and ``hvd_quant.torch.OnebitAdam``."""
 
     def __init__(self, learning_rate=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, process_set=None, name="onebit_adam", **kwargs):
-        super().__init__(OnebitAdamRule(freeze_step=freeze_step), learning_rate,
+                 weight_decay=0.0, process_set=None, name="onebit_adam", scales="tensor", **kwargs):
+        super().__init__(OnebitAdamRule(freeze_step=freeze_step, scales=scales), learning_rate,
                          adam_hyperparameters(betas, eps, weight_decay), name, process_set, **kwargs)
 
 
@@ -319,10 +320,10 @@ class ZeroOneAdam(RuleOptimizer):
     def __init__(self, learning_rate=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False, process_set=None, name="zero_one_adam",
-                 **kwargs):
+                 scales="tensor", **kwargs):
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
-                               exact_sync=exact_sync)
+                               exact_sync=exact_sync, scales=scales)
         super().__init__(rule, learning_rate, adam_hyperparameters(betas, eps, weight_decay), name,
                          process_set, **kwargs)
 

@@ -109,15 +109,15 @@ class RuleOptimizer(torch.optim.Optimizer):
             return self._groups[gi]
         key = _STATE_KEY.format(gi)
         params = group["params"]
-        numel = sum(p.numel() for p in params)
+        counts = [p.numel() for p in params]
         saved = self.state.get(key)
         if saved is None:
-            slots, scalars = initial_state(self._rule, numel, self._comm.size)
+            slots, scalars = initial_state(self._rule, counts, self._comm.size)
             slots = {k: torch.from_numpy(v) for k, v in slots.items()}
             if any(p.dtype != torch.float32 for p in params):
                 slots["master"] = _flat(params).clone()
             self.state[key] = saved = {"slots": slots, "scalars": scalars}
-        _check_saved_group(saved, self._rule, numel, self._comm.size, gi)
+        _check_saved_group(saved, self._rule, counts, self._comm.size, gi)
         self._groups[gi] = EagerGroupState(saved["slots"], saved["scalars"], in_place=True)
         return self._groups[gi]
 
@@ -150,7 +150,8 @@ class RuleOptimizer(torch.optim.Optimizer):
             x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
             mask = group.get("exp_avg_mask")
             ctx = StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group),
-                              f"opt.g{gi}", mask=None if mask is None else mask.reshape(-1).float())
+                              f"opt.g{gi}", mask=None if mask is None else mask.reshape(-1).float(),
+                              counts=[p.numel() for p in group["params"]])
             new_x = self._rule.step(ctx)
             if "master" in st.slots:
                 st.set_slot("master", new_x)
@@ -192,10 +193,10 @@ class RuleOptimizer(torch.optim.Optimizer):
         return [(self._names[p], p) for g in self.param_groups for p in g["params"]]
 
     # --- Horovod Elastic (see hvd_quant.torch.elastic) ----------------------------------
-    def _world_slots(self, numel, world_size):
+    def _world_slots(self, counts, world_size):
         """Names of the slots whose size or meaning depends on the world (the padded
         error buffers of the compressed allreduce: worker and server error)."""
-        return sorted(set(self._rule.extra_slots(numel, world_size)) & set(self._rule.per_rank_slots))
+        return sorted(set(self._rule.extra_slots(counts, world_size)) & set(self._rule.per_rank_slots))
 
     def elastic_reset(self):
         """Adapt to the world after Horovod was initialised again (an elastic reset).
@@ -220,9 +221,9 @@ class RuleOptimizer(torch.optim.Optimizer):
             saved = self.state.get(_STATE_KEY.format(gi))
             if saved is None:
                 continue
-            numel = sum(p.numel() for p in group["params"])
-            sizes = self._rule.extra_slots(numel, new[1])
-            for name in self._world_slots(numel, new[1]):
+            counts = [p.numel() for p in group["params"]]
+            sizes = self._rule.extra_slots(counts, new[1])
+            for name in self._world_slots(counts, new[1]):
                 have = saved["slots"].get(name)
                 if old != new or have is None or have.numel() != sizes[name]:
                     saved["slots"][name] = torch.zeros(sizes[name], dtype=torch.float32)
@@ -240,8 +241,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             group.update(h)
         for gi, group in enumerate(self.param_groups):
             st = self._group_state(gi, group)  # created here on a rank that joined
-            numel = sum(p.numel() for p in group["params"])
-            skip = set(self._world_slots(numel, self._comm.size))
+            skip = set(self._world_slots([p.numel() for p in group["params"]], self._comm.size))
             scalars = hvd.broadcast_object(dict(st.scalars), root_rank,
                                            name=f"hvd_quant.elastic.g{gi}.scalars",
                                            process_set=self._comm.process_set)
@@ -259,14 +259,19 @@ class RuleOptimizer(torch.optim.Optimizer):
 class OnebitAdam(RuleOptimizer):
     """1-bit Adam (DeepSpeed's ``OnebitAdam``): Adam for ``freeze_step`` steps with fp32
     averaging, then the momentum through the 1-bit compressed allreduce with a frozen
-    variance. See :mod:`hvd_quant.optimizers.onebit_adam` for the exact rule."""
+    variance. See :mod:`hvd_quant.optimizers.onebit_adam` for the exact rule.
+
+    ``scales="tensor"`` (default) compresses each parameter tensor with its own scale and
+    error buffers, as DeepSpeed's ``step()`` does; ``"group"`` flattens each param group
+    into one, as DeepSpeed's fp16 optimizer does. Either way a group is one set of
+    collectives."""
 
     def __init__(self, params, lr=1e-3, named_parameters=None, freeze_step=100000,
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
-                 process_set=None, amsgrad=False):
+                 process_set=None, amsgrad=False, scales="tensor"):
         if amsgrad:
             raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
-        super().__init__(params, OnebitAdamRule(freeze_step=freeze_step),
+        super().__init__(params, OnebitAdamRule(freeze_step=freeze_step, scales=scales),
                          _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set)
 
@@ -287,17 +292,21 @@ class ZeroOneAdam(RuleOptimizer):
     ``exact_sync=True`` (ours, off by default) keeps the parameters of the last sync so
     that every sync leaves all ranks bit-identical; DeepSpeed's ``x - u`` agrees only to
     rounding (see :class:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule`).
+
+    ``scales``: as in :class:`OnebitAdam`. Per tensor (the default) matters most here:
+    Phase A compresses raw gradients, whose scale differs by orders of magnitude between
+    a LayerNorm's and an embedding's.
     """
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, var_freeze_step=100000, var_update_scaler=16,
                  local_step_scaler=32678, local_step_clipper=16, bias_correction=True,
-                 process_set=None, amsgrad=False, exact_sync=False):
+                 process_set=None, amsgrad=False, exact_sync=False, scales="tensor"):
         if amsgrad:
             raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
-                               exact_sync=exact_sync)
+                               exact_sync=exact_sync, scales=scales)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set)
 
@@ -380,15 +389,15 @@ def _write_back(params, flat):
         offset += n
 
 
-def _check_saved_group(saved, rule, numel, world_size, gi):
-    slots, _ = initial_state(rule, numel, world_size)
+def _check_saved_group(saved, rule, counts, world_size, gi):
+    slots, _ = initial_state(rule, counts, world_size)
     for name, zeros in slots.items():
         have = saved["slots"].get(name)
         if have is None or have.numel() != zeros.size:
             raise ValueError(
                 f"optimizer state of group {gi} does not fit: slot {name!r} has "
                 f"{None if have is None else have.numel()} elements, expected {zeros.size} "
-                f"({numel} parameters, {world_size} ranks). Checkpoints are per rank and "
+                f"({sum(counts)} parameters, {world_size} ranks). Checkpoints are per rank and "
                 "per world size.")
 
 

@@ -8,8 +8,10 @@ all in one ``hvd_quant.torch.elastic.TorchState`` committed after every step:
 * ``ef_sign``: ``hvd_quant.torch.DistributedOptimizer`` with per-rank error feedback;
 * ``qsgd``: the same with Global-QSGD (its safe levels depend on the number of ranks);
 * ``stock``: Horovod's own ``hvd.DistributedOptimizer`` with ``Compression.ef_sign``;
-* ``onebit``: ``hvd_quant.torch.OnebitAdam`` (1-bit rounds after step 2);
-* ``zeroone``: ``hvd_quant.torch.ZeroOneAdam`` (1-bit rounds, padded error buffers).
+* ``onebit``: ``hvd_quant.torch.OnebitAdam`` (1-bit rounds after step 2), one scale for the
+  flattened group (``scales="group"``), so that the elastic path covers both layouts;
+* ``zeroone``: ``hvd_quant.torch.ZeroOneAdam`` (1-bit rounds, padded error buffers), one
+  scale and padded segment per tensor (the default).
 
 The worker whose host is ``127.0.0.1`` (the job's second "host") writes ``MARKER`` and
 dies with ``os._exit(1)`` when it reaches step ``KILL_STEP``; the discovery script then
@@ -72,7 +74,7 @@ opts = {
                                       named_parameters=named["stock"],
                                       compression=hq.Compression.ef_sign),
     "onebit": hq.OnebitAdam(models["onebit"].parameters(), lr=0.01, named_parameters=named["onebit"],
-                            freeze_step=2),
+                            freeze_step=2, scales="group"),
     "zeroone": hq.ZeroOneAdam(models["zeroone"].parameters(), lr=0.01, named_parameters=named["zeroone"],
                               var_freeze_step=1000, var_update_scaler=1),
 }

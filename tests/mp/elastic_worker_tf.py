@@ -176,7 +176,8 @@ def zeroone_reference():
 
     def phase(n, start, stop, init):
         def body(comm):
-            opt = OracleOptimizer(ZeroOneAdamRule(**ZEROONE), init["x"], comm, hp)
+            opt = OracleOptimizer(ZeroOneAdamRule(**ZEROONE), init["x"], comm, hp,
+                                  counts=[D_IN * D_OUT, D_OUT])  # kernel, bias
             for k, v in init.get("slots", {}).items():
                 if k not in ("worker_error", "server_error"):
                     opt.state.slots[k] = v.copy()

@@ -3,7 +3,8 @@
 import numpy as np
 
 SHAPES = [(7, 13), (29,), (5,)]
-NUMEL = sum(int(np.prod(s)) for s in SHAPES)
+COUNTS = [int(np.prod(s)) for s in SHAPES]  # the optimizers' tensors: one scale each
+NUMEL = sum(COUNTS)
 STEPS = 26
 HP = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 # Small intervals so that every phase of each schedule happens within STEPS steps.
