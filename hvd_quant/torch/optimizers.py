@@ -296,6 +296,12 @@ class ZeroOneAdam(RuleOptimizer):
     ``scales``: as in :class:`OnebitAdam`. Per tensor (the default) matters most here:
     Phase A compresses raw gradients, whose scale differs by orders of magnitude between
     a LayerNorm's and an embedding's.
+
+    Short runs: DeepSpeed's schedule defaults were set for BERT runs of tens of thousands
+    of steps. With a Phase A of a few hundred steps, refresh the variance more often
+    (``var_update_scaler=64``) and cap the local steps lower (``local_step_clipper=4``):
+    on the README's 600-step language model this took 0/1 Adam from 7-8% above Adam's
+    loss to within 1%, still with 29% fewer bytes and 37% fewer rounds than 1-bit Adam.
     """
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9, 0.999), eps=1e-8,
