@@ -190,6 +190,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--methods", default="", help="comma-separated (default: all; see cluster_worker.py --list)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--no-thp", action="store_true",
+                   help="leave THP_MEM_ALLOC_ENABLE unset (default: set to 1 for every rank, so that "
+                        "torch backs large tensors with transparent huge pages; see README, Speed)")
     p.add_argument("--job-timeout", type=float, default=0, help="seconds per job (default: from an estimate)")
     p.add_argument("--out-dir", default="", help="default benchmarks/results/cluster-<date-time>")
     p.add_argument("--worker-arg", action="append", default=[],
@@ -243,6 +246,8 @@ def main(argv=None):
                            *(["--methods", args.methods] if args.methods else []), *args.worker_arg]
                     env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "HOROVOD_GLOO_TIMEOUT_SECONDS": "600",
                            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+                    if not args.no_thp:  # every method of the job runs with it alike
+                        env["THP_MEM_ALLOC_ENABLE"] = "1"
                     try:
                         result = cluster.run_horovod(cmd, timeout=timeout, env=env, stream=ProgressFilter())
                     except JobTimeout as exc:

@@ -22,6 +22,7 @@ from hvd_quant.core.rng import CounterRNG, draws
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.segments import compensate_sums, segment_bounds
 from hvd_quant.core.simulate import ThreadWorld
+from hvd_quant.optimizers import elementwise as ew
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason=f"kernels off: {kernels.why_disabled()}")
 
@@ -220,3 +221,64 @@ def test_compressors_through_kernels_equal_the_oracle(name, opts, n):
     for step in range(3):
         # Scales come from float64 sums in different orders: equal to float32 rounding.
         np.testing.assert_allclose(results[1][0][step], results[0][0][step], rtol=1e-6, atol=1e-7)
+
+
+# --- the Adam-family primitives (hvd_quant.optimizers.elementwise) ------------------------
+def _adam_inputs(d):
+    x, m, u, w = data(d, 21, specials=True), data(d, 22) * 1e-2, data(d, 23) * 1e-3, data(d, 24)
+    v = np.abs(data(d, 25)) * 1e-4
+    if d >= 8:
+        v[:2] = 0.0  # a constant input: v stays 0 (eps alone divides)
+    return x, m, v, u, w
+
+
+def _elementwise_results(backend, x, m, v, u, w, wd):
+    return [ew.ema(backend, m, x, 0.9), ew.ema(backend, v, x, 0.999, square=True),
+            ew.descend(backend, x, w, 1e-3, wd),
+            ew.adam_descend(backend, x, m, v, 3e-3, 1e-8, wd),
+            *ew.adam_descend(backend, x, m, v, 1e-3, 1e-6, wd, acc=u),
+            ew.precondition(backend, u, v, 1e-8),
+            *ew.zero_one_sync_result(backend, x, u, w, v, 1e-8, 0.0123),
+            *ew.zero_one_sync_result(backend, x, None, w, v, 1e-8, 0.0123)]
+
+
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_adam_family_primitives_are_bit_exact(d, wd, threads):
+    inputs = _adam_inputs(d)
+    for got, want in zip(_elementwise_results(K, *inputs, wd), _elementwise_results(B, *inputs, wd)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_adam_family_primitives_match_the_torch_generic_path(monkeypatch):
+    """The kernels against torch's own float32 expressions (Python scalars included):
+    equal, except where torch's CPU ``sqrt``, which is not correctly rounded (one ulp
+    off numpy's and LLVM's in about 0.6% of elements), feeds the result."""
+    torch = pytest.importorskip("torch")
+    from hvd_quant.torch.backend import TorchBackend
+
+    fast, generic = TorchBackend(), TorchBackend()
+    monkeypatch.setattr(generic, "kernel", lambda name, *tensors: None)
+    inputs = [torch.from_numpy(a) for a in _adam_inputs(100_003)]
+    for wd in (0.0, 0.01):
+        for got, want in zip(_elementwise_results(fast, *inputs, wd), _elementwise_results(generic, *inputs, wd)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+        # Without a square root the very same bits.
+        for i in (0, 1, 2, 10):
+            torch.testing.assert_close(_elementwise_results(fast, *inputs, wd)[i],
+                                       _elementwise_results(generic, *inputs, wd)[i], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("d", SIZES)
+def test_all_finite_kernel(d):
+    x = data(d, 30)
+    assert kernels.cpu_module().all_finite(x)
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in {0, d // 2, d - 1} if d else ():
+            y = x.copy()
+            y[where] = bad
+            assert not kernels.cpu_module().all_finite(y)
+    if d:  # the largest finite float32 is finite
+        y = x.copy()
+        y[-1] = np.finfo(np.float32).max
+        assert kernels.cpu_module().all_finite(y)

@@ -98,7 +98,10 @@ class Compressor:
         """Raise ``ValueError`` when the options cannot work with ``world_size`` ranks."""
 
     def reduce(self, x, ctx):
-        """Return every rank's estimate of ``mean_over_ranks(x)`` (flat float32)."""
+        """Return every rank's estimate of ``mean_over_ranks(x)`` (flat float32).
+
+        ``x`` is read only: the torch optimizer may pass a view of the gradient itself,
+        and the result must be a buffer of its own, not ``x``."""
         raise NotImplementedError
 
     def wire_bytes(self, numel, world_size, segments=1):

@@ -6,25 +6,31 @@ builds from several backend operations (several passes over memory, full-size in
 float temporaries), and that a fast kernel does in one pass. Each generic implementation
 asks ``B.kernel(name, *tensors)`` first and uses the fast one when the backend offers it:
 
-====================== ========================================== =============================
-primitive              generic twin                               used by
-====================== ========================================== =============================
-``sign_pack``          ``core.packing.pack_signs``                every sign method
-``sign_pack_residual`` ``core.packing.sign_pack_residual``        ef_sign, marsit, onebit
-``unpack_scaled_sum``  ``core.packing.unpack_scaled_sum``         ef_sign, marsit, onebit
-``compensate_sums``    ``core.segments.compensate_sums``          ef_sign, marsit, onebit
-``absmax_finite``      ``compressors.global_qsgd.absmax_finite``  global_qsgd(_exp)
-``quantize_lanes``     ``compressors.global_qsgd.quantize``       global_qsgd (int32 lanes)
-``quantize_ints``      ``compressors.global_qsgd.quantize``       global_qsgd (native ints)
-``dequantize_lanes``   ``compressors.global_qsgd.dequantize``     global_qsgd (int32 lanes)
-``dequantize_ints``    ``compressors.global_qsgd.dequantize``     global_qsgd (native ints)
-``exp_encode``         ``compressors.exp_dithering.exp_encode``   global_qsgd_exp
-``exp_combine``        ``compressors.exp_dithering.combine_codes`` global_qsgd_exp (every hop)
-``exp_decode``         ``compressors.exp_dithering.exp_decode``   global_qsgd_exp
-``marsit_select``      ``compressors.marsit.MarsitSelect``        marsit (every hop)
-``binsgdm_encode``     ``optimizers.binsgdm.binary_randomize``    BinSGDM
-``uniform``            ``Backend.uniform``                        random draws
-====================== ========================================== =============================
+======================== =============================================== ===========================
+primitive                generic twin                                    used by
+======================== =============================================== ===========================
+``sign_pack``            ``core.packing.pack_signs``                     every sign method
+``sign_pack_residual``   ``core.packing.sign_pack_residual``             ef_sign, marsit, onebit
+``unpack_scaled_sum``    ``core.packing.unpack_scaled_sum``              ef_sign, marsit, onebit
+``compensate_sums``      ``core.segments.compensate_sums``               ef_sign, marsit, onebit
+``absmax_finite``        ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
+``quantize_lanes``       ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
+``quantize_ints``        ``compressors.global_qsgd.quantize``            global_qsgd (native ints)
+``dequantize_lanes``     ``compressors.global_qsgd.dequantize``          global_qsgd (int32 lanes)
+``dequantize_ints``      ``compressors.global_qsgd.dequantize``          global_qsgd (native ints)
+``exp_encode``           ``compressors.exp_dithering.exp_encode``        global_qsgd_exp
+``exp_combine``          ``compressors.exp_dithering.combine_codes``     global_qsgd_exp (every hop)
+``exp_decode``           ``compressors.exp_dithering.exp_decode``        global_qsgd_exp
+``marsit_select``        ``compressors.marsit.MarsitSelect``             marsit (every hop)
+``binsgdm_encode``       ``optimizers.binsgdm.binary_randomize``         BinSGDM
+``all_finite``           ``Backend.all_finite``                          every non-finite check
+``ema``                  ``optimizers.elementwise.ema``                  1-bit Adam, 0/1 Adam
+``descend``              ``optimizers.elementwise.descend``              BinSGDM
+``adam_descend``         ``optimizers.elementwise.adam_descend``         1-bit Adam, 0/1 Adam
+``precondition``         ``optimizers.elementwise.precondition``         0/1 Adam (sync)
+``zero_one_sync_result`` ``optimizers.elementwise.zero_one_sync_result`` 0/1 Adam (sync)
+``uniform``              ``Backend.uniform``                             random draws
+======================== =============================================== ===========================
 
 Fast kernels exist for CPU tensors (numba, :mod:`hvd_quant.kernels.cpu`): the torch
 backend uses them for CPU tensors; CUDA tensors and TensorFlow graphs keep the generic
@@ -43,7 +49,8 @@ from ..core.backend import NumpyBackend
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
-         "binsgdm_encode", "uniform")
+         "binsgdm_encode", "uniform", "all_finite", "ema", "descend", "adam_descend",
+         "precondition", "zero_one_sync_result")
 
 _cpu = None
 _state = {"checked": False, "ok": False, "why": ""}
@@ -120,6 +127,15 @@ def warm_up():
     k.marsit_select(bits, bits, 0.5, 3)
     k.binsgdm_encode(x, x.copy(), np.abs(x), 0.9, 5)
     k.uniform(1, 8)
+    k.all_finite(x)
+    v = np.abs(x)
+    k.ema(x, x, 0.9)
+    k.ema(v, x, 0.999, square=True)
+    k.descend(x, x, 0.1, 0.0)
+    for acc in (None, x.copy()):
+        k.adam_descend(x, x, v, 0.1, 1e-8, 0.0, acc)
+    k.zero_one_sync_result(x, k.precondition(x, v, 1e-8), x, v, 1e-8, 0.1)
+    k.zero_one_sync_result(x, None, x, v, 1e-8, 0.1)
     return time.perf_counter() - start
 
 

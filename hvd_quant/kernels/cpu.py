@@ -26,7 +26,10 @@ _M1 = np.uint64(0x7FEB352D)
 _M2 = np.uint64(0x846CA68B)
 _S8, _S15, _S16 = np.uint64(8), np.uint64(15), np.uint64(16)
 _U24 = np.float32(2.0 ** -24)
-_OPTS = dict(cache=True, nogil=True)
+# error_model="numpy": a float division by zero gives inf or nan, as in the numpy oracle,
+# instead of a check that raises ZeroDivisionError, which also kept LLVM from vectorizing
+# every loop that divides (0/1 Adam's sync result ran 4x slower).
+_OPTS = dict(cache=True, nogil=True, error_model="numpy")
 
 
 # --- random draws (hvd_quant.core.rng) ---------------------------------------------------
@@ -155,23 +158,41 @@ def _signed(byte, j, sc):
 @njit(parallel=True, **_OPTS)
 def _unpack_scaled_sum(packed, scales, bounds, base, out):
     # Row 0 is written, rows 1.. are added, then base: the generic twin's order exactly.
+    # Segments of 256 whole bytes or more go through a table of the 8 signed scales of
+    # each byte value, per row: no branch, 8 contiguous floats per lookup (1.4x faster);
+    # smaller ones test bits, which is cheaper than building their table.
     d = out.size
     rows = packed.shape[0]
     has_base = base.size > 0
+    table = np.empty((rows, 256, 8), np.float32)
     for s in range(scales.shape[1]):
-        for b in prange((bounds[s] + 7) // 8, bounds[s + 1] // 8):
-            byte = packed[0, b]
-            sc = scales[0, s]
-            for j in range(8):
-                out[8 * b + j] = _signed(byte, j, sc)
-            for r in range(1, rows):
-                byte = packed[r, b]
-                sc = scales[r, s]
+        first, end = (bounds[s] + 7) // 8, bounds[s + 1] // 8
+        if end - first >= 256:
+            for r in range(rows):
+                for v in range(256):
+                    for j in range(8):
+                        table[r, v, j] = _signed(v, j, scales[r, s])
+            for b in prange(first, end):
+                signed = table[0, packed[0, b]]
                 for j in range(8):
-                    out[8 * b + j] += _signed(byte, j, sc)
-            if has_base:
+                    out[8 * b + j] = signed[j]
+                for r in range(1, rows):
+                    signed = table[r, packed[r, b]]
+                    for j in range(8):
+                        out[8 * b + j] += signed[j]
+                if has_base:
+                    for j in range(8):
+                        out[8 * b + j] += base[8 * b + j]
+        else:
+            for b in prange(first, end):
                 for j in range(8):
-                    out[8 * b + j] += base[8 * b + j]
+                    out[8 * b + j] = _signed(packed[0, b], j, scales[0, s])
+                for r in range(1, rows):
+                    for j in range(8):
+                        out[8 * b + j] += _signed(packed[r, b], j, scales[r, s])
+                if has_base:
+                    for j in range(8):
+                        out[8 * b + j] += base[8 * b + j]
     for b in _general_bytes(bounds):
         for i in range(8 * b, min(d, 8 * b + 8)):
             s = _segment_of(bounds, i)
@@ -254,6 +275,24 @@ def absmax_finite(x):
         return np.float32(0), True
     m, ok = _absmax(x)
     return np.float32(m), bool(ok)
+
+
+@njit(parallel=True, **_OPTS)
+def _max_magnitude_bits(bits):
+    n = bits.size
+    nblocks = (n + BLOCK - 1) // BLOCK
+    top = np.zeros(max(nblocks, 1), np.uint32)
+    for blk in prange(nblocks):
+        m = np.uint32(0)
+        for i in range(blk * BLOCK, min(n, blk * BLOCK + BLOCK)):
+            m = max(m, bits[i] & np.uint32(0x7FFFFFFF))  # integer max: vectorizes
+        top[blk] = m
+    return top.max()
+
+
+def all_finite(x):
+    """``Backend.all_finite`` for float32: no inf or NaN (exponent bits all ones)."""
+    return x.size == 0 or bool(_max_magnitude_bits(x.view(np.uint32)) < np.uint32(0x7F800000))
 
 
 # --- Global-QSGD linear dithering (hvd_quant.compressors.global_qsgd) ----------------------
@@ -494,3 +533,89 @@ def binsgdm_encode(g, m, b, beta, key):
     bits = np.empty((g.size + 7) // 8, np.uint8)
     _binsgdm_encode(g, m, b, np.float32(beta), np.float32(1.0 - beta), key, m_out, b_out, bits)
     return m_out, b_out, bits
+
+
+# --- Adam-family update rules (hvd_quant.optimizers.elementwise) ---------------------------
+# The generic twins are float32 tensor expressions; these loops do the same float32
+# operations in the same order (no fastmath, so no fused multiply-add), hence the same bits.
+
+@njit(parallel=True, **_OPTS)
+def _ema(avg, value, beta, rest, square, out):
+    for i in prange(out.size):
+        v = value[i] * value[i] if square else value[i]
+        out[i] = avg[i] * beta + v * rest
+
+
+def ema(avg, value, beta, square=False):
+    """``elementwise.ema``: ``avg * beta + value * (1 - beta)`` (``value**2`` if square)."""
+    out = np.empty_like(avg)
+    _ema(avg, value, np.float32(beta), np.float32(1.0 - beta), square, out)
+    return out
+
+
+@njit(parallel=True, **_OPTS)
+def _descend(x, step, lr, wd, has_wd, out):
+    for i in prange(x.size):
+        s = step[i] + x[i] * wd if has_wd else step[i]
+        out[i] = x[i] - s * lr
+
+
+def descend(x, step, lr, weight_decay):
+    """``elementwise.descend``: ``x - lr * (step + weight_decay * x)``."""
+    out = np.empty_like(x)
+    _descend(x, step, np.float32(lr), np.float32(weight_decay), weight_decay > 0.0, out)
+    return out
+
+
+@njit(parallel=True, **_OPTS)
+def _adam_descend(x, m, v, lr, eps, wd, has_wd, acc, x_out, acc_out):
+    has_acc = acc.size > 0
+    for i in prange(x.size):
+        upd = m[i] / (np.sqrt(v[i]) + eps)
+        if has_wd:
+            upd = upd + x[i] * wd
+        delta = upd * lr
+        x_out[i] = x[i] - delta
+        if has_acc:
+            acc_out[i] = acc[i] - delta
+
+
+def adam_descend(x, m, v, lr, eps, weight_decay, acc=None):
+    """``elementwise.adam_descend``: ``(x - delta, acc - delta)`` (``acc``'s part empty
+    when it is None) with ``delta = lr * (m / (sqrt(v) + eps) + weight_decay * x)``."""
+    x_out = np.empty_like(x)
+    acc_out = np.empty_like(x) if acc is not None else np.empty(0, np.float32)
+    _adam_descend(x, m, v, np.float32(lr), np.float32(eps), np.float32(weight_decay),
+                  weight_decay > 0.0, np.empty(0, np.float32) if acc is None else acc, x_out, acc_out)
+    return x_out, acc_out
+
+
+@njit(parallel=True, **_OPTS)
+def _precondition(u, v, eps, out):
+    for i in prange(out.size):
+        out[i] = u[i] * (np.sqrt(v[i]) + eps)
+
+
+def precondition(u, v, eps):
+    """``elementwise.precondition``: ``u * (sqrt(v) + eps)``."""
+    out = np.empty_like(u)
+    _precondition(u, v, np.float32(eps), out)
+    return out
+
+
+@njit(parallel=True, **_OPTS)
+def _zero_one_sync_result(base, u, w, v, eps, lrs, synced, momentum):
+    has_u = u.size > 0
+    for i in prange(synced.size):
+        b = base[i] - u[i] if has_u else base[i]
+        synced[i] = b + w[i] / (np.sqrt(v[i]) + eps)
+        momentum[i] = -(w[i] / lrs)
+
+
+def zero_one_sync_result(base, u, w, v, eps, lrs):
+    """``elementwise.zero_one_sync_result``: ``((base - u) + w / (sqrt(v) + eps),
+    -(w / lrs))``, ``base`` alone when ``u`` is None."""
+    synced, momentum = np.empty_like(w), np.empty_like(w)
+    _zero_one_sync_result(base, np.empty(0, np.float32) if u is None else u, w, v, np.float32(eps),
+                          np.float32(lrs), synced, momentum)
+    return synced, momentum

@@ -30,6 +30,7 @@ numbers. A step on which any rank's gradient is not finite changes nothing on an
 from ..core.hierarchical import hierarchical_bytes, node_layout, sign_mean
 from ..core.rng import call_key, call_key_tensor, draws, stream_key
 from .base import Rule, keep_if
+from .elementwise import descend
 
 
 def single_beta(betas, beta=None):
@@ -111,9 +112,8 @@ class BinSGDMRule(Rule):
             q_bar, ok = sign_mean(B, comm, bits, d, None, sum_key, ctx.collective_name("signs"),
                                   finite=local_ok)
             st.count("local", 0.0)
-        wd = ctx.hp["weight_decay"]
-        upd = q_bar + ctx.x * wd if wd > 0.0 else q_bar
         st.commit(ok, {"exp_avg": m, "exp_avg_abs": b},
                   {"step": st.scalar("step") + 1, "draws": calls + 2})
-        return keep_if(B, ok, ctx.x - upd * ctx.lr, ctx.x)
+        # x - lr * (q_bar + weight_decay * x)
+        return keep_if(B, ok, descend(B, ctx.x, q_bar, ctx.lr, ctx.hp["weight_decay"]), ctx.x)
 

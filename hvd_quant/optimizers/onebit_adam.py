@@ -38,6 +38,7 @@ Deliberate departures from DeepSpeed, and why:
 from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
 from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
                    scales_option, tensor_sizes)
+from .elementwise import adam_descend, ema
 
 
 class OnebitAdamRule(Rule):
@@ -108,16 +109,13 @@ class OnebitAdamRule(Rule):
             return ctx.x
 
         def apply(m, v):
-            upd = m / (B.sqrt(v) + ctx.hp["eps"])
-            if ctx.hp["weight_decay"] > 0.0:
-                upd = upd + ctx.x * ctx.hp["weight_decay"]
-            return ctx.x - upd * ctx.lr
+            return adam_descend(B, ctx.x, m, v, ctx.lr, ctx.hp["eps"], ctx.hp["weight_decay"])
 
         def warm_up():
             g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
             st.count("full", self.wire_bytes("full", ctx.counts, n))
-            m = st.slot("exp_avg") * beta1 + g * (1.0 - beta1)
-            v = st.slot("exp_avg_sq") * beta2 + g * g * (1.0 - beta2)
+            m = ema(B, st.slot("exp_avg"), g, beta1)
+            v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True)
             ok = B.all_finite(g)
             # Compression starts after the step at which step >= freeze_step.
             st.commit(ok, {"exp_avg": m, "exp_avg_sq": v},
@@ -125,7 +123,7 @@ class OnebitAdamRule(Rule):
             return keep_if(B, ok, apply(m, v), ctx.x)
 
         def compressed():
-            m = st.slot("exp_avg") * beta1 + ctx.g * (1.0 - beta1)
+            m = ema(B, st.slot("exp_avg"), ctx.g, beta1)
             if n > 1:
                 m, ok = compress(m)
                 st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))

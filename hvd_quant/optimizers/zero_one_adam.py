@@ -59,6 +59,7 @@ Deliberate departures from DeepSpeed, and why:
 from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
 from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
                    scales_option, tensor_sizes)
+from .elementwise import adam_descend, ema, precondition, zero_one_sync_result
 
 
 def _positive_int(name, value):
@@ -151,13 +152,6 @@ class ZeroOneAdamRule(Rule):
             st.commit(True, {"worker_error": worker, "server_error": server})
             return (out * ctx.mask if ctx.mask is not None else out), finite
 
-        def update(x, m, v):
-            """DeepSpeed's ``lr * (m / (sqrt(v) + eps) + weight_decay * x)``."""
-            upd = m / (B.sqrt(v) + eps)
-            if wd > 0.0:
-                upd = upd + x * wd
-            return upd * ctx.lr
-
         def initialisation():
             u = st.slot("momentum_accumulator")
             if n > 1:  # the zero accumulator through the compressed allreduce, once
@@ -173,7 +167,7 @@ class ZeroOneAdamRule(Rule):
             def full_round():
                 g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
                 st.count("full", self.wire_bytes("full", ctx.counts, n))
-                v = st.slot("exp_avg_sq") * beta2 + g * g * (1.0 - beta2)
+                v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True)
                 return g, v, B.all_finite(g)
 
             def onebit_round():
@@ -186,8 +180,9 @@ class ZeroOneAdamRule(Rule):
                 return g, st.slot("exp_avg_sq"), ok
 
             g, v, ok = B.cond(var_step, full_round, onebit_round)
-            m = st.slot("exp_avg") * beta1 + g * (1.0 - beta1)
-            x = ctx.x - update(ctx.x, m, v)
+            m = ema(B, st.slot("exp_avg"), g, beta1)
+            # DeepSpeed's step: x - lr * (m / (sqrt(v) + eps) + weight_decay * x)
+            x = adam_descend(B, ctx.x, m, v, ctx.lr, eps, wd)
             # Variance schedule: kappa full rounds per interval, then the interval doubles.
             count = B.select(var_step, st.scalar("var_counter") + 1, st.scalar("var_counter"))
             doubled = count == self.var_update_scaler
@@ -209,11 +204,11 @@ class ZeroOneAdamRule(Rule):
 
         # --- Phase B: local steps; every local_step_interval steps, a 1-bit sync.
         def phase_b():
-            m = st.slot("exp_avg") * beta1 + ctx.g * (1.0 - beta1)
+            m = ema(B, st.slot("exp_avg"), ctx.g, beta1)
             lrs = st.scalar("lrs") + ctx.lr
-            delta = update(ctx.x, m, st.slot("exp_avg_sq"))
-            x = ctx.x - delta
-            u = st.slot("momentum_accumulator") - delta
+            # The same step as Phase A's; the accumulator collects it (u -= delta).
+            x, u = adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd,
+                                acc=st.slot("momentum_accumulator"))
             # Local-step schedule: the interval doubles every local_step_scaler steps, up
             # to local_step_clipper. It advances on every rank, finite or not, so that all
             # ranks agree on which step syncs.
@@ -232,8 +227,7 @@ class ZeroOneAdamRule(Rule):
                 return keep_if(B, ok, x, ctx.x)
 
             def sync():
-                denom = B.sqrt(st.slot("exp_avg_sq")) + eps
-                w = u * denom
+                w = precondition(B, u, st.slot("exp_avg_sq"), eps)  # u * (sqrt(v) + eps)
                 if n > 1:
                     w, ok = compress(w, "sync")
                     st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
@@ -243,10 +237,13 @@ class ZeroOneAdamRule(Rule):
                 # Back to the parameters of the last sync, then the average. DeepSpeed's
                 # x - u undoes the local steps up to rounding, which differs per rank;
                 # exact_sync keeps those parameters instead, so ranks agree bit for bit.
-                base = st.slot("synced_params") if self.exact_sync else x - u
-                synced = base + w / denom
+                # synced = base + w / (sqrt(v) + eps), new momentum -(w / lrs).
+                synced, momentum = (
+                    zero_one_sync_result(B, st.slot("synced_params"), None, w, st.slot("exp_avg_sq"), eps, lrs)
+                    if self.exact_sync else
+                    zero_one_sync_result(B, x, u, w, st.slot("exp_avg_sq"), eps, lrs))
                 extra = {"synced_params": synced} if self.exact_sync else {}
-                st.commit(ok, {"exp_avg": -(w / lrs), "momentum_accumulator": B.zeros(d), **extra},
+                st.commit(ok, {"exp_avg": momentum, "momentum_accumulator": B.zeros(d), **extra},
                           dict(schedule, step=step, lrs=0.0))
                 return keep_if(B, ok, synced, ctx.x)
 
