@@ -10,7 +10,9 @@ import pytest
 
 from horovod_launch import HERE, run_horovod
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# A test may run two 600 s jobs (the module-fixture baseline, whose setup pytest-timeout
+# counts against the first test, and its own): the limit must exceed both.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(1260)]
 EXAMPLES = HERE.parent / "examples"
 EPOCHS = 15
 

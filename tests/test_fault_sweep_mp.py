@@ -13,7 +13,9 @@ import pytest
 from horovod_launch import HERE, load_rank_results, run_horovod
 from test_fault_sweep import COMPRESSORS, RULES, SIZES
 
-pytestmark = pytest.mark.multiprocess
+# pytest-timeout counts a module fixture's setup (the horovodrun job) against the first test
+# that uses it: the limit must exceed the job's own (1200 s), or pyproject's 300 s applies.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1260)]
 WORKER = HERE / "mp" / "sweep_worker.py"
 JOBS = [("torch", 2), ("torch", 3), ("tf", 2), ("tf", 3)]
 

@@ -14,7 +14,10 @@ import pytest
 
 from horovod_launch import HERE, load_rank_results, run_horovod
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # 48 torch + 21 TF cases, minutes
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,  # 48 torch + 21 TF cases, minutes
+              # the job runs in a module fixture, whose setup pytest-timeout counts
+              # against the first test: more than the job's own limit (900 s)
+              pytest.mark.timeout(960)]
 WORKER = HERE / "mp" / "mixed_worker.py"
 ALL = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd:norm=l2",
        "global_qsgd_exp", "onebit"]

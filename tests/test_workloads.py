@@ -277,6 +277,7 @@ def _check_digits(s, optimizer):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(360)  # more than the job's own 300 s (pyproject's default is 300)
 @pytest.mark.parametrize("optimizer", ["adam", "onebit_adam", "zero_one_adam", "binsgdm"])
 def test_pytorch_train_takes_every_optimizer(tmp_path, optimizer):
     s = _digits(tmp_path, "pytorch_train.py", "--optimizer", optimizer)
@@ -302,6 +303,7 @@ def test_one_bit_optimizer_refuses_a_compressor():
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # more than the job's own 300 s (pyproject's default is 300)
 @pytest.mark.parametrize("optimizer", ["adam", "zero_one_adam", "binsgdm"])
 def test_tensorflow2_train_takes_the_optimizers(tmp_path, optimizer):
     s = _digits(tmp_path, "tensorflow2_train.py", "--optimizer", optimizer)
