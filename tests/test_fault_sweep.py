@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hvd_quant
+from hvd_quant import kernels
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.onebit import compressed_allreduce, padded_size
 from hvd_quant.core.runner import CompressorRunner
@@ -110,13 +111,86 @@ def test_one_non_finite_element_on_one_rank(name, opts, n, bad):
             np.testing.assert_array_equal(before[key], after[key], err_msg=key)
 
 
-def test_integer_lanes_never_carry_a_nan_as_a_number():
-    """The integers Global-QSGD sums are zeros on a non-finite step (and the output NaN)."""
-    for norm in ("max", "l2"):
-        xs = inputs("normal", 3, 100)
-        xs[0][5] = np.nan
-        outs, _ = reduce_on("global_qsgd", {"norm": norm}, xs)
-        assert np.isnan(outs[0]).all()
+#: The oracle's generic arithmetic and, where numba works, the fused CPU kernels that the
+#: torch and eager TensorFlow backends run.
+WIRE_BACKENDS = [B] + ([kernels.NumpyKernelBackend()] if kernels.enabled() else [])
+
+
+def spy_on(comm, log, int_dtypes=None):
+    """Record every payload ``comm`` sends, as ``(kind, copy of the tensor)`` in ``log``.
+
+    ``int_dtypes`` replaces the integer dtypes the communicator claims to sum natively:
+    ``("int32", "int64")`` is torch's Horovod, which makes Global-QSGD pack its levels
+    into int32 lanes instead of sending int8/int16 directly.
+    """
+    for kind in ("allreduce", "allgather", "alltoall", "sendrecv"):
+        def wrapped(x, *args, _send=getattr(comm, kind), _kind=kind, **kwargs):
+            log.append((_kind, np.array(x, copy=True)))
+            return _send(x, *args, **kwargs)
+        setattr(comm, kind, wrapped)
+    if int_dtypes is not None:
+        comm.allreduce_int_dtypes = int_dtypes
+    return comm
+
+
+@pytest.mark.parametrize("name,opts,int_dtypes", [
+    ("global_qsgd", {}, None), ("global_qsgd", {"norm": "l2"}, None),
+    ("global_qsgd", {"bits": 16}, None), ("global_qsgd", {}, ("int32", "int64")),
+    ("global_qsgd", {"norm": "l2"}, ("int32", "int64")), ("global_qsgd_exp", {}, None)],
+    ids=["max-int8", "l2-int8", "max-int16", "max-lanes", "l2-lanes", "exp-ring"])
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("backend", WIRE_BACKENDS, ids=[b.name for b in WIRE_BACKENDS])
+def test_integer_lanes_never_carry_a_nan_as_a_number(name, opts, int_dtypes, n, bad, backend, request):
+    """What goes on the wire on a non-finite step: every integer payload (Global-QSGD's
+    summed levels, native or packed into int32 lanes; exponential dithering's codes in
+    every ring hop) encodes zeros on every rank, never a level cast from inf or NaN; the
+    non-finite flag travels in the float scale and the output is NaN. Both the generic
+    path (the oracle's arithmetic, also TF graphs and CUDA) and the fused CPU kernels."""
+    from hvd_quant.core.packing import pack_lanes
+
+    if (name == "global_qsgd" and opts.get("norm") == "l2" and int_dtypes is not None
+            and np.isnan(bad) and backend.name == B.name):
+        # Known bug (hvd_quant/compressors/global_qsgd.py, GlobalQSGDCompressor.reduce):
+        # the non-finite branch quantizes zeros with the gathered scale, which is NaN
+        # for norm="l2" when an input holds NaN; 0 / NaN is NaN and its integer cast
+        # lands in the lanes. Fix: quantize the zeros with a finite scale and pre of 1.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="l2 + NaN: zeros divided by a NaN scale"))
+    d = 100
+    good = inputs("normal", n, d)
+    poisoned = [x.copy() for x in good]
+    poisoned[n - 1][5] = bad
+
+    def body(c):
+        runner = CompressorRunner(hvd_quant.get(name, **opts), backend, seed=1)
+        sent = {}
+        for label, xs in (("good", good), ("bad", poisoned)):
+            log = []
+            out = runner.reduce(xs[c.rank], spy_on(c, log, int_dtypes), "buf", [("w", d)])
+            sent[label] = ([p for _, p in log if p.dtype.kind in "iu"], out)
+        return sent
+
+    for rank, sent in enumerate(ThreadWorld(n).run(body)):
+        ints, out = sent["bad"]
+        assert np.isnan(out).all()
+        assert ints, "no integer payload was sent: the test would check nothing"
+        for payload in ints:
+            if name == "global_qsgd" and int_dtypes is not None:
+                # int32 words of packed lanes: zeros, plus the offset rank 0 adds.
+                assert payload.dtype == np.int32
+                np.testing.assert_array_equal(
+                    payload, pack_lanes(B, np.zeros(d, np.int32), _lane_width(payload, d), rank == 0))
+            else:
+                assert not payload.any(), (rank, payload)
+        # The same payloads on a finite step are not zeros: the check above can fail.
+        good_ints, good_out = sent["good"]
+        assert np.isfinite(good_out).all()
+        assert any(p.any() for p in good_ints) and len(good_ints) == len(ints)
+
+
+def _lane_width(words, numel):
+    """Lane width (8 or 16 bits) of ``words`` int32 words holding ``numel`` lanes."""
+    return {(numel + 3) // 4: 8, (numel + 1) // 2: 16}[words.size]
 
 
 RULES = [("onebit_adam", lambda: OnebitAdamRule(freeze_step=3)),
