@@ -18,6 +18,7 @@ from hvd_quant.core.onebit import compressed_allreduce, padded_size
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
+from hvd_quant.optimizers.base import initial_state
 from hvd_quant.optimizers.oracle import OracleOptimizer
 
 B = NumpyBackend()
@@ -201,26 +202,53 @@ RULES = [("onebit_adam", lambda: OnebitAdamRule(freeze_step=3)),
 HP = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
 
+def near_max_skips(label, d, steps):
+    """Steps a 1-bit optimizer skips when every gradient is near the float32 maximum.
+
+    The Adam family's second moment needs ``g**2``, which overflows float32 for
+    ``|g| > ~1.8e19`` (plain Adam then stores an infinite ``v`` and never moves those
+    elements again). hvd_quant treats such a full-precision step as non-finite: every
+    rank skips it, state untouched. With near-maximal gradients on every step the warm-up
+    (1-bit Adam) or the first full round (0/1 Adam) never completes, so every step after
+    DeepSpeed's initialisation step is skipped. BinSGDM keeps ``|m| <= b`` and sends one
+    bit per element: nothing overflows, nothing is skipped.
+    """
+    return steps - 1 if d and not label.startswith("binsgdm") else 0
+
+
 @pytest.mark.parametrize("label,rule", RULES, ids=[r[0] for r in RULES])
 @pytest.mark.parametrize("d", SIZES)
-@pytest.mark.parametrize("kind", ["normal", "zeros", "subnormal"])
+@pytest.mark.parametrize("kind", ["normal", "zeros", "subnormal", "near_max"])
 def test_optimizers_on_awkward_inputs(label, rule, d, kind):
     n = 4 if label == "binsgdm_2x2" else 3
-    steps = 10
+    steps, lr = 10, 1e-2
     grads = [inputs(kind, n, d) for _ in range(steps)]
     hp = dict(HP, betas=(0.9,)) if label.startswith("binsgdm") else HP
 
     def body(c):
         opt = OracleOptimizer(rule(), np.ones(d, np.float32), c, hp)
         for s in range(steps):
-            opt.step(grads[s][c.rank], 1e-2)
+            opt.step(grads[s][c.rank], lr)
         return opt
 
     opts = ThreadWorld(n).run(body)
+    # The state after DeepSpeed's initialisation step: the zero momentum or accumulator
+    # went through the compressed allreduce, and everything is still zero.
+    fresh, _ = initial_state(rule(), [d], n)
     for o in opts:
         assert o.x.shape == (d,) and np.isfinite(o.x).all()
         assert all(np.isfinite(v).all() for v in o.state.slots.values())
-        assert o.state.skipped == 0
+        if kind != "near_max":
+            assert o.state.skipped == 0
+        else:
+            assert o.state.skipped == near_max_skips(label, d, steps), o.state.kinds
+            # Each step moves an element by at most lr (BinSGDM: |q_bar| <= 1).
+            assert np.all(np.abs(o.x - 1.0) <= steps * lr * (1 + 1e-6))
+        if o.state.skipped:  # nothing but the initialisation step left a trace
+            np.testing.assert_array_equal(o.x, np.ones(d, np.float32))
+            assert o.state.scalars["step"] == 1
+            for key, value in o.state.slots.items():
+                np.testing.assert_array_equal(value, fresh[key], err_msg=key)
         if kind == "zeros" and not label.startswith("binsgdm"):
             np.testing.assert_array_equal(o.x, np.ones(d, np.float32))  # nothing to do
 

@@ -14,7 +14,7 @@ from hvd_quant import kernels
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
 from hvd_quant.core.simulate import ThreadWorld
-from hvd_quant.optimizers import OnebitAdamRule, ZeroOneAdamRule
+from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from hvd_quant.optimizers.oracle import OracleOptimizer
 
 BACKENDS = [NumpyBackend()] + ([kernels.NumpyKernelBackend()] if kernels.enabled() else [])
@@ -284,34 +284,90 @@ def test_bytes_and_rounds_follow_the_schedule():
     assert rule.wire_bytes("local", d, n) == 0
 
 
-@pytest.mark.parametrize("rule_factory,where", [
-    (lambda: OnebitAdamRule(freeze_step=4), 2),          # a warm-up (fp32) step
-    (lambda: OnebitAdamRule(freeze_step=4), 6),          # a compressed step
-    (lambda: ZeroOneAdamRule(var_freeze_step=6, var_update_scaler=1), 2),  # a full round
-    (lambda: ZeroOneAdamRule(var_freeze_step=6, var_update_scaler=1), 3),  # a 1-bit round
-    (lambda: ZeroOneAdamRule(var_freeze_step=3, local_step_scaler=100), 6),  # a sync (interval 1)
-])
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_non_finite_step_leaves_no_trace(rule_factory, where, bad):
-    """One rank, one element: every rank skips the step, state and parameters untouched,
-    and the run then continues exactly like a run without that step."""
-    n, d, steps = 3, 40, 10
+@pytest.mark.parametrize("rule_factory,where,n", [
+    (lambda: OnebitAdamRule(freeze_step=4), 2, 3),          # a warm-up (fp32) step
+    (lambda: OnebitAdamRule(freeze_step=4), 6, 3),          # a compressed step
+    (lambda: ZeroOneAdamRule(var_freeze_step=6, var_update_scaler=1), 2, 3),  # a full round
+    (lambda: ZeroOneAdamRule(var_freeze_step=6, var_update_scaler=1), 3, 3),  # a 1-bit round
+    (lambda: ZeroOneAdamRule(var_freeze_step=3, local_step_scaler=100), 6, 3),  # a sync (interval 1)
+    (lambda: BinSGDMRule(), 3, 3),                           # the flat 1-bit allgather
+    (lambda: BinSGDMRule(ranks_per_node=2), 3, 4),           # hierarchical, 2 nodes x 2
+], ids=["onebit-warmup", "onebit-compressed", "zero_one-full", "zero_one-onebit", "zero_one-sync",
+        "binsgdm-flat", "binsgdm-2x2"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_step_leaves_no_trace(rule_factory, where, n, bad):
+    """One rank, one element: every rank skips the step, state and parameters untouched
+    (counters and BinSGDM's random-stream position included), and the run then continues
+    exactly like a run without that step."""
+    d, steps = 40, 10
     grads = [[dyadic(d, 100 * r + s) for s in range(steps)] for r in range(n)]
     bad_grads = [list(g) for g in grads]
-    bad_grads[1] = list(grads[1])
     poisoned = grads[1][where].copy()
     poisoned[5] = bad
     bad_grads[1].insert(where, poisoned)  # an extra, poisoned step on rank 1
-    for r in (0, 2):
-        bad_grads[r].insert(where, grads[r][where])
+    for r in range(n):
+        if r != 1:
+            bad_grads[r].insert(where, grads[r][where])
     lrs = [1e-2] * steps
     clean, _ = run_rule(rule_factory, n, grads, lrs)
     skipped, _ = run_rule(rule_factory, n, bad_grads, lrs + [1e-2])
     for a, b in zip(clean, skipped):
         np.testing.assert_array_equal(a.x, b.x)
         assert b.state.skipped == 1
+        assert a.state.scalars == b.state.scalars
         for key, value in a.state.slots.items():
             np.testing.assert_array_equal(value, b.state.slots[key], err_msg=key)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_zero_one_adam_non_finite_local_step_is_skipped_by_that_rank_only(bad):
+    """A Phase-B local step has no collective, so only the rank that sees the bad gradient
+    knows: that rank keeps its parameters, moments, accumulator and error buffers; its
+    step and schedule counters and the learning-rate sum (Gamma) advance as on every
+    rank, so all ranks still sync on the same step; the other ranks step as usual. The
+    next sync is finite and leaves every rank with the same momentum and counters."""
+    n, d, steps, where = 3, 40, 9, 6  # step 6 is local, step 7 a sync (schedule below)
+    make = lambda: ZeroOneAdamRule(var_freeze_step=3, var_update_scaler=1,  # noqa: E731
+                                   local_step_scaler=2, local_step_clipper=4)
+    grads = [[dyadic(d, 100 * r + s) for s in range(steps)] for r in range(n)]
+    lrs = [1e-2] * steps
+
+    def body(comm):
+        opt = OracleOptimizer(make(), dyadic(d, 7), comm, HP)
+        history = []
+        for s, lr in enumerate(lrs):
+            g = grads[comm.rank][s].copy()
+            if s == where and comm.rank == 1:
+                g[5] = bad
+            before = (opt.x.copy(), {k: v.copy() for k, v in opt.state.slots.items()}, dict(opt.state.scalars))
+            opt.step(g, lr)
+            history.append((before, opt.x.copy(), {k: v.copy() for k, v in opt.state.slots.items()},
+                            dict(opt.state.scalars), opt.state.skipped))
+        return opt, history
+
+    clean, _ = run_rule(make, n, grads, lrs)
+    assert clean[0].state.kinds[where:where + 2] == ["local", "onebit"]  # the schedule
+    ranks = ThreadWorld(n).run(body)
+    for rank, (opt, history) in enumerate(ranks):
+        (x0, slots0, scalars0), x, slots, scalars, skipped = history[where]
+        if rank == 1:
+            assert skipped == 1
+            np.testing.assert_array_equal(x, x0)
+            for key in slots0:
+                np.testing.assert_array_equal(slots[key], slots0[key], err_msg=key)
+        else:
+            assert skipped == 0 and not np.array_equal(x, x0)
+        # Counters and Gamma advance everywhere, as in the run without a bad gradient.
+        assert scalars == ranks[0][1][where][3]
+        assert scalars["step"] == scalars0["step"] + 1 and scalars["lrs"] == scalars0["lrs"] + lrs[where]
+        assert opt.state.kinds == clean[0].state.kinds  # every rank synced on the same steps
+    # Right after the sync: finite everywhere, the same momentum and counters on every
+    # rank (the sync divides the ranks' average by the same Gamma everywhere).
+    synced = [history[where + 1] for _, history in ranks]
+    for _, x, slots, scalars, _ in synced:
+        assert np.isfinite(x).all() and scalars["lrs"] == 0.0
+        np.testing.assert_array_equal(slots["exp_avg"], synced[0][2]["exp_avg"])
+        assert scalars == synced[0][3]
 
 
 def test_zero_one_adam_exact_sync_leaves_ranks_identical():

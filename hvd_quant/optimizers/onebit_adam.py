@@ -21,7 +21,9 @@ Per parameter group, ``step`` counting every call including the first::
     frozen = True once step >= freeze_step (checked at the end of the step)
 
 A step whose averaged gradient (warm-up) or compressed momentum is not finite on any rank
-changes nothing, on every rank (see :mod:`hvd_quant.optimizers.base`).
+changes nothing, on every rank (see :mod:`hvd_quant.optimizers.base`); so does a warm-up
+step whose ``g_avg**2`` overflows float32 (``|g| > ~1.8e19``: plain Adam would store an
+infinite ``v`` and never move those elements again).
 
 So steps ``2 .. freeze_step`` are Adam on averaged gradients and every later step sends
 1 bit per element (:mod:`hvd_quant.core.onebit`).
@@ -116,7 +118,10 @@ class OnebitAdamRule(Rule):
             st.count("full", self.wire_bytes("full", ctx.counts, n))
             m = ema(B, st.slot("exp_avg"), g, beta1)
             v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True)
-            ok = B.all_finite(g)
+            # v is finite iff g is and g**2 did not overflow float32 (|g| > ~1.8e19, where
+            # plain Adam stores an infinite v): either way the step is skipped. v is the
+            # same on every rank (from the bit-identical average), so is the verdict.
+            ok = B.all_finite(v)
             # Compression starts after the step at which step >= freeze_step.
             st.commit(ok, {"exp_avg": m, "exp_avg_sq": v},
                       {"step": step, "frozen": B.select(step >= self.freeze_step, 1, 0)})

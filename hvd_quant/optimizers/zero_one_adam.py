@@ -39,9 +39,11 @@ Per parameter group, ``step`` counting every call including the first::
 
 No bias correction; weight decay enters the update as above (so it also enters u).
 
-A round whose averaged values are not finite on any rank changes nothing on any rank; a
-local step whose gradient is not finite changes nothing on that rank but its counters
-(see :mod:`hvd_quant.optimizers.base`).
+A round whose averaged values are not finite on any rank (a full round's ``v`` included:
+``g_avg**2`` overflows float32 for ``|g| > ~1.8e19``) changes nothing on any rank; a local
+step whose gradient is not finite changes nothing on that rank but its counters and
+``lrs``, which advance on every rank so that all ranks sync on the same step with the same
+Γ (see :mod:`hvd_quant.optimizers.base`).
 
 Deliberate departures from DeepSpeed, and why:
 
@@ -168,7 +170,8 @@ class ZeroOneAdamRule(Rule):
                 g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
                 st.count("full", self.wire_bytes("full", ctx.counts, n))
                 v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True)
-                return g, v, B.all_finite(g)
+                # Finite v: g finite and g**2 within float32 (as in 1-bit Adam's warm-up).
+                return g, v, B.all_finite(v)
 
             def onebit_round():
                 if n > 1:
@@ -222,8 +225,11 @@ class ZeroOneAdamRule(Rule):
             def local():
                 st.count("local", 0.0)
                 ok = B.all_finite(ctx.g)  # this rank's own: no collective on a local step
-                st.commit(True, None, dict(schedule, step=step))
-                st.commit(ok, {"exp_avg": m, "momentum_accumulator": u}, {"lrs": lrs})
+                # Gamma advances with the schedule on every rank: the sync divides the
+                # ranks' average by it, so all ranks keep the same momentum afterwards (a
+                # skipped local step counts as a zero update from that rank).
+                st.commit(True, None, dict(schedule, step=step, lrs=lrs))
+                st.commit(ok, {"exp_avg": m, "momentum_accumulator": u})
                 return keep_if(B, ok, x, ctx.x)
 
             def sync():
