@@ -33,6 +33,7 @@ from hvd_quant.core.onebit import padded_size, rms_scale
 from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum
 from hvd_quant.core.rng import CounterRNG
 from hvd_quant.core.segments import compensate_sums
+from hvd_quant.optimizers import elementwise as ew
 from hvd_quant.optimizers.binsgdm import binary_randomize
 from hvd_quant.torch.backend import TorchBackend
 
@@ -80,6 +81,14 @@ def cases(B, x, e):
         "exponential decode": lambda: ed.exp_decode(B, codes, scale, 2),
         "BinSGDM moments + binary randomization": lambda: binary_randomize(B, x, m, b, 0.9, 5),
         "uniform draws": lambda: B.uniform(CounterRNG(6), d),
+        "all finite": lambda: B.all_finite(x),
+        "Adam moment (ema)": lambda: ew.ema(B, m, x, 0.9),
+        "Adam step (adam_descend)": lambda: ew.adam_descend(B, x, m, b, 1e-3, 1e-8, 0.0),
+        "0/1 Adam local step (adam_descend + accumulator)": lambda: ew.adam_descend(
+            B, x, m, b, 1e-3, 1e-8, 0.0, acc=e),
+        "0/1 Adam sync: precondition": lambda: ew.precondition(B, e, b, 1e-8),
+        "0/1 Adam sync: result": lambda: ew.zero_one_sync_result(B, x, e, m, b, 1e-8, 0.01),
+        "BinSGDM step (descend)": lambda: ew.descend(B, x, e, 1e-3, 0.0),
     }
 
 

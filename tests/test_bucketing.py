@@ -100,35 +100,74 @@ def test_chunk_bounds_fall_on_bytes():
 SEGMENTS = [("a", 13), ("b", 0), ("c", 250), ("d", 1), ("e", 737)]  # 1001 elements
 
 
+CHUNKED = [("ef_sign", {}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"})]
+
+
 @pytest.mark.parametrize("backend", [NumpyBackend(), kernels.NumpyKernelBackend()], ids=["numpy", "kernels"])
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("chunk", [8, 100, 333, 4096])
-def test_chunked_ef_sign_is_bit_identical_to_unchunked(backend, size, chunk):
+@pytest.mark.parametrize("name,opts", CHUNKED, ids=["ef_sign", "gqsgd_max", "gqsgd_l2"])
+@pytest.mark.parametrize("into", [False, True], ids=["fresh", "into_input"])
+def test_chunked_reduce_is_bit_identical_to_unchunked(backend, size, chunk, name, opts, into):
+    """Chunk pipelining changes no bit of the result, the state, the random stream or
+    the bytes sent; nor does decoding into the input's own memory (``out=x``, what the
+    torch optimizer does with a gradient)."""
     d = sum(n for _, n in SEGMENTS)
 
-    def train(chunk_numel):
+    def train(chunk_numel, into):
         world = ThreadWorld(size)
-        runners = [CompressorRunner(hvd_quant.get("ef_sign"), backend, seed=3) for _ in range(size)]
+        runners = [CompressorRunner(hvd_quant.get(name, **opts), backend, seed=3) for _ in range(size)]
 
         def body(comm):
             outs = []
             for step in range(3):
                 x = np.random.default_rng(100 * comm.rank + step).standard_normal(d).astype(np.float32)
                 x[:13] *= 50  # segments of very different magnitudes
-                outs.append(np.array(chunked_reduce(runners[comm.rank], x, comm, "fused0",
-                                                    SEGMENTS, chunk_numel)))
-            return outs, runners[comm.rank].state_dict()
+                out = chunked_reduce(runners[comm.rank], x, comm, "fused0", SEGMENTS, chunk_numel,
+                                     out=x if into else None)
+                outs.append(np.array(out))
+            return outs, runners[comm.rank].state_dict(), runners[comm.rank].rng_state()
         results = world.run(body)
         return results, [m.bytes_sent for m in world.meters]
 
-    (plain, plain_bytes), (chunked, chunked_bytes) = train(0), train(chunk)
-    assert chunked_bytes == plain_bytes
-    for (outs_p, state_p), (outs_c, state_c) in zip(plain, chunked):
+    (plain, plain_bytes), (chunked, chunked_bytes) = train(0, False), train(chunk, into)
+    assert chunked_bytes == pytest.approx(plain_bytes, rel=1e-12)  # a sum of per-chunk counts
+    for (outs_p, state_p, rng_p), (outs_c, state_c, rng_c) in zip(plain, chunked):
         for a, b in zip(outs_p, outs_c):
             assert a.tobytes() == b.tobytes()
         assert sorted(state_p) == sorted(state_c)
         for k in state_p:
             assert np.asarray(state_p[k]).tobytes() == np.asarray(state_c[k]).tobytes()
+        assert rng_p == rng_c
+
+
+@pytest.mark.parametrize("backend", [NumpyBackend(), kernels.NumpyKernelBackend()], ids=["numpy", "kernels"])
+@pytest.mark.parametrize("name", ["ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd_exp",
+                                  "onebit", "none", "fp16"])
+def test_decoding_into_the_input_changes_nothing(backend, name):
+    """``ReduceContext.out`` may be the input's own memory: every compressor must have
+    finished reading ``x`` before writing there (3 ranks, 3 steps, state included)."""
+    d = 1001
+
+    def train(into):
+        world = ThreadWorld(3)
+        runners = [CompressorRunner(hvd_quant.get(name), backend, seed=5) for _ in range(3)]
+
+        def body(comm):
+            outs = []
+            for step in range(3):
+                x = np.random.default_rng(10 * comm.rank + step).standard_normal(d).astype(np.float32)
+                out = runners[comm.rank].reduce(x, comm, "g", [("w", 600), ("v", 401)],
+                                                out=x if into else None)
+                outs.append(np.array(out))
+            return outs, runners[comm.rank].state_dict()
+        return world.run(body)
+
+    for (outs_a, state_a), (outs_b, state_b) in zip(train(False), train(True)):
+        for a, b in zip(outs_a, outs_b):
+            assert a.tobytes() == b.tobytes()
+        for k in state_a:
+            assert np.asarray(state_a[k]).tobytes() == np.asarray(state_b[k]).tobytes()
 
 
 def test_chunked_ef_sign_non_finite_step_keeps_the_residual():
@@ -145,6 +184,23 @@ def test_chunked_ef_sign_non_finite_step_keeps_the_residual():
         out = chunked_reduce(runners[comm.rank], x, comm, "g", [("w", 100)], 16)
         return np.isnan(out).all(), (runners[comm.rank].state_dict()["w/residual"] == before).all()
     assert world.run(body) == [(True, True), (True, True)]
+
+
+def test_chunked_global_qsgd_non_finite_step_sends_no_chunk():
+    """A NaN on one rank: every rank returns NaN, sends no integer chunk, and its random
+    stream moves on by the one call the unchunked method makes too."""
+    world = ThreadWorld(2)
+    runners = [CompressorRunner(hvd_quant.get("global_qsgd"), NumpyBackend()) for _ in range(2)]
+
+    def body(comm):
+        x = np.ones(100, np.float32)
+        if comm.rank == 1:
+            x[57] = np.nan
+        calls = runners[comm.rank].rng_state()
+        out = chunked_reduce(runners[comm.rank], x, comm, "g", [("w", 100)], 16)
+        return bool(np.isnan(out).all()), runners[comm.rank].rng_state() != calls
+    assert world.run(body) == [(True, True), (True, True)]
+    assert all(m.by_kind.get("allreduce", 0) == 2 * 4 / 2 for m in world.meters)  # the scale only
 
 
 # --- real ranks ------------------------------------------------------------------------------

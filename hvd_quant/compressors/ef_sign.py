@@ -53,10 +53,12 @@ class EFSignCompressor(Compressor):
         ctx.state.set("residual", residual)
         all_bits = comm.allgather(bits, ctx.collective_name("signs"))
 
-        # Phase 4: decode every rank's contribution in rank order. Scales are divided by
-        # n before the sum, so values near the float32 maximum do not overflow it.
+        # Phase 4: decode every rank's contribution in rank order (into ctx.out where
+        # given: x is not read any more). Scales are divided by n before the sum, so
+        # values near the float32 maximum do not overflow it.
         return B.cond(finite,
-                      lambda: unpack_scaled_sum(B, all_bits, all_scales / float(n), counts, d),
+                      lambda: unpack_scaled_sum(B, all_bits, all_scales / float(n), counts, d,
+                                                out=ctx.out),
                       lambda: B.full(d, float("nan")))
 
     def wire_bytes(self, numel, world_size, segments=1):

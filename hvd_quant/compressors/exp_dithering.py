@@ -94,17 +94,17 @@ def encode(B, x, scale, world_size, rng):
     return exp_encode(B, x, scale, world_size, draws(B, key, B.numel(x)))
 
 
-def exp_decode(B, codes, scale, world_size):
+def exp_decode(B, codes, scale, world_size, into=None):
     """float32 mean estimate ``value(codes) * 2**(n-1) / n * scale`` (``n = world_size``).
 
     Multiplied in that order, so a scale near the float32 maximum does not overflow the
     factor; an estimate beyond the float32 range saturates at the maximum. Fused
-    primitive ``exp_decode``.
+    primitive ``exp_decode`` (which writes into ``into`` when given).
     """
     factor = 2.0 ** (world_size - 1) / world_size
     fast = B.kernel("exp_decode", codes)
     if fast is not None:
-        return fast(codes, factor, B.item(scale))
+        return fast(codes, factor, B.item(scale), out=into)
     c = B.cast(codes, "int32")
     mag_code = B.bitwise_and(c, _shift(B, 127))
     mag = B.bitcast(B.left_shift(128 - mag_code, _shift(B, 23)), "float32")  # 2**(1-c)
@@ -183,7 +183,8 @@ class GlobalQSGDExpCompressor(Compressor):
                        lambda: encode(B, B.zeros(d), scale, n, ctx.rng))
         total = ring_allreduce(B, comm, codes, ExpDitheringSum(), ctx.collective_name("codes"),
                                ctx.rng)
-        return B.cond(finite, lambda: exp_decode(B, total, scale, n), lambda: B.full(d, float("nan")))
+        return B.cond(finite, lambda: exp_decode(B, total, scale, n, into=ctx.out),
+                      lambda: B.full(d, float("nan")))
 
     def wire_bytes(self, numel, world_size, segments=1):
         """Average bytes sent per rank: the fp32 scale by allreduce, one byte per element

@@ -54,7 +54,7 @@ import math
 from ..core.comm import identical_sum
 from ..core.compressor import Compressor
 from ..core.packing import pack_lanes, packed_lane_words, unpack_lanes
-from ..core.rng import draws
+from ..core.rng import hash_bits, uniform_from_bits
 from ..core.segments import compensate_sums
 
 #: Smallest normal float32: the scale is raised to at least this, so all-zero buffers
@@ -200,35 +200,39 @@ def linear_dequantize(B, q_sum, scale, levels, count):
     return B.cast(q_sum, "float32") * (scale / float(levels * count))
 
 
-def quantize(B, comm, x, scale, pre, levels, width, rng):
+def quantize(B, comm, x, scale, pre, levels, width, rng=None, key=None, first=0):
     """The wire tensor of ``x``'s levels: ``width``-bit integers, native when ``comm``
     sums ``int{width}``, else packed into int32 lanes (offset on rank 0 only).
 
     One pass with the fused primitives ``quantize_ints`` / ``quantize_lanes``; the
     generic path is :func:`linear_quantize` then :func:`~hvd_quant.core.packing.pack_lanes`,
-    with the same random draws (one call of ``rng``).
+    with the same random draws: one call of ``rng``, or the call ``key`` given, whose
+    draws ``first ..`` quantize ``x`` (a chunk of a larger buffer starting at element
+    ``first``, a multiple of the lanes per word: see :mod:`hvd_quant.core.pipeline`).
     """
     native = f"int{width}" in comm.allreduce_int_dtypes
-    key = rng.next_key(B)
+    key = rng.next_key(B) if key is None else key
     fast = B.kernel("quantize_ints" if native else "quantize_lanes", x)
     if fast is not None:
         if native:
-            return fast(x, B.item(pre), B.item(scale), levels, key, f"int{width}")
-        return fast(x, B.item(pre), B.item(scale), levels, key, width, comm.rank == 0)
-    u = draws(B, key, B.numel(x))
+            return fast(x, B.item(pre), B.item(scale), levels, key, f"int{width}", first)
+        return fast(x, B.item(pre), B.item(scale), levels, key, width, comm.rank == 0, first)
+    u = uniform_from_bits(B, hash_bits(B, key, B.numel(x), offset=first))
     q = linear_quantize(B, x * pre, scale, levels, u, f"int{width}" if native else "int32")
     return q if native else pack_lanes(B, q, width, add_offset=comm.rank == 0)
 
 
-def dequantize(B, comm, total, numel, scale, pre, levels, width):
+def dequantize(B, comm, total, numel, scale, pre, levels, width, into=None):
     """The mean estimate from the allreduced wire tensor of :func:`quantize` (fused
-    primitives ``dequantize_ints`` / ``dequantize_lanes``). With ``pre != 1`` the result
-    is scaled back and saturates at the float32 maximum instead of overflowing."""
+    primitives ``dequantize_ints`` / ``dequantize_lanes``, which write into ``into`` when
+    given). With ``pre != 1`` the result is scaled back and saturates at the float32
+    maximum instead of overflowing."""
     native = f"int{width}" in comm.allreduce_int_dtypes
     factor = scale / float(levels * comm.size)
     fast = B.kernel("dequantize_ints" if native else "dequantize_lanes", total)
     if fast is not None:
-        out = fast(total, B.item(factor)) if native else fast(total, numel, width, B.item(factor))
+        out = (fast(total, B.item(factor), out=into) if native
+               else fast(total, numel, width, B.item(factor), out=into))
     else:
         q = total if native else unpack_lanes(B, total, numel, width)
         out = B.cast(q, "float32") * factor
@@ -293,12 +297,15 @@ class GlobalQSGDCompressor(Compressor):
         # rank's input holds inf or NaN).
         scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"))
         # Phase 2: stochastic rounding onto the shared grid; zeros on a non-finite step,
-        # so no NaN is ever turned into an in-range integer.
+        # so no NaN is ever turned into an in-range integer (quantized on a grid of 1:
+        # the shared scale itself may be NaN then, and 0 / NaN is NaN).
+        one = B.full(1, 1.0)
         wire = B.cond(finite, lambda: quantize(B, comm, x, scale, pre, levels, width, ctx.rng),
-                      lambda: quantize(B, comm, B.zeros(d), scale, pre, levels, width, ctx.rng))
+                      lambda: quantize(B, comm, B.zeros(d), one, one, levels, width, ctx.rng))
         # Phase 3: Horovod sums the integers; every rank decodes the same sum.
         total = comm.allreduce(wire, "sum", ctx.collective_name("levels"))
-        return B.cond(finite, lambda: dequantize(B, comm, total, d, scale, pre, levels, width),
+        return B.cond(finite, lambda: dequantize(B, comm, total, d, scale, pre, levels, width,
+                                                 into=ctx.out),
                       lambda: B.full(d, float("nan")))
 
     def wire_bytes(self, numel, world_size, segments=1, int_dtypes=("int32", "int64")):

@@ -229,7 +229,7 @@ class MarsitCompressor(Compressor):
             agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
         else:
             agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
-        out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d),
+        out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d, out=ctx.out),
                      lambda: B.full(d, float("nan")))
 
         # Phase 4: global compensation, against the aggregated result every rank shares.

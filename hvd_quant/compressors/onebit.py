@@ -89,7 +89,7 @@ class OnebitCompressor(Compressor):
         worker_error = ctx.state.get("worker_error")
         server_error = ctx.state.get("server_error")
         out, worker_error, server_error, _ = compressed_allreduce(
-            B, ctx.comm, x, worker_error, server_error, ctx.collective_name("onebit"))
+            B, ctx.comm, x, worker_error, server_error, ctx.collective_name("onebit"), out=ctx.out)
         ctx.state.set("worker_error", worker_error)
         ctx.state.set("server_error", server_error)
         return out

@@ -33,15 +33,22 @@ class ReduceContext:
         Parameter names and sizes, in order, that make up the buffer.
     rng : generator
         This rank's random generator (from ``backend.generator``), for stochastic rounding.
+    out : float32 tensor of the buffer's length, or None
+        Where the result may be written instead of a fresh buffer (the torch optimizer
+        passes the fused buffer, often the gradient's own memory, so the result lands in
+        ``.grad`` with no 100 MB allocation and copy). It may share memory with ``x``: a
+        compressor that writes it must have finished reading ``x`` first. Compressors
+        may ignore it; callers must use the returned tensor either way.
     """
 
-    def __init__(self, backend, comm, name, segments, state=None, rng=None):
+    def __init__(self, backend, comm, name, segments, state=None, rng=None, out=None):
         self.backend = backend
         self.comm = comm
         self.name = name
         self.segments = segments
         self.state = state
         self.rng = rng
+        self.out = out
 
     def collective_name(self, phase):
         return f"hvd_quant.{self.name}.{phase}"
@@ -101,7 +108,8 @@ class Compressor:
         """Return every rank's estimate of ``mean_over_ranks(x)`` (flat float32).
 
         ``x`` is read only: the torch optimizer may pass a view of the gradient itself,
-        and the result must be a buffer of its own, not ``x``."""
+        and the result must be a buffer of its own, not ``x``, or ``ctx.out`` (see
+        :class:`ReduceContext`), written only once ``x`` is no longer read."""
         raise NotImplementedError
 
     def wire_bytes(self, numel, world_size, segments=1):

@@ -93,7 +93,7 @@ def rms_scale(B, x, e, numel):
                    B.cast(norm / root, "float32"))
 
 
-def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=None):
+def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=None, out=None):
     """Average the flat float32 ``x`` over ``comm``'s ranks at 1 bit per element.
 
     Parameters
@@ -109,6 +109,10 @@ def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=No
         Sizes of the tensors concatenated in ``x``, each compressed with its own scales
         and error buffers as DeepSpeed's per-tensor ``step()`` does (see the module
         docstring); None: ``x`` is one tensor (DeepSpeed's flattened fp16 group).
+    out : float32 tensor of ``d`` elements or None
+        Where the result may be decoded (it may be ``x``'s memory: ``x`` is read only in
+        the worker stage). Used when the buffer needs no padding; use the returned
+        tensor either way.
 
     Returns
     -------
@@ -155,8 +159,9 @@ def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=No
     def decode():
         tensor_bits, tensor_scales = _tensor_major(B, all_bits, server_scales, chunks, n)
         per_chunk = [c for c in chunks for _ in range(n)]
-        return _unpad_tensors(B, unpack_scaled_sum(B, tensor_bits, tensor_scales, per_chunk, total),
-                              counts, padded)
+        into = out if total == d else None  # padded: decoded into a buffer of its own
+        return _unpad_tensors(B, unpack_scaled_sum(B, tensor_bits, tensor_scales, per_chunk, total,
+                                                   out=into), counts, padded)
 
     out = B.cond(finite, decode, lambda: B.full(d, float("nan")))
     return out, worker_error, server_error, finite

@@ -75,7 +75,7 @@ def unpack_signs(B, packed, numel):
     return B.slice(B.reshape(B.lookup(SIGN_TABLE, packed), (-1,)), 0, numel)
 
 
-def unpack_scaled_sum(B, packed, scales, counts, numel, base=None):
+def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None):
     """``sum_r scales[r, seg(i)] * sign_r(i)`` over the ``R`` rows of packed sign bits.
 
     Parameters
@@ -86,6 +86,9 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None):
         Segment sizes (summing to ``numel``).
     base : float32 tensor of ``numel`` elements or None
         Added after the sum (a server-side residual, say).
+    out : float32 tensor of ``numel`` elements or None
+        Written with the result on the fast path (no fresh buffer); the generic path
+        ignores it. Use the returned tensor either way.
 
     The rows are summed in row order in float32, so every rank that decodes the same
     rows gets bit-identical results. Fused primitive ``unpack_scaled_sum``.
@@ -94,7 +97,7 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None):
     rows = B.numel(packed) // nbytes if nbytes else 0
     fast = B.kernel("unpack_scaled_sum", packed, scales)
     if fast is not None:
-        return fast(packed, scales, segment_bounds(counts), numel, base=base)
+        return fast(packed, scales, segment_bounds(counts), numel, base=base, out=out)
     total = None
     for r in range(rows):
         signs = unpack_signs(B, B.slice(packed, r * nbytes, (r + 1) * nbytes), numel)

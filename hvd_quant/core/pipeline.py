@@ -22,12 +22,16 @@ Two mechanisms, both framework-agnostic (the torch optimizer uses them):
     Implemented for ``ef_sign`` (bit-identical to the unchunked method: the per-segment
     scales come from the whole buffer, chunk boundaries fall on multiples of 8
     elements so the packed bytes are the same bytes, and encoding and decoding are
-    element-wise). Other compressors fall back to their own ``reduce`` (see
-    :func:`supports_chunking` for why ``global_qsgd`` is not chunked).
+    element-wise), and for ``global_qsgd`` (the integer allreduce in chunks: the scale
+    collective and the random call's key cover the whole buffer, and chunk ``k``
+    quantizes with the draws of its own element indices, so every level, and the sum,
+    is bit-identical to the unchunked method). Other compressors fall back to their own
+    ``reduce`` (see :func:`supports_chunking`).
 
-Asynchronous collectives: a communicator may offer ``allgather_async(x, name)`` returning a
-handle with ``wait()``; without it (the thread-world oracle) the collective runs eagerly
-and the handle only returns its result, which keeps the results the same.
+Asynchronous collectives: a communicator may offer ``allgather_async(x, name)`` and
+``allreduce_async(x, op, name)`` returning a handle with ``wait()``; without them (the
+thread-world oracle) the collective runs eagerly and the handle only returns its result,
+which keeps the results the same.
 """
 
 import threading
@@ -162,18 +166,27 @@ def start_allgather(comm, x, name):
     return _Done(comm.allgather(x, name))
 
 
+def start_allreduce(comm, x, op, name):
+    if hasattr(comm, "allreduce_async"):
+        return comm.allreduce_async(x, op, name)
+    return _Done(comm.allreduce(x, op, name))
+
+
+#: Compressors (by class name) that :func:`chunked_reduce` pipelines.
+_CHUNKED = {"EFSignCompressor": "ef_sign", "GlobalQSGDCompressor": "global_qsgd"}
+
+
 def supports_chunking(compressor):
     """True when :func:`chunked_reduce` pipelines this compressor's buffer.
 
-    * ``ef_sign``: yes, bit-identical to unchunked (module docstring).
-    * ``global_qsgd``: no. Its integer levels could be quantized per chunk after the
-      whole-buffer scale collective, but the fused quantize kernel draws element ``i``'s
-      random number from index ``i`` of its call; a chunk would need an index offset
-      in that kernel to reproduce the unchunked draws bit for bit.
+    * ``ef_sign`` and ``global_qsgd``: yes, bit-identical to unchunked (module docstring).
     * ring/torus methods (``marsit``, ``cascading_sign``, ``global_qsgd_exp``): their
-      reduction is a chain of hops; they overlap through :class:`BucketPipeline` instead.
+      reduction is a chain of hops, and Marsit's and exponential dithering's per-hop
+      draws are indexed by position within a hop's chunk; they overlap through
+      :class:`BucketPipeline` instead.
+    * ``onebit``: its server stage needs every rank's whole chunk (alltoall) first.
     """
-    return getattr(compressor, "name", None) == "ef_sign" and type(compressor).__name__ == "EFSignCompressor"
+    return _CHUNKED.get(type(compressor).__name__) == getattr(compressor, "name", None)
 
 
 def chunk_bounds(numel, chunk_numel):
@@ -196,15 +209,17 @@ def _chunk_segments(counts, a, b):
     return idx, sub
 
 
-def chunked_reduce(runner, flat, comm, group, segments, chunk_numel):
-    """``runner.reduce(flat, comm, group, segments)``, pipelined in chunks of about
+def chunked_reduce(runner, flat, comm, group, segments, chunk_numel, out=None):
+    """``runner.reduce(flat, comm, group, segments, out)``, pipelined in chunks of about
     ``chunk_numel`` elements where the compressor supports it (otherwise the plain
     reduction). Same result, same state."""
     compressor = runner.compressor
     d = runner.backend.numel(flat)
     if not chunk_numel or not supports_chunking(compressor) or d <= chunk_numel:
-        return runner.reduce(flat, comm, group, segments)
-    ctx = runner.context(comm, group, segments)
+        return runner.reduce(flat, comm, group, segments, out=out)
+    ctx = runner.context(comm, group, segments, out=out)
+    if compressor.name == "global_qsgd":
+        return _global_qsgd_chunked(flat, ctx, compressor, chunk_bounds(d, chunk_numel))
     return _ef_sign_chunked(flat, ctx, chunk_bounds(d, chunk_numel))
 
 
@@ -228,7 +243,7 @@ def _ef_sign_chunked(x, ctx, chunks):
     rows = B.to_numpy(all_scales).reshape(n, nseg) / np.float32(n)  # as unchunked: scale / n
     in_place = B.kernel("sign_pack_residual", x, residual, scales) is not None
     decode = B.kernel("unpack_scaled_sum", B.zeros(0, "uint8"), scales)
-    out = B.zeros(d) if decode is not None else None
+    out = (ctx.out if ctx.out is not None else B.zeros(d)) if decode is not None else None
     pieces, new_residual = [], []
 
     def encode(k):
@@ -260,6 +275,48 @@ def _ef_sign_chunked(x, ctx, chunks):
         ctx.state.set("residual", B.concat(new_residual))
     else:
         ctx.state.set("residual", residual)
+    return out if out is not None else B.concat(pieces)
+
+
+def _global_qsgd_chunked(x, ctx, compressor, chunks):
+    """Global-QSGD (:mod:`hvd_quant.compressors.global_qsgd`) with the integer allreduce
+    cut into chunks: quantize chunk ``k + 1`` and dequantize chunk ``k - 1`` while chunk
+    ``k``'s sum is on the wire. Chunk bounds are multiples of 8 elements, so of the lanes
+    per int32 word; every chunk uses the one random call of the buffer at its own
+    element indices."""
+    from ..compressors.global_qsgd import dequantize, global_scale, quantize  # no import cycle
+
+    B, comm = ctx.backend, ctx.comm
+    d = B.numel(x)
+    width, levels = compressor.resolve(comm.size)
+    # Phase 1 over the whole buffer, as unchunked: the scale and the finite verdict.
+    scale, pre, finite = global_scale(B, comm, x, compressor.norm, ctx.collective_name("scale"))
+    key = ctx.rng.next_key(B)  # the unchunked method's one call, bad step or not
+    if not bool(B.to_numpy(finite)):
+        return B.full(d, float("nan"))  # every rank has the same verdict: no chunk is sent
+    # Chunks are dequantized straight into ctx.out when the fused kernel writes there
+    # and no rescaling follows (pre == 1, i.e. not near the float32 maximum).
+    native = f"int{width}" in comm.allreduce_int_dtypes
+    out = ctx.out if (ctx.out is not None and B.item(pre) >= 1.0 and B.kernel(
+        "dequantize_ints" if native else "dequantize_lanes", x) is not None) else None
+    pieces = []
+
+    def start(k):
+        a, b = chunks[k]
+        wire = quantize(B, comm, B.slice(x, a, b), scale, pre, levels, width, key=key, first=a)
+        return start_allreduce(comm, wire, "sum", ctx.collective_name(f"levels.c{k}"))
+
+    def finish(k, handle):
+        a, b = chunks[k]
+        into = B.slice(out, a, b) if out is not None else None
+        pieces.append(dequantize(B, comm, handle.wait(), b - a, scale, pre, levels, width, into=into))
+
+    pending = start(0)
+    for k in range(1, len(chunks)):
+        started = start(k)
+        finish(k - 1, pending)
+        pending = started
+    finish(len(chunks) - 1, pending)
     return out if out is not None else B.concat(pieces)
 
 

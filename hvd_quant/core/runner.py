@@ -196,19 +196,21 @@ class CompressorRunner:
         # An owner-made stream counter can only be created here, outside any trace.
         self.rng(int(rank), creating=True)
 
-    def context(self, comm, group, segments):
+    def context(self, comm, group, segments, out=None):
         """The :class:`ReduceContext` of buffer ``group`` on ``comm``: its state view (with
-        the buffer slots sized for ``comm.size`` ranks), collective names and random stream."""
+        the buffer slots sized for ``comm.size`` ranks), collective names and random stream;
+        ``out``: where the result may be written (:class:`ReduceContext`)."""
         state = None
         if self.store is not None:
             state = self.store.view(group, segments, world=(comm.rank, comm.size),
                                     buffer_sizes=self.buffer_sizes(segments, comm.size))
         return ReduceContext(self.backend, comm, self.collective_prefix(group), segments, state=state,
-                             rng=self.rng(comm.rank))
+                             rng=self.rng(comm.rank), out=out)
 
-    def reduce(self, flat, comm, group, segments):
-        """Mean over ranks of the flat float32 buffer ``flat`` made of ``segments``."""
-        return self.compressor.reduce(flat, self.context(comm, group, segments))
+    def reduce(self, flat, comm, group, segments, out=None):
+        """Mean over ranks of the flat float32 buffer ``flat`` made of ``segments``
+        (written into ``out`` where the compressor can, see :class:`ReduceContext`)."""
+        return self.compressor.reduce(flat, self.context(comm, group, segments, out=out))
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self):

@@ -109,6 +109,34 @@ def _segment_of(bounds, i):
     return np.searchsorted(bounds, i, side="right") - 1
 
 
+# Packing bits in the same loop that computes the residual keeps LLVM from vectorizing
+# either (the 8 shifted ORs form a chain per byte). So the whole bytes of a segment go in
+# cache-sized pieces of SPR_PIECE elements, each in two loops: a vectorized one that
+# writes the residual and one 0/1 byte per element into small scratch buffers, then one
+# that packs 8 such bytes into a bit byte with a multiply (each 0/1 byte lands on its own
+# bit of the top byte). The residual goes through the scratch buffer because it is
+# usually written over ``e`` itself: with the same array read and written, LLVM's
+# run-time overlap check sends the loop down its scalar path.
+SPR_PIECE = 4096
+_PACK_MUL = np.uint64(0x0102040810204080)  # bit 56 + j gets byte j
+_S56 = np.uint64(56)
+
+
+@njit(**_OPTS)
+def _spr_piece(x, e, has_e, sc, pos, tmp, resid, bits):
+    m = x.size
+    for i in range(m):
+        p = x[i] + e[i] if has_e else x[i]
+        ge = p >= np.float32(0)
+        pos[i] = np.uint8(1) if ge else np.uint8(0)
+        tmp[i] = p - (sc if ge else -sc)
+    for i in range(m):
+        resid[i] = tmp[i]
+    words = pos[:m].view(np.uint64)
+    for b in range(m // 8):
+        bits[b] = np.uint8((words[b] * _PACK_MUL) >> _S56)
+
+
 @njit(parallel=True, **_OPTS)
 def _sign_pack_residual(x, e, scales, bounds, bits, resid):
     # p = x + e is recomputed here rather than stored by the pass that summed it: the
@@ -117,15 +145,15 @@ def _sign_pack_residual(x, e, scales, bounds, bits, resid):
     has_e = e.size > 0
     for s in range(scales.size):
         sc = scales[s]
-        for b in prange((bounds[s] + 7) // 8, bounds[s + 1] // 8):
-            v = 0
-            for j in range(8):
-                i = 8 * b + j
-                p = x[i] + e[i] if has_e else x[i]
-                pos = p >= 0
-                v |= np.int32(pos) << j
-                resid[i] = p - (sc if pos else -sc)
-            bits[b] = np.uint8(v)
+        first, end = (bounds[s] + 7) // 8, bounds[s + 1] // 8
+        pieces = (8 * (end - first) + SPR_PIECE - 1) // SPR_PIECE
+        for k in prange(pieces):
+            a = 8 * first + k * SPR_PIECE
+            b = min(8 * end, a + SPR_PIECE)
+            pos = np.empty(SPR_PIECE, np.uint8)
+            tmp = np.empty(SPR_PIECE, np.float32)
+            _spr_piece(x[a:b], e[a:b] if has_e else e, has_e, sc, pos, tmp, resid[a:b],
+                       bits[a // 8:b // 8])
     for b in _general_bytes(bounds):
         v = 0
         for i in range(8 * b, min(d, 8 * b + 8)):
@@ -155,44 +183,101 @@ def _signed(byte, j, sc):
     return sc if (byte >> j) & 1 else -sc
 
 
+@njit(**_OPTS)
+def _unpack_row(row, sc, add, out):
+    """``out (+)= where(bit, sc, -sc)`` for the 8 len(row) bits of ``row`` (1-D slices:
+    a 2-D slice has a run-time inner stride and would not vectorize)."""
+    # sc * (+1 or -1) is exact: the same float as the select of sc or -sc, without a branch.
+    if add:
+        for b in range(row.size):
+            v = np.int32(row[b])
+            for j in range(8):
+                out[8 * b + j] += sc * np.float32(2 * ((v >> j) & 1) - 1)
+    else:
+        for b in range(row.size):
+            v = np.int32(row[b])
+            for j in range(8):
+                out[8 * b + j] = sc * np.float32(2 * ((v >> j) & 1) - 1)
+
+
+@njit(**_OPTS)
+def _add_into(out, base):
+    for i in range(out.size):
+        out[i] += base[i]
+
+
+@njit(**_OPTS)
+def _unpack_bytes_tab(packed, tab, base, has_base, first, end, out):
+    """Bytes ``first..end`` of every row, through ``tab`` (row r, byte value v: the 8
+    signed scales at ``2048 r + 8 v``). The 8 floats of a byte are summed over the rows
+    in registers (row order, then ``base``) and stored once: one 32-byte table load per
+    byte and row, and the output written at the speed of a fill."""
+    rows = packed.shape[0]
+    for bb in range(first, end):
+        i = 8 * np.int64(packed[0, bb])
+        t0, t1, t2, t3 = tab[i], tab[i + 1], tab[i + 2], tab[i + 3]
+        t4, t5, t6, t7 = tab[i + 4], tab[i + 5], tab[i + 6], tab[i + 7]
+        for r in range(1, rows):
+            i = 2048 * r + 8 * np.int64(packed[r, bb])
+            t0 += tab[i]
+            t1 += tab[i + 1]
+            t2 += tab[i + 2]
+            t3 += tab[i + 3]
+            t4 += tab[i + 4]
+            t5 += tab[i + 5]
+            t6 += tab[i + 6]
+            t7 += tab[i + 7]
+        o = 8 * (bb - first)
+        if has_base:
+            t0 += base[o]
+            t1 += base[o + 1]
+            t2 += base[o + 2]
+            t3 += base[o + 3]
+            t4 += base[o + 4]
+            t5 += base[o + 5]
+            t6 += base[o + 6]
+            t7 += base[o + 7]
+        out[o], out[o + 1], out[o + 2], out[o + 3] = t0, t1, t2, t3
+        out[o + 4], out[o + 5], out[o + 6], out[o + 7] = t4, t5, t6, t7
+
+
+#: Bytes per parallel piece of :func:`_unpack_scaled_sum`.
+UNPACK_PIECE = 512
+#: Segments of at least this many whole bytes decode through a table of the 8 signed
+#: scales of every byte value, per row (8 KB a row, built per segment); smaller ones
+#: select per bit, which is cheaper than building the table.
+UNPACK_TABLE_BYTES = 256
+
+
 @njit(parallel=True, **_OPTS)
 def _unpack_scaled_sum(packed, scales, bounds, base, out):
-    # Row 0 is written, rows 1.. are added, then base: the generic twin's order exactly.
-    # Segments of 256 whole bytes or more go through a table of the 8 signed scales of
-    # each byte value, per row: no branch, 8 contiguous floats per lookup (1.4x faster);
-    # smaller ones test bits, which is cheaper than building their table.
     d = out.size
     rows = packed.shape[0]
     has_base = base.size > 0
-    table = np.empty((rows, 256, 8), np.float32)
+    tab = np.empty(rows * 2048, np.float32)
     for s in range(scales.shape[1]):
         first, end = (bounds[s] + 7) // 8, bounds[s + 1] // 8
-        if end - first >= 256:
+        pieces = (end - first + UNPACK_PIECE - 1) // UNPACK_PIECE
+        if end - first >= UNPACK_TABLE_BYTES:
             for r in range(rows):
                 for v in range(256):
                     for j in range(8):
-                        table[r, v, j] = _signed(v, j, scales[r, s])
-            for b in prange(first, end):
-                signed = table[0, packed[0, b]]
-                for j in range(8):
-                    out[8 * b + j] = signed[j]
-                for r in range(1, rows):
-                    signed = table[r, packed[r, b]]
-                    for j in range(8):
-                        out[8 * b + j] += signed[j]
-                if has_base:
-                    for j in range(8):
-                        out[8 * b + j] += base[8 * b + j]
+                        tab[2048 * r + 8 * v + j] = _signed(v, j, scales[r, s])
+            for k in prange(pieces):
+                a = first + k * UNPACK_PIECE
+                b = min(end, a + UNPACK_PIECE)
+                _unpack_bytes_tab(packed, tab, base[8 * a:8 * b] if has_base else base, has_base,
+                                  a, b, out[8 * a:8 * b])
         else:
-            for b in prange(first, end):
-                for j in range(8):
-                    out[8 * b + j] = _signed(packed[0, b], j, scales[0, s])
-                for r in range(1, rows):
-                    for j in range(8):
-                        out[8 * b + j] += _signed(packed[r, b], j, scales[r, s])
+            col = np.ascontiguousarray(scales[:, s])
+            for k in prange(pieces):
+                a = first + k * UNPACK_PIECE
+                b = min(end, a + UNPACK_PIECE)
+                # Row 0 is written, rows 1.. are added, then base: the generic twin's order.
+                for r in range(rows):
+                    _unpack_row(packed[r][a:b], col[r], r > 0, out[8 * a:8 * b])
                 if has_base:
-                    for j in range(8):
-                        out[8 * b + j] += base[8 * b + j]
+                    _add_into(out[8 * a:8 * b], base[8 * a:8 * b])
     for b in _general_bytes(bounds):
         for i in range(8 * b, min(d, 8 * b + 8)):
             s = _segment_of(bounds, i)
@@ -218,6 +303,24 @@ def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None):
 
 
 # --- sums that set scales -----------------------------------------------------------------
+# The float64 sums of a block may be reassociated (``fastmath`` reassoc only: inf and NaN
+# still propagate): LLVM then keeps several vector accumulators instead of one serial
+# chain of dependent adds, which made these sums 4x slower than reading the memory. The
+# order is fixed by the compiled code, so a given machine always gets the same sum, for
+# any thread count; it differs from a strict left-to-right sum by float64 rounding only.
+@njit(fastmath={"reassoc"}, **_OPTS)
+def _block_sum(x, e, has_e, squares):
+    acc = 0.0
+    if squares:
+        for i in range(x.size):
+            w = np.float64(x[i] + e[i] if has_e else x[i])
+            acc += w * w
+    else:
+        for i in range(x.size):
+            acc += abs(np.float64(x[i] + e[i] if has_e else x[i]))
+    return acc
+
+
 @njit(parallel=True, **_OPTS)
 def _compensate_sums(x, e, lo, hi, squares):
     n = hi - lo
@@ -227,11 +330,7 @@ def _compensate_sums(x, e, lo, hi, squares):
     for blk in prange(nblocks):
         a = lo + blk * BLOCK
         b = min(hi, a + BLOCK)
-        acc = 0.0
-        for i in range(a, b):
-            w = np.float64(x[i] + e[i] if has_e else x[i])
-            acc += w * w if squares else abs(w)
-        partial[blk] = acc
+        partial[blk] = _block_sum(x[a:b], e[a:b] if has_e else e, has_e, squares)
     total = 0.0
     for blk in range(nblocks):  # fixed order: the same sum for any thread count
         total += partial[blk]
@@ -246,26 +345,35 @@ def compensate_sums(x, e, bounds, squares=False):
                      for s in range(bounds.size - 1)], np.float64)
 
 
+# Magnitudes compared as integers: for non-negative floats the order of the bit patterns is
+# the order of the values, and an integer max vectorizes where a float max with NaN checks
+# does not. Patterns at or above 0x7F800000 are inf and NaN.
+_INF_BITS = np.uint32(0x7F800000)
+_ABS_BITS = np.uint32(0x7FFFFFFF)
+
+
+@njit(**_OPTS)
+def _block_absmax_bits(u):
+    finite_max = np.uint32(0)
+    any_max = np.uint32(0)
+    for i in range(u.size):
+        a = u[i] & _ABS_BITS
+        any_max = max(any_max, a)
+        finite_max = max(finite_max, a if a < _INF_BITS else np.uint32(0))
+    return finite_max, any_max
+
+
 @njit(parallel=True, **_OPTS)
 def _absmax(x):
-    n = x.size
+    u = x.view(np.uint32)
+    n = u.size
     nblocks = (n + BLOCK - 1) // BLOCK
-    mx = np.zeros(max(nblocks, 1), np.float32)
-    bad = np.zeros(max(nblocks, 1), np.bool_)
+    mx = np.zeros(max(nblocks, 1), np.uint32)
+    top = np.zeros(max(nblocks, 1), np.uint32)
     for blk in prange(nblocks):
         a = blk * BLOCK
-        b = min(n, a + BLOCK)
-        m = np.float32(0)
-        nonfinite = False
-        for i in range(a, b):
-            v = abs(x[i])
-            if not (v <= np.float32(3.4028235e38)):  # inf and NaN
-                nonfinite = True
-            elif v > m:
-                m = v
-        mx[blk] = m
-        bad[blk] = nonfinite
-    return mx.max(), not bad.any()
+        mx[blk], top[blk] = _block_absmax_bits(u[a:min(n, a + BLOCK)])
+    return np.array([mx.max()], np.uint32).view(np.float32)[0], top.max() < _INF_BITS
 
 
 def absmax_finite(x):
@@ -283,10 +391,7 @@ def _max_magnitude_bits(bits):
     nblocks = (n + BLOCK - 1) // BLOCK
     top = np.zeros(max(nblocks, 1), np.uint32)
     for blk in prange(nblocks):
-        m = np.uint32(0)
-        for i in range(blk * BLOCK, min(n, blk * BLOCK + BLOCK)):
-            m = max(m, bits[i] & np.uint32(0x7FFFFFFF))  # integer max: vectorizes
-        top[blk] = m
+        top[blk] = _block_absmax_bits(bits[blk * BLOCK:min(n, blk * BLOCK + BLOCK)])[1]
     return top.max()
 
 
@@ -297,11 +402,13 @@ def all_finite(x):
 
 # --- Global-QSGD linear dithering (hvd_quant.compressors.global_qsgd) ----------------------
 @njit(inline="always", **_OPTS)
-def _level(x, i, pre, scale, levels, key):
+def _level(x, i, pre, scale, levels, key, first):
+    # Element i of x is element first + i of the whole buffer: its draw has that index,
+    # so a buffer quantized in chunks draws exactly what it draws in one call.
     v = (x[i] * pre) / scale
     v = min(max(v, np.float32(-1.0)), np.float32(1.0)) * levels
     low = np.floor(v)
-    return np.int64(low) + np.int64(_uniform(key, i) < v - low)
+    return np.int64(low) + np.int64(_uniform(key, first + i) < v - low)
 
 
 def _lane_kernels(width):
@@ -313,19 +420,19 @@ def _lane_kernels(width):
     top = width * (lanes - 1)
 
     @njit(parallel=True, **_OPTS)
-    def quantize(x, pre, scale, levels, key, offset, words):
+    def quantize(x, pre, scale, levels, key, offset, words, first):
         d = x.size
         k = np.uint64(key)
         full = d // lanes
         for w in prange(full):
             acc = np.int64(offset)
             for j in range(lanes):
-                acc += _level(x, w * lanes + j, pre, scale, levels, k) << (width * j)
+                acc += _level(x, w * lanes + j, pre, scale, levels, k, first) << (width * j)
             words[w] = np.int32(acc)
         if d % lanes:  # the last word: padding lanes hold 0
             acc = np.int64(offset)
             for j in range(d - full * lanes):
-                acc += _level(x, full * lanes + j, pre, scale, levels, k) << (width * j)
+                acc += _level(x, full * lanes + j, pre, scale, levels, k, first) << (width * j)
             words[full] = np.int32(acc)
 
     @njit(parallel=True, **_OPTS)
@@ -349,35 +456,37 @@ def _lane_kernels(width):
 _LANES = {8: _lane_kernels(8), 16: _lane_kernels(16)}
 
 
-def quantize_lanes(x, pre, scale, levels, key, width, add_offset):
+def quantize_lanes(x, pre, scale, levels, key, width, add_offset, first=0):
     """``global_qsgd.quantize``: stochastically rounded levels of ``x * pre / scale``
-    (``linear_quantize``), packed ``32 // width`` per int32 word (``packing.pack_lanes``)."""
+    (``linear_quantize``), packed ``32 // width`` per int32 word (``packing.pack_lanes``).
+    ``x`` is elements ``first ..`` of the buffer whose call has key ``key``."""
     lanes = 32 // width
     offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1)) if add_offset else 0
     words = np.empty((x.size + lanes - 1) // lanes, np.int32)
-    _LANES[width][0](x, np.float32(pre), np.float32(scale), np.float32(levels), key, offset, words)
+    _LANES[width][0](x, np.float32(pre), np.float32(scale), np.float32(levels), key, offset, words,
+                     np.int64(first))
     return words
 
 
 @njit(parallel=True, **_OPTS)
-def _quantize_ints(x, pre, scale, levels, key, out):
+def _quantize_ints(x, pre, scale, levels, key, out, first):
     k = np.uint64(key)
     for i in prange(x.size):
-        out[i] = _level(x, i, pre, scale, levels, k)
+        out[i] = _level(x, i, pre, scale, levels, k, first)
 
 
-def quantize_ints(x, pre, scale, levels, key, dtype):
+def quantize_ints(x, pre, scale, levels, key, dtype, first=0):
     """``global_qsgd.quantize``: stochastically rounded levels of ``x * pre / scale`` as
-    ``dtype`` (``linear_quantize``)."""
+    ``dtype`` (``linear_quantize``); ``x`` is elements ``first ..`` of the call's buffer."""
     out = np.empty(x.size, dtype)
-    _quantize_ints(x, np.float32(pre), np.float32(scale), np.float32(levels), key, out)
+    _quantize_ints(x, np.float32(pre), np.float32(scale), np.float32(levels), key, out, np.int64(first))
     return out
 
 
-def dequantize_lanes(words, numel, width, factor):
+def dequantize_lanes(words, numel, width, factor, out=None):
     """``packing.unpack_lanes`` + ``global_qsgd.linear_dequantize``: lane sums of int32
-    ``words`` times the float32 ``factor``."""
-    out = np.empty(numel, np.float32)
+    ``words`` times the float32 ``factor`` (into ``out`` if given)."""
+    out = np.empty(numel, np.float32) if out is None else out
     _LANES[width][1](words, np.float32(factor), out)
     return out
 
@@ -388,9 +497,9 @@ def _dequantize_ints(q, factor, out):
         out[i] = np.float32(q[i]) * factor
 
 
-def dequantize_ints(q, factor):
-    """``global_qsgd.linear_dequantize`` of native integer sums."""
-    out = np.empty(q.size, np.float32)
+def dequantize_ints(q, factor, out=None):
+    """``global_qsgd.linear_dequantize`` of native integer sums (into ``out`` if given)."""
+    out = np.empty(q.size, np.float32) if out is None else out
     _dequantize_ints(q, np.float32(factor), out)
     return out
 
@@ -468,10 +577,10 @@ def _exp_decode(codes, factor, scale, out):
         out[i] = min(max(mag * sign * factor * scale, -top), top)
 
 
-def exp_decode(codes, factor, scale):
+def exp_decode(codes, factor, scale, out=None):
     """``exp_dithering.exp_decode``: ``value(code) * factor * scale`` (float32, in that
     order), saturated at the float32 maximum; ``factor = 2**(n-1) / n``."""
-    out = np.empty(codes.size, np.float32)
+    out = np.empty(codes.size, np.float32) if out is None else out
     _exp_decode(codes, np.float32(factor), np.float32(scale), out)
     return out
 

@@ -21,10 +21,14 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
         self.rank = self.process_set.rank()
         self.size = self.process_set.size()
 
-    def allreduce(self, x, op, name):
+    @staticmethod
+    def _check_allreduce_dtype(x):
         if x.dtype not in _ALLREDUCE_DTYPES:
             raise TypeError(f"Horovod's torch allreduce cannot reduce {x.dtype}; pack small "
                             "integers into int32 lanes (hvd_quant.core.packing.pack_lanes)")
+
+    def allreduce(self, x, op, name):
+        self._check_allreduce_dtype(x)
         self._count_allreduce(x.numel() * x.element_size())
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
         with WATCHDOG.guard(f"allreduce {name!r}"):

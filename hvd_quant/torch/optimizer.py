@@ -46,9 +46,9 @@ and reduces them at the step. A parameter without a gradient this step (unused o
 rank) keeps its bucket waiting until ``step()``/``synchronize()``, which launches it with
 zeros for that parameter, as the step-time path does. Calling ``zero_grad()`` between
 ``backward()`` and the step raises (as Horovod does): the reduction already started.
-``pipeline_chunk_mb`` additionally cuts each buffer of a chunkable compressor (``ef_sign``)
-into chunks whose sign allgathers are in flight while the next chunk is encoded
-(:mod:`hvd_quant.core.pipeline`; bit-identical as well).
+``pipeline_chunk_mb`` additionally cuts each buffer of a chunkable compressor (``ef_sign``,
+``global_qsgd``) into chunks whose collectives are in flight while the next chunk is
+encoded (:mod:`hvd_quant.core.pipeline`; bit-identical as well).
 """
 
 import hashlib
@@ -82,6 +82,13 @@ class _OverlapComm(HorovodTorchComm):
         self._count_allgather(x.numel() * x.element_size())
         return _AsyncHandle(hvd.allgather_async(x, name=name, process_set=self.process_set),
                             f"allgather {name!r}")
+
+    def allreduce_async(self, x, op, name):
+        self._check_allreduce_dtype(x)
+        self._count_allreduce(x.numel() * x.element_size())
+        hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
+        return _AsyncHandle(hvd.allreduce_async(x, name=name, op=hvd_op, process_set=self.process_set),
+                            f"allreduce {name!r}")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -199,10 +206,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             elif g.is_sparse:
                 g = g.to_dense()
             grads.append(g.detach().reshape(-1).to(torch.float32))
-        # One dense float32 gradient is reduced through a flat view of itself: compressors
-        # only read their input, and a 100 MB torch.cat costs 3x a copy (fresh pages).
+        # One dense float32 gradient is reduced through a flat view of itself (a 100 MB
+        # torch.cat costs 3x a copy: fresh pages), and the result goes back into the same
+        # memory where the compressor can (ReduceContext.out): then the mean is already
+        # in .grad, with no fresh buffer and no copy (_write_back sees the same storage).
         flat = grads[0] if len(grads) == 1 else torch.cat(grads) if grads else torch.zeros(0)
-        mean = chunked_reduce(self._runner, flat, self._comm, key, segments, self._chunk_numel)
+        into = flat if flat.is_contiguous() and self._op == hvd.Average else None
+        mean = chunked_reduce(self._runner, flat, self._comm, key, segments, self._chunk_numel,
+                              out=into)
         if self._op == hvd.Sum:
             mean = mean * self._comm.size
         return mean
@@ -214,7 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             value = mean[offset:offset + n].view_as(p).to(p.dtype)
             if p.grad is None or p.grad.is_sparse:
                 p.grad = value.clone()
-            else:
+            elif not _same_memory(value, p.grad):  # else reduced in place already
                 p.grad.copy_(value)
             offset += n
 
@@ -273,6 +284,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None:
             self._runner.load_state_dict(ours["state"])
             self._runner.load_rng_state(ours.get("rng", {}))
+
+
+def _same_memory(a, b):
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def _split_groups(params, groups):
@@ -343,8 +359,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         (``None``: when ``bucket_size_mb`` is set). Works with ``num_groups``/``groups``
         too; results are bit-identical either way.
     pipeline_chunk_mb : float or None
-        Cut each buffer of a chunkable compressor (``ef_sign``) into chunks of about this
-        many MB whose collectives overlap the encoding of the next chunk (``None``: off).
+        Cut each buffer of a chunkable compressor (``ef_sign``, ``global_qsgd``) into
+        chunks of about this many MB whose collectives overlap the encoding of the next
+        chunk (``None``: off).
     backward_passes_per_step : int
         Under overlap, a bucket is launched once every parameter in it has received this
         many gradients; gradients accumulate in ``.grad`` meanwhile. A bucket that is still
