@@ -1,12 +1,15 @@
 """A rank that dies or hangs inside hvd_quant's collectives ends the whole job in bounded time.
 
-Each case runs tests/mp/stall_worker.py under horovodrun with 2 ranks and a 10 s
-collective deadline (HVD_QUANT_COLLECTIVE_TIMEOUT): rank 1 stops at step 3 while rank 0
-waits in a ring hop, an allgather, an optimizer's compressed round, or (Keras) a compiled
-train step guarded by ``hvd_quant.tensorflow.callbacks.CollectiveWatchdog``. The
-job must exit non-zero by itself, saying why, within :data:`BOUND` seconds of the
-failure (the deadline plus horovodrun's reaction), measured from the moment rank 1 stops
-(start-up time on a loaded machine varies and is not part of the guarantee).
+Each case runs tests/mp/stall_worker.py under horovodrun with 2 or 3 ranks and a 10 s
+collective deadline (HVD_QUANT_COLLECTIVE_TIMEOUT): rank 1 stops at step 3 while the
+other ranks wait in the step's first collective (the scale allgather of the ring and of
+Global-QSGD, an optimizer's compressed round, or, for Keras, a compiled train step
+guarded by ``hvd_quant.tensorflow.callbacks.CollectiveWatchdog``), or, with 3 ranks,
+rank 1 stops part-way through step 3 so that the others wait inside a ring hop or inside
+the 1-bit allreduce's alltoall. The job must exit non-zero by itself, saying why (and,
+for the hangs inside a step, naming that collective), within :data:`BOUND` seconds of
+the failure (the deadline plus horovodrun's reaction), measured from the moment rank 1
+stops (start-up time on a loaded machine varies and is not part of the guarantee).
 """
 
 import re
@@ -19,20 +22,31 @@ from horovod_launch import HERE, run_horovod
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 DEADLINE = 10
 BOUND = DEADLINE + 20  # seconds from the failure to the end of the job
-# One case per kind of collective: ring hops, allgather of scales, the 1-bit optimizers'
-# compressed rounds and hierarchical alltoall, and a compiled Keras train step.
-CASES = [("marsit", "hang"), ("marsit", "die"), ("global_qsgd", "hang"), ("onebit_adam", "hang"),
-         ("zero_one_adam", "hang"), ("binsgdm", "hang"), ("keras_ef_sign", "hang")]
+# One case per kind of collective at 2 ranks: the step's first collective of the ring
+# (scale allgather), Global-QSGD (max allreduce), each 1-bit optimizer's round (the
+# 1-bit allreduce's scale allgather, BinSGDM's flat allgather), a compiled Keras train
+# step, and a dead rank. At 3 ranks (the peers of the hung rank then wait on different
+# neighbours) the hangs part-way through a step: inside a ring hop and inside the 1-bit
+# allreduce's alltoall; the watchdog's message names the collective.
+CASES = [("marsit", "hang", 2), ("marsit", "die", 2), ("global_qsgd", "hang", 2),
+         ("onebit_adam", "hang", 2), ("zero_one_adam", "hang", 2), ("binsgdm", "hang", 2),
+         ("keras_ef_sign", "hang", 2),
+         ("marsit", "hang_in_hop", 3), ("onebit_adam", "hang_in_alltoall", 3)]
+WAITED_IN = {"hang_in_hop": r"ring hop '[^']*\.rs0'",
+             "hang_in_alltoall": r"alltoall 'hvd_quant\.opt\.g0\.momentum\.worker_signs'"}
 
 
-@pytest.mark.parametrize("method,mode", CASES, ids=[f"{m}-{d}" for m, d in CASES])
-def test_job_ends_within_the_bound(method, mode):
-    result = run_horovod(HERE / "mp" / "stall_worker.py", 2, [method, mode], timeout=240,
+@pytest.mark.parametrize("method,mode,ranks", CASES, ids=[f"{m}-{d}-{n}" for m, d, n in CASES])
+def test_job_ends_within_the_bound(method, mode, ranks):
+    result = run_horovod(HERE / "mp" / "stall_worker.py", ranks, [method, mode], timeout=240,
                          env={"HVD_QUANT_COLLECTIVE_TIMEOUT": str(DEADLINE)}, check=False)
     ended = time.time()
     assert result.returncode != 0, result.stdout[-2000:]
     failed_at = float(re.search(r"at step 3, t=([0-9.]+)", result.stdout).group(1))
     assert ended - failed_at < BOUND, f"the job ended {ended - failed_at:.0f} s after the failure"
     assert "the failure went unnoticed" not in result.stdout
-    if mode == "hang":
+    if mode.startswith("hang"):
         assert "did not complete within 10 s; a peer rank is dead or hung" in result.stdout
+    if mode in WAITED_IN:  # the peers waited in that collective, past the ones before it
+        assert re.search(WAITED_IN[mode] + r" did not complete within 10 s", result.stdout), \
+            result.stdout[-2000:]

@@ -2,8 +2,16 @@
 
 ``python stall_worker.py METHOD MODE`` with METHOD one of marsit (the ring), ef_sign,
 global_qsgd, onebit_adam, zero_one_adam, binsgdm (torch), or keras_ef_sign (Keras 3
-``model.fit`` with ``CollectiveWatchdog``), and MODE ``hang`` or ``die``. The job must end
-by itself (the deadline, or horovodrun reacting to the dead rank).
+``model.fit`` with ``CollectiveWatchdog``), and MODE one of
+
+* ``hang`` / ``die``: rank 1 stops before step 3, so the others wait in the step's first
+  collective (for the ring and Global-QSGD that is the scale allgather or allreduce);
+* ``hang_in_hop``: rank 1 runs step 3 up to its first ring hop (``sendrecv``) and stops
+  there, after the scale allgather: the others wait inside a hop of the ring;
+* ``hang_in_alltoall``: rank 1 stops at its first ``alltoall`` of step 3 (the 1-bit
+  allreduce's exchange of signs, after the worker-scale allgather).
+
+The job must end by itself (the deadline, or horovodrun reacting to the dead rank).
 """
 
 import os
@@ -14,8 +22,9 @@ METHOD, MODE = sys.argv[1], sys.argv[2]
 
 
 def stop(where):
-    print(f"rank 1 {'hangs' if MODE == 'hang' else 'dies'} at step 3, t={time.time():.3f}", flush=True)
-    if MODE == "hang":
+    hangs = MODE.startswith("hang")
+    print(f"rank 1 {'hangs' if hangs else 'dies'} {where} at step 3, t={time.time():.3f}", flush=True)
+    if hangs:
         time.sleep(3600)
     os._exit(3)
 
@@ -32,7 +41,7 @@ if METHOD.startswith("keras_"):
     class StopAtThree(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
             if batch == 3 and hvd.rank() == 1:
-                stop("batch")
+                stop("before the batch")
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8)])
@@ -62,9 +71,26 @@ else:
     opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                   named_parameters=model.named_parameters(),
                                   compression=hq.Compression.get(METHOD))
+STEP = 0
+if MODE in ("hang_in_hop", "hang_in_alltoall") and hvd.rank() == 1:
+    # Stop inside step 3 at the first call of this collective: the collectives before it
+    # in that step (the scale gathers) complete on every rank, so the peers are left
+    # waiting in this one.
+    from hvd_quant.torch.comm import HorovodTorchComm
+
+    method = {"hang_in_hop": "sendrecv", "hang_in_alltoall": "alltoall"}[MODE]
+    issue = getattr(HorovodTorchComm, method)
+
+    def stop_inside(self, *args, **kwargs):
+        if STEP == 3:
+            stop(f"in its {method}")
+        return issue(self, *args, **kwargs)
+
+    setattr(HorovodTorchComm, method, stop_inside)
 for step in range(1000):
-    if step == 3 and hvd.rank() == 1:
-        stop("step")
+    STEP = step
+    if step == 3 and hvd.rank() == 1 and MODE in ("hang", "die"):
+        stop("before the step")
     loss = model(torch.randn(16, 64)).square().mean()
     opt.zero_grad()
     loss.backward()
