@@ -386,3 +386,162 @@ def test_zero_one_adam_exact_sync_leaves_ranks_identical():
     assert any(not np.array_equal(o.x, plain[0].x) for o in plain[1:])  # DeepSpeed's rounding
     for a, b in zip(plain, exact):
         np.testing.assert_allclose(a.x, b.x, rtol=1e-4, atol=1e-5)
+
+
+# --- 0/1 Adam's final sync (ours), param groups with their own learning rates ------------------
+FINAL_OPTIONS = dict(var_freeze_step=6, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("exact", [False, True])
+def test_zero_one_adam_final_sync_is_the_sync_branch_on_the_accumulator(backend, n, exact):
+    """After local steps, ``final_sync`` is DeepSpeed's sync block (zoadam.py) run on the
+    current accumulator and Γ, checked against the transcription's compressed allreduce:
+    back to the last sync's parameters (``x - u``, or the stored ones with exact_sync),
+    plus the averaged ``u * (sqrt(v) + eps)`` over ``sqrt(v) + eps``; momentum ``-(w / Γ)``;
+    ``u`` and Γ zeroed, counters untouched. With exact_sync the ranks end bit-identical.
+    A second call, and a call in Phase A, do nothing and send nothing."""
+    d, steps = 150, 22  # 22 steps with FINAL_OPTIONS end on a local step (asserted)
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    lrs = [1e-2 * (1.0 - s / 50) for s in range(steps)]
+    mask = (np.arange(d) % 9 != 0).astype(np.float32)
+    hp = dict(HP, weight_decay=0.01)
+
+    def body(comm):
+        opt = OracleOptimizer(ZeroOneAdamRule(exact_sync=exact, **FINAL_OPTIONS), dyadic(d, 7), comm, hp,
+                              backend=backend, mask=mask)
+        early = None
+        for s, lr in enumerate(lrs):
+            opt.step(grads[comm.rank][s], lr)
+            if s == 3:  # Phase A: nothing to synchronise
+                x, sent = opt.x.copy(), opt.state.bytes_sent
+                early = (opt.final_sync(), np.array_equal(opt.x, x), opt.state.bytes_sent == sent)
+        before = ({k: v.copy() for k, v in opt.state.slots.items()}, dict(opt.state.scalars), opt.x.copy(),
+                  opt.state.bytes_sent)
+        synced = opt.final_sync()
+        after = (opt.x.copy(), {k: v.copy() for k, v in opt.state.slots.items()}, dict(opt.state.scalars),
+                 opt.state.bytes_sent)
+        again = opt.final_sync()
+        return early, before, synced, after, again, opt
+
+    results = ThreadWorld(n).run(body)
+    kinds = results[0][5].state.kinds
+    assert kinds[-1] == "local" and kinds[-2] == "local", kinds
+    slots = [r[1][0] for r in results]
+    w = [s["momentum_accumulator"] * (np.sqrt(s["exp_avg_sq"]) + np.float32(HP["eps"])) for s in slots]
+    errors_w = [s["worker_error"].copy() for s in slots]
+    errors_s = [s["server_error"].copy() for s in slots]
+    avg = ds.compressed_allreduce(w, errors_w, errors_s)
+    gamma = results[0][1][1]["lrs"]
+    phase_b = [i for i, k in enumerate(kinds) if i > FINAL_OPTIONS["var_freeze_step"]]
+    last_sync = max(i for i in phase_b if kinds[i] == "onebit")
+    assert gamma == sum(lrs[last_sync + 1:])  # Γ: the learning rates of the local steps since
+    for rank, (early, (st, scalars, x, sent), synced, (x1, st1, scalars1, sent1), again, opt) in enumerate(results):
+        assert early == (False, True, True)
+        assert synced and not again
+        wbar = avg[rank] * mask  # exp_avg_mask, as in a sync
+        base = st["synced_params"] if exact else x - st["momentum_accumulator"]
+        denom = np.sqrt(st["exp_avg_sq"]) + np.float32(HP["eps"])
+        np.testing.assert_array_equal(x1, base + wbar / denom)
+        np.testing.assert_array_equal(st1["exp_avg"], -(wbar / np.float32(gamma)))
+        np.testing.assert_array_equal(st1["momentum_accumulator"], np.zeros(d, np.float32))
+        np.testing.assert_array_equal(st1["worker_error"], errors_w[rank])
+        np.testing.assert_array_equal(st1["server_error"], errors_s[rank])
+        np.testing.assert_array_equal(st1["exp_avg_sq"], st["exp_avg_sq"])
+        assert scalars1 == dict(scalars, lrs=0.0)
+        assert sent1 - sent == pytest.approx(ZeroOneAdamRule().wire_bytes("onebit", d, n))
+        np.testing.assert_array_equal(opt.x, x1)  # the second call changed nothing
+        assert opt.state.bytes_sent == sent1
+    xs = [r[3][0] for r in results]
+    if exact:
+        for x in xs[1:]:
+            np.testing.assert_array_equal(x, xs[0])
+    else:
+        for x in xs[1:]:
+            np.testing.assert_allclose(x, xs[0], rtol=1e-6, atol=1e-7)
+    assert not all(np.array_equal(r[1][2], results[0][1][2]) for r in results[1:])  # differed before
+
+
+def test_zero_one_adam_training_goes_on_after_a_final_sync():
+    """final_sync leaves the counters alone: the schedule after it is the one without it,
+    and the next sync covers only the steps taken after it."""
+    n, d, steps = 2, 64, 30
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+
+    def body(comm, at):
+        opt = OracleOptimizer(ZeroOneAdamRule(exact_sync=True, **FINAL_OPTIONS), dyadic(d, 7), comm, HP)
+        gammas = []
+        for s in range(steps):
+            opt.step(grads[comm.rank][s], 1e-2)
+            if s == at:
+                opt.final_sync()
+            gammas.append(opt.state.scalars["lrs"])
+        opt.final_sync()  # the run ends with one model
+        return opt, gammas
+
+    plain = ThreadWorld(n).run(lambda comm: body(comm, None))
+    synced = ThreadWorld(n).run(lambda comm: body(comm, 17))
+    assert plain[0][0].state.kinds == synced[0][0].state.kinds
+    assert plain[0][0].state.kinds[17] == "local" and plain[0][1][17] > 0
+    assert synced[0][1][17] == 0.0 and synced[0][1][18] == 1e-2  # Γ restarted at the final sync
+    np.testing.assert_array_equal(synced[0][0].x, synced[1][0].x)
+    assert not np.array_equal(synced[0][0].x, plain[0][0].x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("which", ["onebit_adam", "zero_one_adam"])
+def test_two_param_groups_follow_their_own_lr_schedules(backend, n, which):
+    """Two groups with different base learning rates under one schedule factor (as
+    ``torch.optim.lr_scheduler.LambdaLR`` computes them), stepped one after the other on
+    one communicator: each equals DeepSpeed's transcription of its own group, and 0/1
+    Adam's Γ follows its group's learning rates step by step (0 after each sync, the sum
+    of the learning rates since, in float64)."""
+    counts, steps = [(120, 17), (33,)], 30
+    factor = [1.0 - s / (2 * steps) if s >= 3 else (s + 1) / 4 for s in range(steps)]  # warm-up, decay
+    bases = [1e-2, 3e-3]
+    lrs = [[b * f for f in factor] for b in bases]
+    options = (dict(freeze_step=6) if which == "onebit_adam" else FINAL_OPTIONS)
+    Rule, Ref = ((OnebitAdamRule, ds.OnebitAdam) if which == "onebit_adam" else (ZeroOneAdamRule, ds.ZeroOneAdam))
+    sizes = [sum(c) for c in counts]
+    grads = [[[dyadic(size, 1000 * r + 100 * gi + s) for s in range(steps)] for gi, size in enumerate(sizes)]
+             for r in range(n)]
+    x0 = [dyadic(size, 7 + gi) for gi, size in enumerate(sizes)]
+
+    def body(comm):
+        opts = [OracleOptimizer(Rule(scales="group", **options), x0[gi], comm, HP, backend=backend,
+                                name=f"opt.g{gi}", counts=list(counts[gi])) for gi in range(2)]
+        gammas = [[], []]
+        for s in range(steps):
+            for gi, opt in enumerate(opts):
+                opt.step(grads[comm.rank][gi][s], lrs[gi][s])
+                gammas[gi].append(opt.state.scalars.get("lrs"))
+        return opts, gammas
+
+    results = ThreadWorld(n).run(body)
+    for gi in range(2):
+        ref = Ref([x0[gi]] * n, lrs[gi][0], **options)
+        ref_gammas = []
+        for s in range(steps):
+            if which == "onebit_adam":
+                ref.lr = lrs[gi][s]
+                ref.step([grads[r][gi][s] for r in range(n)])
+            else:
+                ref.step([grads[r][gi][s] for r in range(n)], lrs[gi][s])
+                ref_gammas.append(ref.state[0]["lrs"])
+        for rank, (opts, gammas) in enumerate(results):
+            np.testing.assert_array_equal(opts[gi].x, ref.x[rank], err_msg=f"group {gi}")
+            assert opts[gi].state.kinds == ref.kinds
+            if which == "zero_one_adam":
+                assert gammas[gi] == ref_gammas  # exact: the same float64 sums
+                kinds, expected, total = ref.kinds, [], 0.0
+                for s in range(steps):
+                    in_phase_b = s > options["var_freeze_step"]
+                    total = 0.0 if not in_phase_b or kinds[s] == "onebit" else total + lrs[gi][s]
+                    expected.append(total)
+                assert gammas[gi] == expected
+                assert "local" in kinds and max(gammas[gi]) > 0
+    if which == "zero_one_adam":
+        g0, g1 = results[0][1]
+        assert [a / b for a, b in zip(g0, g1) if b] == pytest.approx([bases[0] / bases[1]] * sum(map(bool, g1)))

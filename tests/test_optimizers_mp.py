@@ -3,7 +3,9 @@
 One horovodrun job per world size runs tests/mp/optim_worker.py; every rank's final
 parameters must equal the oracle's (the same rules on simulated ranks, same inputs and
 seeds) bit for bit, local steps must issue no collective, checkpoints must restore
-bit-identically, and bad input must fail on every rank with a clear error.
+bit-identically, and bad input must fail on every rank with a clear error. The same
+job covers param groups under an LR scheduler, ``exp_avg_mask`` and 0/1 Adam's
+``final_sync``; the TensorFlow job (tests/mp/optim_worker_tf.py) the Keras twins.
 """
 
 import sys
@@ -35,22 +37,53 @@ def job(request, tmp_path_factory):
     return {"size": n, "k": k, "ranks": load_rank_results(out, n)}
 
 
-def oracle(name, n, k, drop_rank=None):
-    """The same steps on the numpy oracle."""
-    rules = {"onebit_adam": lambda: OnebitAdamRule(**cases.CONFIGS["onebit_adam"]),
-             "zero_one_adam": lambda: ZeroOneAdamRule(**cases.CONFIGS["zero_one_adam"]),
+def oracle(name, n, k, drop_rank=None, mask=None, mask_from=0, lrs=None, final_sync=False, **extra):
+    """The same steps on the numpy oracle. ``mask`` applies from step ``mask_from`` on (a
+    mask of ones before); ``lrs``: the learning rate of each step (default cases.lr);
+    ``final_sync``: 0/1 Adam's final sync after the last step."""
+    rules = {"onebit_adam": lambda: OnebitAdamRule(**cases.CONFIGS["onebit_adam"], **extra),
+             "zero_one_adam": lambda: ZeroOneAdamRule(**cases.CONFIGS["zero_one_adam"], **extra),
              "binsgdm": lambda: BinSGDMRule(ranks_per_node=k)}
     hp = cases.HP if name != "binsgdm" else dict(cases.HP, betas=(0.9,), eps=0.0)
+    lrs = lrs or [cases.lr(s) for s in range(cases.STEPS)]
 
     def body(comm):
         opt = OracleOptimizer(rules[name](), cases.initial_params(), comm, hp, counts=cases.COUNTS)
+        opt.gammas = []
         for s in range(cases.STEPS):
             g = cases.grad(comm.rank, s)
             if drop_rank == comm.rank and s == 3:  # parameter p1 had no gradient
                 g = g.copy()
                 g[91:120] = 0.0
-            opt.step(g, cases.lr(s))
+            if mask is not None:
+                opt.mask = mask if s >= mask_from else np.ones(cases.NUMEL, np.float32)
+            opt.step(g, lrs[s])
+            opt.gammas.append(opt.state.scalars.get("lrs"))
+        if final_sync:
+            opt.synced = opt.final_sync()
         return opt
+
+    return ThreadWorld(n).run(body)
+
+
+def oracle_groups(name, n):
+    """cases.GROUPS as two param groups with their own learning rates (cases.group_lr), one
+    OracleOptimizer each on the same communicator, stepped in group order."""
+    bounds = np.cumsum([0] + cases.COUNTS)
+    x0, rule = cases.initial_params(), {"onebit_adam": OnebitAdamRule, "zero_one_adam": ZeroOneAdamRule}[name]
+
+    def body(comm):
+        opts, gammas = [], [[], []]
+        for g, idx in enumerate(cases.GROUPS):
+            part = np.concatenate([x0[bounds[i]:bounds[i + 1]] for i in idx])
+            opts.append(OracleOptimizer(rule(**cases.CONFIGS[name]), part, comm, cases.HP, name=f"opt.g{g}",
+                                        counts=[cases.COUNTS[i] for i in idx]))
+        for s in range(cases.STEPS):
+            grad = cases.grad(comm.rank, s)
+            for g, idx in enumerate(cases.GROUPS):
+                opts[g].step(np.concatenate([grad[bounds[i]:bounds[i + 1]] for i in idx]), cases.group_lr(g, s))
+                gammas[g].append(opts[g].state.scalars.get("lrs"))
+        return opts, gammas
 
     return ThreadWorld(n).run(body)
 
@@ -125,8 +158,107 @@ def test_bad_input_fails_clearly_on_every_rank(job):
         if job["size"] > 1:
             err = rank["lr_disagreement"]
             assert err["error"] == "RankDisagreement" and "learning rates" in err["message"], err
+            err = rank["schedule_disagreement"]
+            assert err["error"] == "RankDisagreement" and "options" in err["message"], err
+            assert "var_freeze_step=8" in err["message"] or "var_freeze_step=9" in err["message"], err
+        else:
+            assert rank["schedule_disagreement"] == "no error"
         err = rank["sparse"]
         assert err["error"] == "RuntimeError" and "sparse" in err["message"]
+        err = rank["meta_parameters"]
+        assert err["error"] == "ValueError" and "CPU only" in err["message"] and "meta" in err["message"], err
+
+
+def test_deepspeed_only_arguments_are_accepted_with_a_warning(job):
+    if job["k"]:
+        pytest.skip("checked in the flat jobs")
+    got = _ok(job["ranks"][0]["deepspeed_arguments"])
+    for cls in ("OnebitAdam", "ZeroOneAdam"):
+        assert got[f"defaults/{cls}"] == []  # DeepSpeed's defaults: silent
+        warned = got[f"others/{cls}"]
+        for name in ("deepspeed", "eps_inside_sqrt", "max_grad_norm", "cuda_aware", "comm_backend_name"):
+            assert any(f"{cls}: {name}=" in w and "ignored" in w for w in warned), (name, warned)
+        assert any("clip_grad_norm_" in w for w in warned)
+    assert "pass lr= by keyword" in got["engine_as_lr"]
+
+
+@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+def test_param_groups_with_their_own_lr_under_lambda_lr(job, name):
+    """Two groups with different base learning rates under ``LambdaLR``: each step uses
+    base * factor, each group equals its oracle, and 0/1 Adam's Γ follows the group's
+    learning rates exactly (float64, as DeepSpeed's Python float)."""
+    if job["k"]:
+        pytest.skip("checked in the flat jobs")
+    expected = oracle_groups(name, job["size"])
+    bounds = np.cumsum([0] + cases.COUNTS)
+    for rank in job["ranks"]:
+        got = _ok(rank[f"groups/{name}"])
+        opts, gammas = expected[rank["rank"]]
+        assert got["lrs"] == [[cases.group_lr(g, s) for s in range(cases.STEPS)] for g in range(2)]
+        assert got["lrs"][0] != got["lrs"][1]
+        x = np.float32(got["x"])
+        for g, idx in enumerate(cases.GROUPS):
+            part = np.concatenate([x[bounds[i]:bounds[i + 1]] for i in idx])
+            np.testing.assert_allclose(part, opts[g].x, rtol=1e-5, atol=1e-6)
+        assert got["kinds"] == opts[0].state.kinds
+        if name == "zero_one_adam":
+            assert got["gammas"] == gammas
+            assert "local" in got["kinds"] or job["size"] == 1
+            assert max(gammas[1]) > 0 and gammas[1][-1] > 0  # ends between syncs
+            ratio = [a / b for a, b in zip(gammas[0], gammas[1]) if b]
+            assert ratio == pytest.approx([cases.GROUP_LRS[0] / cases.GROUP_LRS[1]] * len(ratio))
+    if name == "onebit_adam":  # synchronised every step: ranks agree bit for bit
+        xs = [np.float32(r[f"groups/{name}"]["x"]) for r in job["ranks"]]
+        for x in xs[1:]:
+            np.testing.assert_array_equal(x, xs[0])
+
+
+@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+def test_exp_avg_mask_in_param_groups(job, name):
+    if job["k"]:
+        pytest.skip("checked in the flat jobs")
+    expected = oracle(name, job["size"], None, mask=cases.mask())
+    unmasked = oracle(name, job["size"], None)
+    for rank in job["ranks"]:
+        x = np.float32(_ok(rank[f"mask/{name}"])["x"])
+        np.testing.assert_allclose(x, expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
+        if job["size"] > 1:  # the mask multiplies 1-bit results: none with one rank
+            assert not np.allclose(x, unmasked[rank["rank"]].x, rtol=1e-3)
+
+
+def test_load_state_dict_keeps_the_scripts_mask(job):
+    """DeepSpeed's load_state_dict: the optimizer's own exp_avg_mask stays, a checkpoint's
+    is dropped when the optimizer has none; the caller's state dict is not modified."""
+    if job["k"]:
+        pytest.skip("checked in the flat jobs")
+    expected = oracle("zero_one_adam", job["size"], None, mask=cases.mask(), mask_from=5)
+    for rank in job["ranks"]:
+        got = _ok(rank["mask_checkpoint"])
+        assert got["kept"] and got["dropped"] and got["checkpoint_unchanged"]
+        np.testing.assert_allclose(np.float32(got["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
+
+
+def test_final_sync_ends_with_one_model(job):
+    """0/1 Adam with exact_sync stopped between syncs: ranks differ; final_sync runs the
+    sync once (collectives, bytes, a round), equals the oracle's, and leaves every rank
+    with the same parameters bit for bit; a second call does nothing."""
+    if job["k"]:
+        pytest.skip("checked in the flat jobs")
+    n = job["size"]
+    expected = oracle("zero_one_adam", n, None, exact_sync=True, final_sync=True)
+    assert expected[0].state.kinds[-1] == "local" and expected[0].synced
+    got = [_ok(r["final_sync"]) for r in job["ranks"]]
+    rule = ZeroOneAdamRule(**cases.CONFIGS["zero_one_adam"])
+    for rank, g in zip(job["ranks"], got):
+        np.testing.assert_allclose(np.float32(g["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
+        assert g["synced"] is True and g["again"] is False and g["kinds_unchanged"] and g["gamma"] == 0.0
+        assert g["calls"][1] == 0
+        assert (g["calls"][0] > 0) == (n > 1) and g["rounds"] == int(n > 1)
+        assert g["bytes"] == (pytest.approx(rule.wire_bytes("onebit", cases.COUNTS, n)) if n > 1 else 0.0)
+    for g in got[1:]:
+        np.testing.assert_array_equal(g["x"], got[0]["x"])
+        if n > 1:
+            assert g["before"] != got[0]["before"]  # local steps: the ranks differed
 
 
 TF_WORKER = HERE / "mp" / "optim_worker_tf.py"
@@ -150,20 +282,108 @@ def test_keras_optimizers_equal_the_oracle_eagerly_and_in_tf_function(tf_job, na
             np.testing.assert_allclose(np.float32(got["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
             assert got["kinds"] == counts
             assert got["bytes"] == pytest.approx(expected[0].state.bytes_sent, rel=1e-6)
+    for mode in ("eager", "fn"):  # ranks agree wherever the method synchronises them
+        xs = [np.float32(r[f"train/{name}/{mode}"]["x"]) for r in tf_job["ranks"]]
+        if name != "zero_one_adam" or expected[0].state.kinds[-1] != "local":
+            for x in xs[1:]:
+                np.testing.assert_array_equal(x, xs[0])
+        else:  # local steps since the last sync: the ranks differ
+            assert any(not np.array_equal(x, xs[0]) for x in xs[1:])
+
+
+@pytest.mark.parametrize("name", list(cases.CONFIGS))
+def test_keras_local_steps_issue_no_collective(tf_job, name):
+    """Eagerly, every collective is a call on the optimizer's communicator: counted per step."""
+    expected = oracle(name, tf_job["size"], None)
+    for rank in tf_job["ranks"]:
+        got = _ok(rank[f"train/{name}/eager"])
+        assert got["step_kinds"] == expected[0].state.kinds
+        for kind, count in zip(got["step_kinds"], got["calls"]):
+            assert (count == 0) == (kind == "local"), (got["step_kinds"], got["calls"])
+        assert got["rounds"] == sum(k != "local" for k in got["step_kinds"])
+    if name == "zero_one_adam":
+        assert "local" in expected[0].state.kinds
 
 
 @pytest.mark.parametrize("name", list(cases.CONFIGS))
 def test_keras_fit_trains_with_identical_weights(tf_job, name):
+    """Every rank ends fit with the same weights, 0/1 Adam too: its last step is a local
+    one and FinalSyncCallback (with exact_sync) makes one model."""
     fits = [_ok(r[f"fit/{name}"]) for r in tf_job["ranks"]]
     assert fits[0]["loss"][-1] < 0.5 * fits[0]["loss"][0]
-    if name != "zero_one_adam" or fits[0]["kinds"][-1] != "local":  # (0/1 Adam: exact_sync)
-        for f in fits[1:]:
-            np.testing.assert_array_equal(f["weights"], fits[0]["weights"])
-    assert len(fits[0]["kinds"]) == 4 * 256 // 32
+    for f in fits[1:]:
+        np.testing.assert_array_equal(f["weights"], fits[0]["weights"])
+    assert len(fits[0]["kinds"]) == 5 * 192 // 32
+    if name == "zero_one_adam":
+        assert fits[0]["kinds"][-1] == "local" and all(f["final_synced"] for f in fits)
+    else:
+        assert not any(f["final_synced"] for f in fits)  # nothing to do for the others
 
 
-@pytest.mark.parametrize("key", ["checkpoint/phase_b", "checkpoint/binsgdm"])
+@pytest.mark.parametrize("key", ["checkpoint/phase_a", "checkpoint/phase_b", "checkpoint/onebit_adam",
+                                 "checkpoint/binsgdm"])
 def test_keras_checkpoints_restore_bit_identically(tf_job, key):
     for rank in tf_job["ranks"]:
         got = _ok(rank[key])
         assert got["restored"] == got["uninterrupted"]
+
+
+def test_keras_gamma_follows_a_learning_rate_schedule(tf_job):
+    """0/1 Adam under a Keras LearningRateSchedule: Γ is a float64 variable holding exactly
+    the oracle's float64 sum of the (float32) learning rates the steps used, and the
+    parameters equal the oracle's fed with those rates."""
+    for rank in tf_job["ranks"]:
+        got = _ok(rank["lr_schedule"])
+        lrs = got["lrs"]
+        assert got["gamma_dtype"] == "float64"
+        assert lrs[0] == float(np.float32(1e-2)) and all(a > b for a, b in zip(lrs, lrs[1:]))
+        expected = oracle("zero_one_adam", tf_job["size"], None, lrs=lrs)[rank["rank"]]
+        assert got["gammas"] == expected.gammas
+        assert max(got["gammas"]) > 0 and got["gammas"][-1] > 0
+        np.testing.assert_allclose(np.float32(got["x"]), expected.x, rtol=1e-5, atol=1e-6)
+    # What a float32 Γ would have held: not the same numbers (so the check above can fail).
+    gamma32, differs = np.float32(0), False
+    for lr, gamma in zip(lrs, got["gammas"]):
+        gamma32 = np.float32(0) if gamma == 0.0 else gamma32 + np.float32(lr)
+        differs |= float(gamma32) != gamma
+    assert differs
+
+
+def test_keras_exp_avg_mask(tf_job):
+    """Masks for p0 (by path) and p2 (by variable); p1 not named: ones."""
+    mask = cases.mask()
+    mask[cases.COUNTS[0]:cases.COUNTS[0] + cases.COUNTS[1]] = 1.0
+    expected = oracle("zero_one_adam", tf_job["size"], None, mask=mask)
+    unmasked = oracle("zero_one_adam", tf_job["size"], None)
+    for rank in tf_job["ranks"]:
+        got = _ok(rank["mask"])
+        np.testing.assert_allclose(np.float32(got["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(np.float32(got["x"]), unmasked[rank["rank"]].x, rtol=1e-3)
+        # Not optimizer state: a checkpoint never carries it, the constructor's mask stays.
+        assert not any("mask" in path for path in got["optimizer_variables"])
+
+
+def test_keras_final_sync_ends_with_one_model(tf_job):
+    n = tf_job["size"]
+    expected = oracle("zero_one_adam", n, None, exact_sync=True, final_sync=True)
+    got = [_ok(r["final_sync"]) for r in tf_job["ranks"]]
+    rule = ZeroOneAdamRule(**cases.CONFIGS["zero_one_adam"])
+    for rank, g in zip(tf_job["ranks"], got):
+        np.testing.assert_allclose(np.float32(g["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
+        assert g["synced"] is True and g["again"] is False and g["kinds_unchanged"] and g["gamma"] == 0.0
+        assert g["calls"][0] > 0 and g["calls"][1] == 0 and g["rounds"] == 1
+        assert g["bytes"] == pytest.approx(rule.wire_bytes("onebit", cases.COUNTS, n))
+    for g in got[1:]:
+        np.testing.assert_array_equal(g["x"], got[0]["x"])
+        assert g["before"] != got[0]["before"]
+
+
+def test_keras_bad_input_fails_clearly_on_every_rank(tf_job):
+    for rank in tf_job["ranks"]:
+        err = rank["lr_disagreement"]
+        assert err["error"] == "RankDisagreement" and "learning rates" in err["message"], err
+        err = rank["schedule_disagreement"]
+        assert err["error"] == "RankDisagreement" and "options" in err["message"], err
+        assert "var_freeze_step=8" in err["message"] or "var_freeze_step=9" in err["message"], err
+        err = rank["sparse"]
+        assert err["error"] == "ValueError" and "sparse" in err["message"], err

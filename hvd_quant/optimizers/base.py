@@ -26,6 +26,20 @@ gather), so it costs nothing extra. Local steps have no collective; their flag i
 rank's own, and only that rank's values stay put (counters advance on every rank, so
 the schedule stays in step).
 
+A parameter without a gradient on a step (``p.grad is None`` in torch, a ``None``
+gradient in Keras) counts as zeros on that rank. DeepSpeed's per-tensor ``step()``
+(``runtime/fp16/onebit/adam.py`` and ``zoadam.py``, ``if p.grad is None ...: continue``)
+skips such a tensor instead: no moment update, no step count, no compressed allreduce
+for it. Here a group goes through one set of collectives, and a rank cannot skip part of
+it unless every rank does: skipping on one rank would change that rank's buffer layout
+(or, per tensor, its number of collectives) and wreck or hang the round. Zeros keep the
+layout, the schedule and the counters identical on every rank; the average then counts
+that rank's gradient as zero (the other ranks' sum divided by all ranks). A parameter
+that never gets a gradient anywhere still moves under zeros (its momentum decays, weight
+decay applies, and a 1-bit round cannot represent zero: it gets plus or minus the
+scale): freeze it (``requires_grad=False``, ``trainable=False``), leave it out of the
+optimizer, or mask it with ``exp_avg_mask``.
+
 Control flow that depends on the schedule (which step is a full-precision round, a local
 step, a sync) is written with ``B.cond``: a Python ``if`` eagerly, ``tf.cond`` inside a
 TensorFlow graph (counters are then ``tf.Variable`` s). The schedule depends only on

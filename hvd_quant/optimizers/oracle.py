@@ -49,3 +49,15 @@ class OracleOptimizer:
                           counts=self.counts)
         self.x = np.asarray(self.rule.step(ctx), np.float32)
         return self.x
+
+    def final_sync(self):
+        """0/1 Adam's :meth:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule.final_sync`
+        on this rank (every rank calls it); its bytes are added to ``state.bytes_sent``
+        (no step kind is recorded: it is not a step). Returns whether it synced."""
+        pending = bool(self.rule.sync_pending(self.B, self.state))
+        ctx = StepContext(self.B, self.comm, self.state, None, self.x, 0.0, self.hp, self.name,
+                          rng=self.rng, mask=self.mask, counts=self.counts)
+        self.x = np.asarray(self.rule.final_sync(ctx), np.float32)
+        if pending and self.comm.size > 1:
+            self.state.bytes_sent += self.rule.wire_bytes("onebit", self.counts, self.comm.size)
+        return pending

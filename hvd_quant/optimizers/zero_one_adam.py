@@ -56,12 +56,39 @@ Deliberate departures from DeepSpeed, and why:
   restored run continues bit-identically.
 * Phase A's fp32 average is our ring allreduce (identical bits on every rank) instead of
   the engine's allreduce.
+* :meth:`ZeroOneAdamRule.final_sync` is ours (DeepSpeed has no such call): a sync of
+  what the local steps since the last sync left behind, so that a run can end with one
+  model. Under DeepSpeed's rule the ranks' parameters differ after every local step, and
+  a run that stops between syncs keeps them different.
+* ``exact_sync=True`` is an option of ours (see :class:`ZeroOneAdamRule`).
+* Parameters without a gradient count as zeros (see :mod:`hvd_quant.optimizers.base`);
+  DeepSpeed's ``step()`` skips such a tensor.
+
+Γ (``lrs``) is a float64 sum, as DeepSpeed's Python float ``state['lrs'] +=
+group['lr']``; the sync divides by it in float32, as torch does with a Python scalar
+(DeepSpeed's ``comm_buffer / state['lrs']``). Keras keeps it in a float64 variable and
+widens its float32 learning rates exactly before adding them.
 """
 
 from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
 from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
                    scales_option, tensor_sizes)
 from .elementwise import adam_descend, ema, precondition, zero_one_sync_result
+
+
+def _plus_lr(B, total, lr):
+    """Γ + lr in float64. Eagerly both are Python floats (DeepSpeed's ``state['lrs'] +=
+    group['lr']``); Keras' learning rate is a float32 tensor, widened exactly to be added
+    to its float64 Γ."""
+    if isinstance(lr, (int, float)):
+        return total + lr
+    return total + B.cast(lr, "float64")
+
+
+def _divisor(B, lrs):
+    """Γ as the sync divides by it: a Python float as is (torch and numpy divide a float32
+    tensor by it in float32), a float64 tensor cast to float32, which is the same value."""
+    return lrs if isinstance(lrs, (int, float)) else B.cast(lrs, "float32")
 
 
 def _positive_int(name, value):
@@ -147,12 +174,7 @@ class ZeroOneAdamRule(Rule):
         step = st.scalar("step") + 1
 
         def compress(value, phase):
-            out, worker, server, finite = compressed_allreduce(
-                B, comm, value, st.slot("worker_error"), st.slot("server_error"),
-                ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts))
-            # The error buffers are already left untouched on a non-finite step.
-            st.commit(True, {"worker_error": worker, "server_error": server})
-            return (out * ctx.mask if ctx.mask is not None else out), finite
+            return self._compress(ctx, value, phase)
 
         def initialisation():
             u = st.slot("momentum_accumulator")
@@ -208,7 +230,7 @@ class ZeroOneAdamRule(Rule):
         # --- Phase B: local steps; every local_step_interval steps, a 1-bit sync.
         def phase_b():
             m = ema(B, st.slot("exp_avg"), ctx.g, beta1)
-            lrs = st.scalar("lrs") + ctx.lr
+            lrs = _plus_lr(B, st.scalar("lrs"), ctx.lr)  # DeepSpeed: state['lrs'] += group['lr']
             # The same step as Phase A's; the accumulator collects it (u -= delta).
             x, u = adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd,
                                 acc=st.slot("momentum_accumulator"))
@@ -245,9 +267,10 @@ class ZeroOneAdamRule(Rule):
                 # exact_sync keeps those parameters instead, so ranks agree bit for bit.
                 # synced = base + w / (sqrt(v) + eps), new momentum -(w / lrs).
                 synced, momentum = (
-                    zero_one_sync_result(B, st.slot("synced_params"), None, w, st.slot("exp_avg_sq"), eps, lrs)
+                    zero_one_sync_result(B, st.slot("synced_params"), None, w, st.slot("exp_avg_sq"), eps,
+                                         _divisor(B, lrs))
                     if self.exact_sync else
-                    zero_one_sync_result(B, x, u, w, st.slot("exp_avg_sq"), eps, lrs))
+                    zero_one_sync_result(B, x, u, w, st.slot("exp_avg_sq"), eps, _divisor(B, lrs)))
                 extra = {"synced_params": synced} if self.exact_sync else {}
                 st.commit(ok, {"exp_avg": momentum, "momentum_accumulator": B.zeros(d), **extra},
                           dict(schedule, step=step, lrs=0.0))
@@ -259,3 +282,66 @@ class ZeroOneAdamRule(Rule):
             return B.cond(st.scalar("frozen") > 0, phase_b, phase_a)
 
         return B.cond(st.scalar("initialized") > 0, train_step, initialisation)
+
+    def _compress(self, ctx, value, phase):
+        """DeepSpeed's ``compressed_allreduce`` of ``value`` with the group's error buffers,
+        then ``exp_avg_mask``: ``(average, finite)``."""
+        B, st = ctx.B, ctx.state
+        out, worker, server, finite = compressed_allreduce(
+            B, ctx.comm, value, st.slot("worker_error"), st.slot("server_error"),
+            ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts))
+        # The error buffers are already left untouched on a non-finite step.
+        st.commit(True, {"worker_error": worker, "server_error": server})
+        return (out * ctx.mask if ctx.mask is not None else out), finite
+
+    def sync_pending(self, B, st):
+        """Whether :meth:`final_sync` has work (a boolean scalar): Phase B, and Γ > 0,
+        i.e. local steps since the last sync. Γ advances with the counters on every rank
+        (skipped steps included), so every rank gives the same answer."""
+        return B.logical_and(st.scalar("frozen") > 0, st.scalar("lrs") > 0)
+
+    def final_sync(self, ctx):
+        """Synchronise the local steps since the last sync now, e.g. when training ends.
+
+        Ours: DeepSpeed's ``zoadam.py`` has no such call, and a run that stops between
+        syncs leaves its ranks with different parameters. This is the sync branch of
+        :meth:`step` (DeepSpeed's ``ZeroOneAdam.step``, the block under ``if
+        state['step'] % state['local_step_interval'] == 0 and self.freeze_key``) on the
+        current accumulator ``u`` and Γ, without a step: back to the last sync's
+        parameters, ``w = u * (sqrt(v) + eps)`` through the compressed allreduce (error
+        buffers and ``exp_avg_mask`` as in a sync), parameters ``x_sync + w / (sqrt(v) +
+        eps)``, momentum ``-(w / Γ)``, then ``u = 0`` and Γ ``= 0``. No gradient is used
+        and the step counters and schedule are left alone, so training may go on after it
+        (the next sync then covers the steps after this one).
+
+        Nothing happens (``ctx.x`` comes back, no collective) unless
+        :meth:`sync_pending`: in Phase A, right after a sync, or when every local step
+        since had a zero learning rate (those leave the parameters where the sync put
+        them). With ``exact_sync=True`` every rank ends with identical parameters, bit
+        for bit; otherwise up to DeepSpeed's rounding of ``x - u``. Every rank must call
+        it at the same point (it is a collective when there is something to sync).
+
+        Returns
+        -------
+        The new flat parameters (float32).
+        """
+        B, st, comm = ctx.B, ctx.state, ctx.comm
+        eps = ctx.hp["eps"]
+
+        def sync():
+            u, v, lrs = st.slot("momentum_accumulator"), st.slot("exp_avg_sq"), st.scalar("lrs")
+            w = precondition(B, u, v, eps)  # as in a sync: u * (sqrt(v) + eps)
+            if comm.size > 1:
+                w, ok = self._compress(ctx, w, "final_sync")
+            else:
+                ok = B.all_finite(w)
+            synced, momentum = (
+                zero_one_sync_result(B, st.slot("synced_params"), None, w, v, eps, _divisor(B, lrs))
+                if self.exact_sync else
+                zero_one_sync_result(B, ctx.x, u, w, v, eps, _divisor(B, lrs)))
+            extra = {"synced_params": synced} if self.exact_sync else {}
+            st.commit(ok, {"exp_avg": momentum, "momentum_accumulator": B.zeros(B.numel(ctx.x)), **extra},
+                      {"lrs": 0.0})
+            return keep_if(B, ok, synced, ctx.x)
+
+        return B.cond(self.sync_pending(B, st), sync, lambda: ctx.x)

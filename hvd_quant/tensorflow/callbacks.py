@@ -9,6 +9,8 @@
 * :class:`LearningRateWarmupCallback`: the learning rate ramps from ``lr / size`` to
   ``lr`` over the first epochs (Goyal et al., "Accurate, Large Minibatch SGD: Training
   ImageNet in 1 Hour", 2017, section 2.2, gradual warmup), as Horovod's callback does.
+* :class:`FinalSyncCallback`: when ``fit`` ends, 0/1 Adam synchronises the local steps
+  since its last sync, so every rank ends with the same model.
 
 Put :class:`MetricAverageCallback` before callbacks that read the logs
 (``ModelCheckpoint(monitor=...)``, ``EarlyStopping``), so that they see averaged values.
@@ -214,3 +216,32 @@ class CollectiveWatchdog(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         WATCHDOG.disarm(self._token)
         self._token = None
+
+
+class FinalSyncCallback(keras.callbacks.Callback):
+    """When training ends, make 0/1 Adam's ranks hold one model: calls the optimizer's
+    ``final_sync()`` (``hvd_quant.tensorflow.ZeroOneAdam``, also inside
+    ``hvd_quant.tensorflow.DistributedOptimizer``), which synchronises the local steps
+    since the last sync and does nothing when the last step was a sync. With
+    ``ZeroOneAdam(exact_sync=True)`` the ranks then end with bit-identical weights.
+    Optimizers without ``final_sync`` are left alone, so the callback can stay in a
+    script that switches optimizers.
+
+    Every rank must run it (it may issue a collective). Put it before callbacks that save
+    or evaluate the final model in ``on_train_end``. ``synced`` tells whether the last
+    ``fit`` ended with a sync.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.synced = False
+
+    def on_train_end(self, logs=None):
+        optimizer, seen = getattr(self.model, "optimizer", None), set()
+        while optimizer is not None and id(optimizer) not in seen:
+            seen.add(id(optimizer))
+            if callable(getattr(optimizer, "final_sync", None)):
+                self.synced = bool(optimizer.final_sync())
+                return
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+        self.synced = False

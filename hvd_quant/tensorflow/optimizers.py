@@ -11,11 +11,27 @@ distributed tape is needed (or wanted) around them::
     model.fit(x, y, callbacks=[hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0)])
 
 All trainable variables form one flat float32 group, in the order Keras passes them.
-Variables without a gradient count as zeros. Variables that are not float32 are updated
-through a float32 master copy. Every piece of state (moments, error buffers, counters,
-the sum of learning rates, the random stream's position, master weights) is a Keras
-optimizer variable, so ``model.save`` and ``ModelCheckpoint`` keep it; it is this rank's
-own: save one checkpoint per rank.
+Variables without a gradient count as zeros (DeepSpeed skips them; see
+:mod:`hvd_quant.optimizers.base` for why we do not). Variables that are not float32 are
+updated through a float32 master copy. Every piece of state (moments, error buffers,
+counters, the sum of learning rates, the random stream's position, master weights) is a
+Keras optimizer variable, so ``model.save`` and ``ModelCheckpoint`` keep it; it is this
+rank's own: save one checkpoint per rank. 0/1 Adam's sum of learning rates (Γ) is a
+float64 variable, as DeepSpeed's Python float; the learning rate itself is Keras' float32.
+
+``exp_avg_mask`` (DeepSpeed's, on :class:`OnebitAdam` and :class:`ZeroOneAdam`): a dict
+from a variable's path (``variable.path``, e.g. ``"sequential/embedding/embeddings"``)
+to a mask of that variable's shape, or a list of ``(variable, mask)`` pairs; the 1-bit
+results are multiplied by it (variables not named: ones), as DeepSpeed multiplies by a
+param group's mask. 1-bit compression cannot represent exact zeros, so elements whose
+momentum should stay zero (embedding rows that never occur) accumulate compression error
+unless masked with 0. The mask is not optimizer state: it is never saved, and a restored
+optimizer uses the mask it was constructed with, as DeepSpeed's ``load_state_dict``
+keeps the training script's mask over the checkpoint's.
+
+0/1 Adam's ranks hold different parameters between syncs (local steps):
+:meth:`ZeroOneAdam.final_sync`, or ``hvd_quant.tensorflow.callbacks.FinalSyncCallback`` in
+``fit``, ends training with one model.
 
 The schedule runs on counters held in variables, with ``tf.cond``: every rank takes the
 same branch, so collectives inside a branch are issued in the same order everywhere.
@@ -97,9 +113,11 @@ class RuleOptimizer(keras.optimizers.Optimizer):
     # hvd_quant.tensorflow.DistributedOptimizer: do not reduce the gradients again.
     _hvd_quant_communicates = True
 
-    def __init__(self, rule, learning_rate, hp, name, process_set=None, **kwargs):
+    def __init__(self, rule, learning_rate, hp, name, process_set=None, exp_avg_mask=None, **kwargs):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self._hq_rule = rule
+        self._hq_mask_spec = _mask_spec(exp_avg_mask)
+        self._hq_mask = None  # the flat mask, made at build time
         self._hq_hp = dict(hp)
         self._hq_process_set = process_set
         self._hq_comm = None
@@ -127,7 +145,8 @@ class RuleOptimizer(keras.optimizers.Optimizer):
             master = self.add_variable((numel,), "zeros", "float32", name="hvd_quant_master")
             master.assign(_flat_values(var_list))
             self._hq_slots["master"] = master
-        self._hq_scalars = {name: self.add_variable((), "zeros", "int64" if isinstance(value, int) else "float32",
+        # Sums (0/1 Adam's Γ) in float64, as DeepSpeed's Python floats.
+        self._hq_scalars = {name: self.add_variable((), "zeros", "int64" if isinstance(value, int) else "float64",
                                                     name=f"hvd_quant_{name}")
                             for name, value in scalars.items()}
         for name, value in scalars.items():
@@ -137,6 +156,8 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         meters.update({f"steps_{k}": "int64" for k in KINDS})
         self._hq_meters = {name: self.add_variable((), "zeros", dtype, name=f"hvd_quant_{name}")
                            for name, dtype in meters.items()}
+        # A constant, not a variable: checkpoints never carry it (see the module docstring).
+        self._hq_mask = _flat_mask(self._hq_mask_spec, var_list)
         self._check_ranks(var_list)
 
     def _comm(self):
@@ -258,8 +279,11 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         x = tf.convert_to_tensor(master.value) if master is not None else _flat_values(variables)
         ctx = StepContext(B, self._comm(), _VariableGroupState(B, self), g, x,
                           tf.cast(learning_rate, tf.float32), self._hq_hp, "opt.g0",
-                          counts=[int(np.prod(v.shape)) for v in variables])
-        new_x = self._hq_rule.step(ctx)
+                          counts=[int(np.prod(v.shape)) for v in variables], mask=self._hq_mask)
+        self._write_back(variables, self._hq_rule.step(ctx))
+
+    def _write_back(self, variables, new_x):
+        master = self._hq_slots.get("master")
         if master is not None:
             master.assign(new_x)
         offset = 0
@@ -307,9 +331,11 @@ class OnebitAdam(RuleOptimizer):
     :mod:`hvd_quant.optimizers.onebit_adam` and ``hvd_quant.torch.OnebitAdam``."""
 
     def __init__(self, learning_rate=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, process_set=None, name="onebit_adam", scales="tensor", **kwargs):
+                 weight_decay=0.0, process_set=None, name="onebit_adam", scales="tensor",
+                 exp_avg_mask=None, **kwargs):
         super().__init__(OnebitAdamRule(freeze_step=freeze_step, scales=scales), learning_rate,
-                         adam_hyperparameters(betas, eps, weight_decay), name, process_set, **kwargs)
+                         adam_hyperparameters(betas, eps, weight_decay), name, process_set,
+                         exp_avg_mask, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="hvd_quant")
@@ -320,12 +346,50 @@ class ZeroOneAdam(RuleOptimizer):
     def __init__(self, learning_rate=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False, process_set=None, name="zero_one_adam",
-                 scales="tensor", **kwargs):
+                 scales="tensor", exp_avg_mask=None, **kwargs):
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                                exact_sync=exact_sync, scales=scales)
         super().__init__(rule, learning_rate, adam_hyperparameters(betas, eps, weight_decay), name,
-                         process_set, **kwargs)
+                         process_set, exp_avg_mask, **kwargs)
+
+    def final_sync(self):
+        """Synchronise what the local steps since the last sync left on each rank, so that
+        training ends with one model (ours; DeepSpeed has none). Eager only; call it on
+        every rank at the same point after the last step, or let
+        ``hvd_quant.tensorflow.callbacks.FinalSyncCallback`` call it when ``fit`` ends.
+
+        Runs :meth:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule.final_sync` when
+        there were local steps since the last sync, else does nothing (no collective).
+        With ``exact_sync=True`` every rank then holds bit-identical weights. Counters
+        and the schedule are untouched, so training may continue. ``bytes_sent`` and
+        ``comm_rounds`` count it; ``kind_counts`` and ``last_step_kind`` do not.
+
+        Returns
+        -------
+        bool
+            True when it synced (the same on every rank).
+        """
+        if not tf.executing_eagerly():
+            raise RuntimeError("ZeroOneAdam.final_sync runs eagerly: call it outside tf.function")
+        if not self.built:
+            return False
+        B = TFBackend()
+        st = _VariableGroupState(B, self)
+        if not bool(self._hq_rule.sync_pending(B, st)):
+            return False
+        variables = list(self._trainable_variables)
+        counts = [int(np.prod(v.shape)) for v in variables]
+        master = self._hq_slots.get("master")
+        x = tf.convert_to_tensor(master.value) if master is not None else _flat_values(variables)
+        ctx = StepContext(B, self._comm(), st, None, x, tf.constant(0.0), self._hq_hp, "opt.g0",
+                          counts=counts, mask=self._hq_mask)
+        self._write_back(variables, self._hq_rule.final_sync(ctx))
+        size = self._comm().size
+        if size > 1:
+            self._hq_meters["bytes_sent"].assign_add(self._hq_rule.wire_bytes("onebit", counts, size))
+            self._hq_meters["comm_rounds"].assign_add(1)
+        return True
 
 
 @keras.saving.register_keras_serializable(package="hvd_quant")
@@ -404,6 +468,38 @@ def resize_keras_variable(var, shape):
     var._shape = shape
     var._ndim = len(shape)
     return var
+
+
+def _mask_spec(exp_avg_mask):
+    """``exp_avg_mask`` as a list of ``(variable or path, float32 array)`` pairs."""
+    if exp_avg_mask is None:
+        return []
+    items = exp_avg_mask.items() if isinstance(exp_avg_mask, dict) else exp_avg_mask
+    return [(key, np.asarray(mask, np.float32)) for key, mask in items]
+
+
+def _flat_mask(spec, var_list):
+    """The flat float32 mask over ``var_list`` (ones where no mask is given), or None."""
+    if not spec:
+        return None
+    parts, used = [], set()
+    for v in var_list:
+        part = np.ones(int(np.prod(v.shape)), np.float32)
+        for i, (key, mask) in enumerate(spec):
+            if key is v or (isinstance(key, str) and key == variable_name(v)):
+                if mask.size != part.size:
+                    raise ValueError(f"exp_avg_mask for {variable_name(v)} has {mask.size} elements, the "
+                                     f"variable has {part.size} (shape {tuple(v.shape)})")
+                part = mask.reshape(-1)
+                used.add(i)
+        parts.append(part)
+    unused = [key if isinstance(key, str) else variable_name(key) for i, (key, _) in enumerate(spec)
+              if i not in used]
+    if unused:
+        raise ValueError(f"exp_avg_mask names {unused}, which the optimizer does not update; its "
+                         f"variables are {[variable_name(v) for v in var_list]}")
+    with tf.init_scope():
+        return tf.constant(np.concatenate(parts) if parts else np.zeros(0, np.float32))
 
 
 def _flat_values(variables):

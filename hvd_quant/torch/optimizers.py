@@ -16,8 +16,29 @@ averages, 1-bit rounds, nothing on local steps)::
 
 Each parameter group is one flat float32 buffer (DeepSpeed's fp16 optimizer flattens
 each group the same way), in the group's parameter order. Parameters without a gradient
-count as zeros on that rank. Parameters that are not float32 (``half``, ``bfloat16``)
-are updated through a float32 master copy kept in the state.
+count as zeros on that rank (DeepSpeed skips them; see :mod:`hvd_quant.optimizers.base`
+for why we do not). Parameters that are not float32 (``half``, ``bfloat16``) are updated
+through a float32 master copy kept in the state.
+
+CPU only: the state (moments, error buffers, accumulators) lives in CPU tensors and the
+collectives go through Horovod's CPU path, so parameters on a GPU (or any device but the
+CPU) are refused at construction with a ``ValueError``, rather than failing inside the
+first step on mixed devices. DeepSpeed's versions are GPU-only; these are the opposite.
+
+DeepSpeed's constructor arguments that have no meaning here (``deepspeed``,
+``eps_inside_sqrt``, ``max_grad_norm``, ``cuda_aware``, ``comm_backend_name``) are
+accepted, so that DeepSpeed code ports unchanged, and ignored; a value other than
+DeepSpeed's default gives a ``UserWarning`` that says why. DeepSpeed itself never reads
+``eps_inside_sqrt`` or ``max_grad_norm`` in ``step()`` (clipping is its engine's job:
+call ``torch.nn.utils.clip_grad_norm_`` before ``step()``); the communication is
+Horovod's (Gloo, MPI or NCCL, as ``horovodrun`` chose), not DeepSpeed's backends.
+
+``exp_avg_mask`` (DeepSpeed's, on :class:`OnebitAdam` and :class:`ZeroOneAdam`): a param
+group may carry a tensor with the group's number of elements; the 1-bit results are
+multiplied by it. As in DeepSpeed's ``load_state_dict``, the mask in effect is always the
+one the training script set on the optimizer, never the checkpoint's (a run may change
+it between stages, e.g. BERT's sequence length 128 then 512): a checkpoint's mask is
+replaced by the optimizer's, or dropped when the optimizer has none.
 
 State: ``state_dict()["state"]`` holds one entry per group, ``"hvd_quant.group{i}"``:
 flat tensors (moments, error buffers, master weights) and the counters, all of this
@@ -89,7 +110,7 @@ class RuleOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0):
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # add_param_group refuses non-CPU parameters
         self._rule = rule
         self._comm = HorovodTorchComm(process_set if process_set is not None else hvd.global_process_set)
         self._rule.validate(self._comm.size)
@@ -121,8 +142,21 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._groups[gi] = EagerGroupState(saved["slots"], saved["scalars"], in_place=True)
         return self._groups[gi]
 
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        _refuse_non_cpu(self.param_groups[-1]["params"], type(self).__name__)
+
     def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
+        # DeepSpeed's OnebitAdam/ZeroOneAdam.load_state_dict: exp_avg_mask is the training
+        # script's, not the checkpoint's (it may change between stages of a run). Copies:
+        # the caller's dict is left as it was.
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        for mine, saved in zip(self.param_groups, groups):
+            if "exp_avg_mask" in mine:
+                saved["exp_avg_mask"] = mine["exp_avg_mask"]
+            else:
+                saved.pop("exp_avg_mask", None)
+        super().load_state_dict(dict(state_dict, param_groups=groups))
         self._groups = {}  # rebuilt from the loaded flat tensors on the next step
         # A restored run may hold per-rank parameters legitimately (0/1 Adam between
         # syncs): the first-step check then compares everything but the values.
@@ -148,9 +182,8 @@ class RuleOptimizer(torch.optim.Optimizer):
             before_kinds, before_bytes, before_skips = len(st.kinds), st.bytes_sent, st.skipped
             g = _flat_grads(group["params"], inv_scale)
             x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
-            mask = group.get("exp_avg_mask")
             ctx = StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group),
-                              f"opt.g{gi}", mask=None if mask is None else mask.reshape(-1).float(),
+                              f"opt.g{gi}", mask=_group_mask(group, gi),
                               counts=[p.numel() for p in group["params"]])
             new_x = self._rule.step(ctx)
             if "master" in st.slots:
@@ -268,9 +301,12 @@ class OnebitAdam(RuleOptimizer):
 
     def __init__(self, params, lr=1e-3, named_parameters=None, freeze_step=100000,
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
-                 process_set=None, amsgrad=False, scales="tensor"):
+                 process_set=None, amsgrad=False, scales="tensor", deepspeed=None,
+                 eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl"):
         if amsgrad:
             raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
+        _ignore_deepspeed_only("OnebitAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
+                               comm_backend_name)
         super().__init__(params, OnebitAdamRule(freeze_step=freeze_step, scales=scales),
                          _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set)
@@ -291,7 +327,9 @@ class ZeroOneAdam(RuleOptimizer):
 
     ``exact_sync=True`` (ours, off by default) keeps the parameters of the last sync so
     that every sync leaves all ranks bit-identical; DeepSpeed's ``x - u`` agrees only to
-    rounding (see :class:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule`).
+    rounding (see :class:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule`). Between
+    syncs the ranks' parameters differ by design (local steps): end training with
+    :meth:`final_sync` to get one model.
 
     ``scales``: as in :class:`OnebitAdam`. Per tensor (the default) matters most here:
     Phase A compresses raw gradients, whose scale differs by orders of magnitude between
@@ -307,14 +345,58 @@ class ZeroOneAdam(RuleOptimizer):
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, var_freeze_step=100000, var_update_scaler=16,
                  local_step_scaler=32678, local_step_clipper=16, bias_correction=True,
-                 process_set=None, amsgrad=False, exact_sync=False, scales="tensor"):
+                 process_set=None, amsgrad=False, exact_sync=False, scales="tensor", deepspeed=None,
+                 eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl"):
         if amsgrad:
             raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
+        _ignore_deepspeed_only("ZeroOneAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
+                               comm_backend_name)
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                                exact_sync=exact_sync, scales=scales)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set)
+
+
+    @torch.no_grad()
+    def final_sync(self):
+        """Synchronise what the local steps since the last sync left on each rank, so that
+        training ends with one model (ours; DeepSpeed has none, and its ranks keep
+        different parameters when a run stops between syncs).
+
+        Call it on every rank at the same point, after the last ``step()`` (and before
+        evaluating or saving the final model). Per group, it runs the sync of
+        :meth:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule.final_sync` when there
+        were local steps since the last sync, and does nothing otherwise (no collective).
+        With ``exact_sync=True`` every rank then holds bit-identical parameters. Step
+        counters and the schedule are untouched, so training may continue afterwards.
+        ``bytes_sent`` and ``comm_rounds`` count it; ``step_kinds`` does not (not a step).
+
+        Returns
+        -------
+        bool
+            True when some group synced (the same on every rank).
+        """
+        synced = False
+        for gi, group in enumerate(self.param_groups):
+            if _STATE_KEY.format(gi) not in self.state:
+                continue  # never stepped: nothing to sync
+            st = self._group_state(gi, group)
+            if not bool(self._rule.sync_pending(self._B, st)):
+                continue
+            counts = [p.numel() for p in group["params"]]
+            x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
+            ctx = StepContext(self._B, self._comm, st, None, x, group["lr"], _hyper(group),
+                              f"opt.g{gi}", mask=_group_mask(group, gi), counts=counts)
+            new_x = self._rule.final_sync(ctx)
+            if "master" in st.slots:
+                st.set_slot("master", new_x)
+            _write_back(group["params"], new_x)
+            if self._comm.size > 1:
+                self.bytes_sent += self._rule.wire_bytes("onebit", counts, self._comm.size)
+            synced = True
+        self.comm_rounds += int(synced and self._comm.size > 1)
+        return synced
 
 
 class BinSGDM(RuleOptimizer):
@@ -343,7 +425,55 @@ class BinSGDM(RuleOptimizer):
 
 
 # --- helpers ---------------------------------------------------------------------------------
+def _refuse_non_cpu(params, cls_name):
+    for p in params:
+        if p.device.type != "cpu":
+            raise ValueError(
+                f"hvd_quant.torch.{cls_name} runs on the CPU only: its state (moments, error "
+                f"buffers, accumulators) is kept in CPU tensors, and a parameter is on {p.device}. "
+                "Keep the model on the CPU for this optimizer.")
+
+
+_DEEPSPEED_ONLY = {
+    "deepspeed": (None, "hvd_quant's optimizers communicate through Horovod by themselves; "
+                        "no DeepSpeed engine is used"),
+    "eps_inside_sqrt": (False, "DeepSpeed accepts it but never reads it in step(): eps is "
+                               "added outside the square root, here as there"),
+    "max_grad_norm": (0.0, "DeepSpeed stores it but never reads it in step() (its engine "
+                           "clips); call torch.nn.utils.clip_grad_norm_ before step()"),
+    "cuda_aware": (False, "the collectives are Horovod's, not DeepSpeed's MPI backend"),
+    "comm_backend_name": ("nccl", "the collectives are Horovod's (Gloo, MPI or NCCL, as "
+                                  "horovodrun chose), not DeepSpeed's backends"),
+}
+
+
+def _ignore_deepspeed_only(cls_name, *values):
+    """Accept DeepSpeed's constructor arguments that mean nothing here (so that DeepSpeed
+    code ports unchanged); warn, saying why, when one is not at DeepSpeed's default."""
+    import warnings
+
+    for (name, (default, why)), value in zip(_DEEPSPEED_ONLY.items(), values):
+        if value is not default and value != default:
+            warnings.warn(f"hvd_quant.torch.{cls_name}: {name}={value!r} is ignored: {why}",
+                          UserWarning, stacklevel=3)
+
+
+def _group_mask(group, gi):
+    """The group's ``exp_avg_mask`` as a flat float32 tensor (None without one)."""
+    mask = group.get("exp_avg_mask")
+    if mask is None:
+        return None
+    numel = sum(p.numel() for p in group["params"])
+    if mask.numel() != numel:
+        raise ValueError(f"exp_avg_mask of param group {gi} has {mask.numel()} elements, the group "
+                         f"has {numel} (one mask value per parameter element, in parameter order)")
+    return mask.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+
+
 def _defaults(lr, betas, eps, weight_decay, bias_correction):
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) and not torch.is_tensor(lr):
+        raise TypeError(f"lr must be a number, got {type(lr).__name__} (DeepSpeed's second "
+                        "positional argument is its engine, ours is lr: pass lr= by keyword)")
     if not lr >= 0.0:
         raise ValueError(f"invalid learning rate: {lr}")
     # bias_correction is accepted for DeepSpeed compatibility; neither method uses it.

@@ -28,3 +28,24 @@ def grad(rank, step):
 
 def lr(step):
     return 1e-2 * (1.0 - step / (2 * STEPS))  # a schedule: 0/1 Adam's sum of lrs follows it
+
+
+# Two param groups (p0 and p1; p2) with their own base learning rates under one schedule
+# factor, as torch.optim.lr_scheduler.LambdaLR computes them: base * factor(step).
+GROUPS = [[0, 1], [2]]
+GROUP_LRS = [1e-2, 3e-3]
+
+
+def lr_factor(step):
+    return (step + 1) / 4 if step < 3 else 1.0 - step / (2 * STEPS)  # warm-up, then decay
+
+
+def group_lr(group, step):
+    return GROUP_LRS[group] * lr_factor(step)
+
+
+def mask():
+    """An exp_avg_mask over all NUMEL elements: zeros on every 7th element and on p2."""
+    m = (np.arange(NUMEL) % 7 != 0).astype(np.float32)
+    m[NUMEL - COUNTS[-1]:] = 0.0
+    return m

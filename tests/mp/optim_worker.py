@@ -3,13 +3,15 @@
 ``python optim_worker.py torch OUTDIR [RANKS_PER_NODE]`` trains hvd_quant's torch
 optimizers on the gradients of tests/mp/optim_cases.py and writes ``OUTDIR/rank{r}.json``:
 final parameters, step kinds, bytes, the number of collectives each step issued, a
-checkpoint round trip (in Phase A and between syncs in Phase B), and the errors bad
-input raised.
+checkpoint round trip (in Phase A and between syncs in Phase B), two param groups under
+``LambdaLR``, ``exp_avg_mask`` (and what ``load_state_dict`` does with it), 0/1 Adam's
+``final_sync``, and the errors and warnings bad input raised.
 """
 
 import io
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +41,19 @@ def make_params():
     return params
 
 
-def make_optimizer(name, params, lr=cases.lr(0)):
+def make_optimizer(name, params, lr=cases.lr(0), groups=None, **extra):
+    """``groups``: lists of parameter indices, one param group each (with its own lr)."""
     named = [(f"p{i}", p) for i, p in enumerate(params)]
     hp = cases.HP
+    if groups is not None:
+        params = [{"params": [params[i] for i in idx], "lr": cases.GROUP_LRS[g]} for g, idx in enumerate(groups)]
+    options = dict(cases.CONFIGS[name], **extra)
     if name == "onebit_adam":
         return hq.OnebitAdam(params, lr=lr, named_parameters=named, betas=hp["betas"], eps=hp["eps"],
-                             weight_decay=hp["weight_decay"], **cases.CONFIGS[name])
+                             weight_decay=hp["weight_decay"], **options)
     if name == "zero_one_adam":
         return hq.ZeroOneAdam(params, lr=lr, named_parameters=named, betas=hp["betas"], eps=hp["eps"],
-                              weight_decay=hp["weight_decay"], **cases.CONFIGS[name])
+                              weight_decay=hp["weight_decay"], **options)
     return hq.BinSGDM(params, lr=lr, named_parameters=named, betas=(0.9,),
                       weight_decay=hp["weight_decay"], ranks_per_node=RANKS_PER_NODE)
 
@@ -78,14 +84,14 @@ def flat_params(params):
     return np.concatenate([p.detach().numpy().reshape(-1) for p in params]).astype(np.float64).tolist()
 
 
-def run(name, steps=cases.STEPS, opt=None, params=None, start=0, drop=None):
+def run(name, steps=cases.STEPS, opt=None, params=None, start=0, drop=None, set_lr=True):
     params = params or make_params()
     opt = opt or make_optimizer(name, params)
     calls = count_collectives(opt)
     per_step = []
     for s in range(start, steps):
         set_grads(params, s, drop=drop if s == 3 else None)
-        for group in opt.param_groups:
+        for group in opt.param_groups if set_lr else ():
             group["lr"] = cases.lr(s)
         before = calls[0]
         opt.step()
@@ -133,6 +139,117 @@ def lr_disagreement():
     return "no error"
 
 
+def schedule_disagreement():
+    """One rank with another var_freeze_step: the ranks would take different branches."""
+    params = make_params()
+    opt = make_optimizer("zero_one_adam", params, var_freeze_step=8 if RANK == 0 else 9)
+    set_grads(params, 0)
+    opt.step()
+    return "no error"
+
+
+def groups_under_lambda_lr(name):
+    """Two param groups with their own base lr under torch's LambdaLR: the lr each group
+    saw at each step, 0/1 Adam's Γ after each step, and the final parameters."""
+    params = make_params()
+    opt = make_optimizer(name, params, groups=cases.GROUPS)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cases.lr_factor)
+    seen, gammas = [[], []], [[], []]
+    for s in range(cases.STEPS):
+        set_grads(params, s)
+        for g, group in enumerate(opt.param_groups):
+            seen[g].append(group["lr"])
+        opt.step()
+        sched.step()
+        for g in range(2):
+            gammas[g].append(opt.state[f"hvd_quant.group{g}"]["scalars"].get("lrs"))
+    return {"x": flat_params(params), "lrs": seen, "gammas": gammas, "kinds": opt.step_kinds}
+
+
+def masked(name):
+    """param_groups[0]["exp_avg_mask"] (DeepSpeed's way of setting it)."""
+    params = make_params()
+    opt = make_optimizer(name, params)
+    opt.param_groups[0]["exp_avg_mask"] = torch.from_numpy(cases.mask())
+    run(name, opt=opt, params=params)
+    return {"x": flat_params(params)}
+
+
+def mask_and_load_state_dict(at=5):
+    """Checkpoint with a mask of ones at step ``at``; restore into an optimizer with the
+    script's mask (DeepSpeed: that one stays) and into one without (the checkpoint's is
+    dropped); the first continues to the end."""
+    params = make_params()
+    opt = make_optimizer("zero_one_adam", params)
+    opt.param_groups[0]["exp_avg_mask"] = torch.ones(cases.NUMEL)
+    run("zero_one_adam", steps=at, opt=opt, params=params)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    fresh = make_params()
+    with torch.no_grad():
+        for p, v in zip(fresh, saved["params"]):
+            p.copy_(v)
+    user = torch.from_numpy(cases.mask())
+    mine = make_optimizer("zero_one_adam", fresh)
+    mine.param_groups[0]["exp_avg_mask"] = user
+    mine.load_state_dict(saved["opt"])
+    kept = mine.param_groups[0]["exp_avg_mask"]
+    unmasked = make_optimizer("zero_one_adam", make_params())
+    unmasked.load_state_dict(saved["opt"])
+    run("zero_one_adam", opt=mine, params=fresh, start=at)
+    return {"kept": bool(torch.equal(kept, user)), "dropped": "exp_avg_mask" not in unmasked.param_groups[0],
+            "checkpoint_unchanged": bool(torch.equal(saved["opt"]["param_groups"][0]["exp_avg_mask"],
+                                                     torch.ones(cases.NUMEL))),
+            "x": flat_params(fresh)}
+
+
+def final_sync():
+    """0/1 Adam with exact_sync ends on a local step; final_sync makes one model. A second
+    call does nothing."""
+    params = make_params()
+    params, opt, _ = run("zero_one_adam", opt=make_optimizer("zero_one_adam", params, exact_sync=True), params=params)
+    before = flat_params(params)
+    bytes_before, rounds_before, kinds = opt.bytes_sent, opt.comm_rounds, list(opt.step_kinds)
+    calls = count_collectives(opt)
+    synced = opt.final_sync()
+    first = calls[0]
+    after = flat_params(params)
+    again = opt.final_sync()
+    return {"before": before, "x": after, "synced": synced, "again": again, "calls": [first, calls[0] - first],
+            "bytes": opt.bytes_sent - bytes_before, "rounds": opt.comm_rounds - rounds_before,
+            "kinds_unchanged": opt.step_kinds == kinds,
+            "gamma": opt.state["hvd_quant.group0"]["scalars"]["lrs"]}
+
+
+def deepspeed_arguments():
+    """DeepSpeed's constructor arguments: accepted silently at DeepSpeed's defaults, with a
+    warning otherwise; DeepSpeed's positional engine in place of lr is refused."""
+    out = {}
+    for label, kwargs in (("defaults", dict(deepspeed=None, eps_inside_sqrt=False, max_grad_norm=0.0,
+                                             cuda_aware=False, comm_backend_name="nccl")),
+                          ("others", dict(deepspeed=object(), eps_inside_sqrt=True, max_grad_norm=1.0,
+                                          cuda_aware=True, comm_backend_name="mpi"))):
+        for cls in (hq.OnebitAdam, hq.ZeroOneAdam):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cls(make_params(), lr=1e-3, **kwargs)
+            out[f"{label}/{cls.__name__}"] = [str(w.message) for w in caught if w.category is UserWarning]
+    try:
+        hq.ZeroOneAdam(make_params(), object())
+        out["engine_as_lr"] = "no error"
+    except TypeError as exc:
+        out["engine_as_lr"] = str(exc)
+    return out
+
+
+def meta_parameters():
+    """Parameters off the CPU (the meta device stands in for CUDA here) are refused."""
+    hq.ZeroOneAdam([torch.nn.Parameter(torch.empty(3, device="meta"))], lr=1e-3)
+    return "no error"
+
+
 def sparse_gradients():
     torch.manual_seed(0)  # the same weights on every rank
     emb = torch.nn.Embedding(10, 4, sparse=True)
@@ -151,7 +268,15 @@ if RANKS_PER_NODE is None:
     record("checkpoint/onebit_adam", lambda: checkpoint("onebit_adam", 9))
     record("checkpoint/binsgdm", lambda: checkpoint("binsgdm", 7))
     record("lr_disagreement", lr_disagreement)
+    record("schedule_disagreement", schedule_disagreement)
     record("sparse", sparse_gradients)
+    for name in ("zero_one_adam", "onebit_adam"):
+        record(f"groups/{name}", lambda: groups_under_lambda_lr(name))
+        record(f"mask/{name}", lambda: masked(name))
+    record("mask_checkpoint", mask_and_load_state_dict)
+    record("final_sync", final_sync)
+    record("deepspeed_arguments", deepspeed_arguments)
+    record("meta_parameters", meta_parameters)
 
 OUT.mkdir(parents=True, exist_ok=True)
 (OUT / f"rank{RANK}.json").write_text(json.dumps(results))

@@ -1,9 +1,12 @@
 """Runs inside every rank (under horovodrun) for tests/test_optimizers_mp.py, TensorFlow side.
 
 ``python optim_worker_tf.py OUTDIR`` applies hvd_quant's Keras 3 optimizers to the
-gradients of tests/mp/optim_cases.py eagerly and inside ``tf.function``, trains a small
-model with ``model.compile`` + ``model.fit``, round-trips the optimizer state through a
-Keras checkpoint mid-schedule, and writes ``OUTDIR/rank{r}.json``.
+gradients of tests/mp/optim_cases.py eagerly (counting the collectives of every step) and
+inside ``tf.function``, trains a small model with ``model.compile`` + ``model.fit`` (0/1
+Adam ending with ``FinalSyncCallback``), round-trips the optimizer state through a Keras
+checkpoint mid-schedule, runs 0/1 Adam under a Keras ``LearningRateSchedule`` and with
+``exp_avg_mask``, calls ``final_sync``, records the errors bad input raised, and writes
+``OUTDIR/rank{r}.json``.
 """
 
 import json
@@ -25,14 +28,14 @@ results = {"rank": RANK, "size": SIZE}
 HP = cases.HP
 
 
-def make_optimizer(name, **extra):
-    lr = cases.lr(0)
+def make_optimizer(name, lr=cases.lr(0), **extra):
+    options = dict(cases.CONFIGS[name], **extra)
     if name == "onebit_adam":
         return hq.OnebitAdam(learning_rate=lr, betas=HP["betas"], eps=HP["eps"],
-                             weight_decay=HP["weight_decay"], **cases.CONFIGS[name])
+                             weight_decay=HP["weight_decay"], **options)
     if name == "zero_one_adam":
         return hq.ZeroOneAdam(learning_rate=lr, betas=HP["betas"], eps=HP["eps"],
-                              weight_decay=HP["weight_decay"], **cases.CONFIGS[name], **extra)
+                              weight_decay=HP["weight_decay"], **options)
     return hq.BinSGDM(learning_rate=lr, betas=(0.9,), weight_decay=HP["weight_decay"])
 
 
@@ -54,13 +57,32 @@ def grads_of(step):
     return out
 
 
-def apply_steps(opt, variables, start, stop, graph):
+def count_collectives(opt):
+    """Wrap the optimizer's communicator: how many collectives are issued (eagerly, one
+    call per collective; inside tf.function only while tracing)."""
+    calls = [0]
+    comm = opt._comm()
+    for method in ("allreduce", "allgather", "alltoall", "sendrecv"):
+        inner = getattr(comm, method)
+
+        def counted(*args, _inner=inner, **kwargs):
+            calls[0] += 1
+            return _inner(*args, **kwargs)
+        setattr(comm, method, counted)
+    return calls
+
+
+def apply_steps(opt, variables, start, stop, graph, set_lr=True, per_step=None):
+    """``per_step``: called after every step (eagerly)."""
     def apply(grads):
         opt.apply(grads, variables)
     apply = tf.function(apply) if graph else apply
     for s in range(start, stop):
-        opt.learning_rate.assign(cases.lr(s))
+        if set_lr:
+            opt.learning_rate.assign(cases.lr(s))
         apply(grads_of(s))
+        if per_step is not None:
+            per_step(s)
 
 
 def flat(variables):
@@ -69,24 +91,94 @@ def flat(variables):
 
 def train(name, graph):
     variables, opt = make_variables(), make_optimizer(name)
-    apply_steps(opt, variables, 0, cases.STEPS, graph)
+    calls, kinds, per_step = None, [], []
+    if not graph:  # eagerly every collective is a Python call: count them per step
+        opt.build(variables)
+        calls = count_collectives(opt)
+
+        def record_step(s):
+            kinds.append(opt.last_step_kind)
+            per_step.append(calls[0] - sum(per_step))
+    apply_steps(opt, variables, 0, cases.STEPS, graph, per_step=None if graph else record_step)
     return {"x": flat(variables), "kinds": opt.kind_counts, "bytes": float(opt.bytes_sent),
-            "rounds": int(opt.comm_rounds)}
+            "rounds": int(opt.comm_rounds), "step_kinds": kinds, "calls": per_step}
 
 
-def checkpoint(name, at, tmp):
+def checkpoint(name, at, tmp, graph=True):
     """Stop at ``at``, save variables and optimizer with tf.train.Checkpoint (this rank's
     own file), restore into fresh objects, continue: equal to an uninterrupted run."""
     variables, opt = make_variables(), make_optimizer(name)
-    apply_steps(opt, variables, 0, at, graph=True)
-    path = tf.train.Checkpoint(variables=variables, optimizer=opt).write(str(tmp / f"ckpt{RANK}"))
+    apply_steps(opt, variables, 0, at, graph=graph)
+    path = tf.train.Checkpoint(variables=variables, optimizer=opt).write(str(tmp / f"ckpt{RANK}-{name}-{at}"))
     fresh, restored = make_variables(), make_optimizer(name)
     restored.build(fresh)
     tf.train.Checkpoint(variables=fresh, optimizer=restored).read(path).assert_consumed()
-    apply_steps(restored, fresh, at, cases.STEPS, graph=True)
+    apply_steps(restored, fresh, at, cases.STEPS, graph=graph)
     uninterrupted, opt2 = make_variables(), make_optimizer(name)
-    apply_steps(opt2, uninterrupted, 0, cases.STEPS, graph=True)
+    apply_steps(opt2, uninterrupted, 0, cases.STEPS, graph=graph)
     return {"restored": flat(fresh), "uninterrupted": flat(uninterrupted)}
+
+
+def lr_schedule():
+    """0/1 Adam under a Keras LearningRateSchedule (CosineDecay): the float32 learning rate
+    of every step and Γ (a float64 variable) after it."""
+    schedule = keras.optimizers.schedules.CosineDecay(1e-2, decay_steps=cases.STEPS + 4, alpha=0.1)
+    variables, opt = make_variables(), make_optimizer("zero_one_adam", lr=schedule)
+    lrs, gammas = [], []
+
+    def before_step(s):  # the rate the next step uses: schedule(iterations), float32
+        lrs.append(float(np.asarray(opt.learning_rate, np.float32)))
+
+    def after_step(s):
+        gammas.append(float(opt._hq_scalars["lrs"].numpy()))
+        if s + 1 < cases.STEPS:
+            before_step(s + 1)
+    before_step(0)
+    apply_steps(opt, variables, 0, cases.STEPS, graph=False, set_lr=False, per_step=after_step)
+    return {"x": flat(variables), "lrs": lrs, "gammas": gammas,
+            "gamma_dtype": str(opt._hq_scalars["lrs"].dtype)}
+
+
+def masked():
+    """exp_avg_mask for p0 (by path) and p2 (by variable); p1 unmasked. Not optimizer state."""
+    variables = make_variables()
+    mask = cases.mask()
+    n0 = cases.COUNTS[0]
+    opt = make_optimizer("zero_one_adam", exp_avg_mask=[("p0", mask[:n0].reshape(cases.SHAPES[0])),
+                                                        (variables[2], mask[-cases.COUNTS[2]:])])
+    apply_steps(opt, variables, 0, cases.STEPS, graph=False)
+    return {"x": flat(variables), "optimizer_variables": [v.path for v in opt.variables]}
+
+
+def final_sync():
+    """0/1 Adam with exact_sync, stopped between syncs, then final_sync twice."""
+    variables, opt = make_variables(), make_optimizer("zero_one_adam", exact_sync=True)
+    apply_steps(opt, variables, 0, cases.STEPS, graph=False)
+    before, kinds, sent, rounds = flat(variables), opt.kind_counts, float(opt.bytes_sent), int(opt.comm_rounds)
+    calls = count_collectives(opt)
+    synced = opt.final_sync()
+    first = calls[0]
+    after = flat(variables)
+    again = opt.final_sync()
+    return {"before": before, "x": after, "synced": synced, "again": again, "calls": [first, calls[0] - first],
+            "bytes": float(opt.bytes_sent) - sent, "rounds": int(opt.comm_rounds) - rounds,
+            "kinds_unchanged": opt.kind_counts == kinds, "gamma": float(opt._hq_scalars["lrs"].numpy())}
+
+
+def disagreement(**kwargs):
+    """Ranks that build the optimizer differently: refused on every rank at build time."""
+    variables = make_variables()
+    make_optimizer("zero_one_adam", **kwargs).build(variables)
+    return "no error"
+
+
+def sparse_gradients():
+    variables = make_variables()
+    opt = make_optimizer("zero_one_adam")
+    grads = grads_of(0)
+    grads[0] = tf.IndexedSlices(grads[0][:2], tf.constant([0, 3]), tf.constant(cases.SHAPES[0]))
+    opt.apply(grads, variables)
+    return "no error"
 
 
 def fit(name):
@@ -102,10 +194,13 @@ def fit(name):
     opt.learning_rate.assign(3e-3)
     model.compile(optimizer=opt, loss="mse")
     recorder = hq.StepKindRecorder()
-    history = model.fit(x, y, batch_size=32, epochs=4, verbose=0, shuffle=False,
-                        callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0), recorder])
+    final = hq.callbacks.FinalSyncCallback()  # 0/1 Adam: one model at the end; others: no-op
+    # 6 batches x 5 epochs = 30 steps: 0/1 Adam's last step is a local one (the test checks).
+    history = model.fit(x[:192], y[:192], batch_size=32, epochs=5, verbose=0, shuffle=False,
+                        callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0), recorder, final])
     weights = np.concatenate([w.reshape(-1) for w in model.get_weights()]).astype(np.float64)
-    return {"loss": history.history["loss"], "weights": weights.tolist(), "kinds": recorder.kinds}
+    return {"loss": history.history["loss"], "weights": weights.tolist(), "kinds": recorder.kinds,
+            "final_synced": final.synced}
 
 
 def record(key, fn):
@@ -122,6 +217,15 @@ for name in cases.CONFIGS:
     record(f"fit/{name}", lambda: fit(name))
 record("checkpoint/phase_b", lambda: checkpoint("zero_one_adam", 13, OUT))
 record("checkpoint/binsgdm", lambda: checkpoint("binsgdm", 7, OUT))
+# Eagerly: restoring is the same either way, and tracing costs seconds per optimizer.
+record("checkpoint/phase_a", lambda: checkpoint("zero_one_adam", 5, OUT, graph=False))
+record("checkpoint/onebit_adam", lambda: checkpoint("onebit_adam", 9, OUT, graph=False))
+record("lr_schedule", lr_schedule)
+record("mask", masked)
+record("final_sync", final_sync)
+record("lr_disagreement", lambda: disagreement(lr=1e-3 if RANK == 0 else 2e-3))
+record("schedule_disagreement", lambda: disagreement(var_freeze_step=8 if RANK == 0 else 9))
+record("sparse", sparse_gradients)
 
 (OUT / f"rank{RANK}.json").write_text(json.dumps(results))
 print(f"rank {RANK}: wrote {OUT / f'rank{RANK}.json'}")
