@@ -57,7 +57,9 @@ def make_optimizer(args, total_steps):
             raise SystemExit(f"hvd_quant.tensorflow.{ONE_BIT[args.optimizer]} is not available in this version")
         if name != "none":
             raise SystemExit(f"--optimizer {args.optimizer} communicates by itself: leave --compression out")
-        options = {**one_bit_defaults(args.optimizer, total_steps), **parse_options(args.opt_option)}
+        # 0/1 Adam: exact_sync and FinalSyncCallback (in main) end the run with one model.
+        exact = {"exact_sync": True} if args.optimizer == "zero_one_adam" else {}
+        options = {**one_bit_defaults(args.optimizer, total_steps), **exact, **parse_options(args.opt_option)}
         return cls(learning_rate=lr, **options), None
     if args.opt_option:
         raise SystemExit("--opt-option is for hvd_quant's 1-bit optimizers")
@@ -131,7 +133,8 @@ def main():
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
               validation_data=(x_test, y_test), shuffle=True,
               callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0),
-                         hq.callbacks.MetricAverageCallback(), report])
+                         hq.callbacks.MetricAverageCallback(), report,
+                         hq.callbacks.FinalSyncCallback()])  # 0/1 Adam's last local steps
     wall = time.perf_counter() - start
 
     mine = np.frombuffer(bytes.fromhex(weights_digest(model)), dtype=np.int64)
