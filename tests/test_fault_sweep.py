@@ -99,10 +99,15 @@ def test_one_non_finite_element_on_one_rank(name, opts, n, bad):
         for w in warm:  # some error feedback to protect
             r.reduce(w[c.rank], c, "buf", segs)
         before = {k: v.copy() for k, v in r.state_dict().items()}
+        calls = [r.rng_state().get(c.rank, 0)]
         out = r.reduce(poisoned[c.rank], c, "buf", segs)
-        return out, before, r.state_dict()
+        after = r.state_dict()
+        calls.append(r.rng_state().get(c.rank, 0))
+        r.reduce(xs[c.rank], c, "buf", segs)  # a finite step, for its draws
+        calls.append(r.rng_state().get(c.rank, 0))
+        return out, before, after, calls
 
-    for out, before, after in ThreadWorld(n).run(body):
+    for out, before, after, calls in ThreadWorld(n).run(body):
         if name in ("none", "fp16"):  # a plain sum: the poisoned element, as Horovod's
             assert not np.isfinite(out[11]) and np.isfinite(np.delete(out, 11)).all()
         else:
@@ -110,6 +115,12 @@ def test_one_non_finite_element_on_one_rank(name, opts, n, bad):
         assert before.keys() == after.keys()
         for key in before:
             np.testing.assert_array_equal(before[key], after[key], err_msg=key)
+        # The random stream is not state that a bad step leaves alone: its draws are
+        # taken before the flag is known, and it advances exactly as on a finite step
+        # (as documented in README, "Failure behaviour").
+        assert calls[1] - calls[0] == calls[2] - calls[1], calls
+        assert (calls[2] > calls[1]) == (name in ("marsit", "cascading_sign", "global_qsgd",
+                                                  "global_qsgd_exp")), calls  # the stochastic ones
 
 
 #: The oracle's generic arithmetic and, where numba works, the fused CPU kernels that the

@@ -202,7 +202,8 @@ def test_checkpoint_restores_onebit_errors(job):
 
 
 def test_ring_and_torus_with_four_ranks(tmp_path):
-    """4 ranks: the only size here with a 2x2 torus; also a power of two."""
+    """4 ranks: the only size here with a 2x2 torus (and 2 nodes x 2 for BinSGDM's
+    hierarchical allreduce); also a power of two."""
     run_horovod(HERE / "mp" / "ring_worker.py", 4, [tmp_path], timeout=300)
     ranks = load_rank_results(tmp_path, 4)
     for r in ranks:  # full-world results agree on every rank
@@ -215,11 +216,17 @@ def test_ring_and_torus_with_four_ranks(tmp_path):
     marsit = sums.pop("marsit_torus")
     assert all(r["sums"]["marsit_torus"] == marsit for r in ranks) and len(marsit) == 1001
     assert sums.pop("row_is_process_set") and sums.pop("col_is_process_set")
+    sums.pop("binsgdm_2x2_non_finite")  # checked below
     for d, res in sums.items():
         assert res["ring"] == res["hvd"] == res["torus"] == res["torus_routed"], d
     for r in ranks:  # a ring over a Horovod process set (this rank's torus row)
         for d in map(str, cases.SIZES):
             assert r["sums"][d]["row_ring"] == r["sums"][d]["row_hvd"], d
+    # BinSGDM, 2 nodes x 2: rank 3's inf, -inf, NaN is skipped by every rank, state untouched.
+    for r in ranks:
+        assert [c["skipped"] for c in r["sums"]["binsgdm_2x2_non_finite"]] == [1, 1, 1]
+        assert all(c["kind"] == "onebit" and c["x_unchanged"] and c["state_unchanged"]
+                   for c in r["sums"]["binsgdm_2x2_non_finite"])
 
 
 def test_failing_rank_fails_the_job_fast():

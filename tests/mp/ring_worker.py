@@ -1,6 +1,7 @@
 """4-rank checks (torch): ring and 2x2 torus integer sums equal Horovod's allreduce, with
 the torus over registered process sets and routed through global alltoalls, and a ring
-over a process set equals Horovod's allreduce on that set."""
+over a process set equals Horovod's allreduce on that set; BinSGDM's hierarchical
+allreduce (2 nodes x 2) on a step with one rank's inf, -inf or NaN."""
 import json
 import sys
 from pathlib import Path
@@ -45,4 +46,37 @@ def reduce_exact(name, options, case):
 
 
 out["exact"] = cases.run_exact_cases(reduce_exact, lambda t: t.numpy())
+
+
+def binsgdm_hierarchical_non_finite():
+    """BinSGDM over 2 nodes x 2 (its hierarchical allreduce needs 4 ranks): rank 3's
+    gradient holds inf, -inf, then NaN in one element, each after a finite step. The
+    flag must cross the node (intra-node alltoall) and the nodes (inter-node allgather):
+    every rank skips each bad step with its parameters and state unchanged."""
+    import numpy as np
+    import hvd_quant.torch as hq
+
+    p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 37))
+    opt = hq.BinSGDM([p], lr=1e-2, ranks_per_node=2)
+    rng = np.random.default_rng(hvd.rank())
+    result = []
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        p.grad = torch.from_numpy(rng.standard_normal(37).astype(np.float32))
+        opt.step()
+        group = opt.state["hvd_quant.group0"]
+        before = (p.detach().clone(), {k: v.clone() for k, v in group["slots"].items()},
+                  dict(group["scalars"]), opt.skipped_steps)
+        g = torch.from_numpy(rng.standard_normal(37).astype(np.float32))
+        if hvd.rank() == 3:
+            g[11] = bad
+        p.grad = g
+        opt.step()
+        result.append({"skipped": opt.skipped_steps - before[3], "kind": opt.step_kinds[-1],
+                       "x_unchanged": bool(torch.equal(p.detach(), before[0])),
+                       "state_unchanged": all(torch.equal(v, before[1][k]) for k, v in group["slots"].items())
+                       and dict(group["scalars"]) == before[2]})
+    return result
+
+
+out["binsgdm_2x2_non_finite"] = binsgdm_hierarchical_non_finite()
 Path(sys.argv[1]).joinpath(f"rank{hvd.rank()}.json").write_text(json.dumps({"sums": out}))
