@@ -452,7 +452,9 @@ register("ddp_powersgd", ddp_setup("powersgd"),
 
 
 # --- hvd_quant compressors through hvd_quant.torch.DistributedOptimizer ------------------------
-def compressor_setup(config):
+def compressor_setup(config, chunk_mb=None):
+    """``config`` is ``name`` or ``name:opt=value,...``; ``chunk_mb`` turns on the
+    optimizer's chunk pipelining (``pipeline_chunk_mb``)."""
     name, _, opt_text = config.partition(":")
     options = dict(kv.split("=", 1) for kv in opt_text.split(",") if kv)
     touched = {"none": touched_ring_fp32, "fp16": touched_fp16, "ef_sign": touched_sign,
@@ -462,7 +464,8 @@ def compressor_setup(config):
     def setup(ctx):
         def make(params, named):
             return hq.DistributedOptimizer(sgd(params, ctx.args), named_parameters=named,
-                                           compression=hq.Compression.get(name, **options))
+                                           compression=hq.Compression.get(name, **options),
+                                           pipeline_chunk_mb=chunk_mb)
         step = optimizer_step(ctx, make, warmup=1, buffer_call="synchronize")
         if touched is not None:
             step.touched_bytes = touched(ctx.numel, ctx.size)
@@ -488,6 +491,13 @@ for _config in compressor_configs():
              doc=f"hvd_quant.torch.DistributedOptimizer(compression={_config}).synchronize() "
                  "(buffer) / .step() (model)")
 
+#: Chunk size of the pipelined rows (``pipeline_chunk_mb``).
+PIPELINE_CHUNK_MB = 4
+for _config in ("ef_sign", "global_qsgd"):
+    register(f"{_config}+pipelined", compressor_setup(_config, chunk_mb=PIPELINE_CHUNK_MB),
+             doc=f"the same with pipeline_chunk_mb={PIPELINE_CHUNK_MB}: chunk k+1 encoded while "
+                 "chunk k is on the wire")
+
 
 # --- the 1-bit compressed allreduce and the 1-bit optimizers -----------------------------------
 def onebit_allreduce_setup(ctx):
@@ -500,9 +510,11 @@ def onebit_allreduce_setup(ctx):
     g = ctx.weight.grad.reshape(-1)
 
     def run():
+        # Decoded straight into the gradient (out=g), as hvd_quant's optimizer does.
         out, state["we"], state["se"], _ = compressed_allreduce(B, comm, g, state["we"], state["se"],
-                                                                "bench.onebit")
-        g.copy_(out)
+                                                                "bench.onebit", out=g)
+        if out.data_ptr() != g.data_ptr():  # padded buffers decode into one of their own
+            g.copy_(out)
     return Step(run=run, prepare=ctx.restore_grad, bytes_counter=lambda: comm.meter.bytes_sent,
                 touched_bytes=touched_onebit(d, n))
 
