@@ -37,10 +37,10 @@ def job(request, tmp_path_factory):
     return {"size": n, "k": k, "ranks": load_rank_results(out, n)}
 
 
-def oracle(name, n, k, drop_rank=None, mask=None, mask_from=0, lrs=None, final_sync=False, **extra):
-    """The same steps on the numpy oracle. ``mask`` applies from step ``mask_from`` on (a
-    mask of ones before); ``lrs``: the learning rate of each step (default cases.lr);
-    ``final_sync``: 0/1 Adam's final sync after the last step."""
+def oracle(name, n, k, drop_rank=None, mask=None, lrs=None, final_sync=False, **extra):
+    """The same steps on the numpy oracle. ``mask``: exp_avg_mask; ``lrs``: the learning
+    rate of each step (default cases.lr); ``final_sync``: 0/1 Adam's final sync after the
+    last step; ``extra``: more rule options."""
     rules = {"onebit_adam": lambda: OnebitAdamRule(**cases.CONFIGS["onebit_adam"], **extra),
              "zero_one_adam": lambda: ZeroOneAdamRule(**cases.CONFIGS["zero_one_adam"], **extra),
              "binsgdm": lambda: BinSGDMRule(ranks_per_node=k)}
@@ -48,15 +48,13 @@ def oracle(name, n, k, drop_rank=None, mask=None, mask_from=0, lrs=None, final_s
     lrs = lrs or [cases.lr(s) for s in range(cases.STEPS)]
 
     def body(comm):
-        opt = OracleOptimizer(rules[name](), cases.initial_params(), comm, hp, counts=cases.COUNTS)
+        opt = OracleOptimizer(rules[name](), cases.initial_params(), comm, hp, counts=cases.COUNTS, mask=mask)
         opt.gammas = []
         for s in range(cases.STEPS):
             g = cases.grad(comm.rank, s)
             if drop_rank == comm.rank and s == 3:  # parameter p1 had no gradient
                 g = g.copy()
                 g[91:120] = 0.0
-            if mask is not None:
-                opt.mask = mask if s >= mask_from else np.ones(cases.NUMEL, np.float32)
             opt.step(g, lrs[s])
             opt.gammas.append(opt.state.scalars.get("lrs"))
         if final_sync:
@@ -182,13 +180,14 @@ def test_deepspeed_only_arguments_are_accepted_with_a_warning(job):
     assert "pass lr= by keyword" in got["engine_as_lr"]
 
 
-@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
-def test_param_groups_with_their_own_lr_under_lambda_lr(job, name):
+def test_param_groups_with_their_own_lr_under_lambda_lr(job):
     """Two groups with different base learning rates under ``LambdaLR``: each step uses
     base * factor, each group equals its oracle, and 0/1 Adam's Γ follows the group's
-    learning rates exactly (float64, as DeepSpeed's Python float)."""
+    learning rates exactly (float64, as DeepSpeed's Python float). 1-bit Adam's groups:
+    tests/test_onebit_optimizers.py (oracle against DeepSpeed's transcription)."""
     if job["k"]:
         pytest.skip("checked in the flat jobs")
+    name = "zero_one_adam"
     expected = oracle_groups(name, job["size"])
     bounds = np.cumsum([0] + cases.COUNTS)
     for rank in job["ranks"]:
@@ -201,56 +200,41 @@ def test_param_groups_with_their_own_lr_under_lambda_lr(job, name):
             part = np.concatenate([x[bounds[i]:bounds[i + 1]] for i in idx])
             np.testing.assert_allclose(part, opts[g].x, rtol=1e-5, atol=1e-6)
         assert got["kinds"] == opts[0].state.kinds
-        if name == "zero_one_adam":
-            assert got["gammas"] == gammas
-            assert "local" in got["kinds"] or job["size"] == 1
-            assert max(gammas[1]) > 0 and gammas[1][-1] > 0  # ends between syncs
-            ratio = [a / b for a, b in zip(gammas[0], gammas[1]) if b]
-            assert ratio == pytest.approx([cases.GROUP_LRS[0] / cases.GROUP_LRS[1]] * len(ratio))
-    if name == "onebit_adam":  # synchronised every step: ranks agree bit for bit
-        xs = [np.float32(r[f"groups/{name}"]["x"]) for r in job["ranks"]]
-        for x in xs[1:]:
-            np.testing.assert_array_equal(x, xs[0])
-
-
-@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
-def test_exp_avg_mask_in_param_groups(job, name):
-    if job["k"]:
-        pytest.skip("checked in the flat jobs")
-    expected = oracle(name, job["size"], None, mask=cases.mask())
-    unmasked = oracle(name, job["size"], None)
-    for rank in job["ranks"]:
-        x = np.float32(_ok(rank[f"mask/{name}"])["x"])
-        np.testing.assert_allclose(x, expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
-        if job["size"] > 1:  # the mask multiplies 1-bit results: none with one rank
-            assert not np.allclose(x, unmasked[rank["rank"]].x, rtol=1e-3)
+        assert got["gammas"] == gammas
+        assert "local" in got["kinds"] or job["size"] == 1
+        assert max(gammas[1]) > 0 and gammas[1][-1] > 0  # ends between syncs
+        ratio = [a / b for a, b in zip(gammas[0], gammas[1]) if b]
+        assert ratio == pytest.approx([cases.GROUP_LRS[0] / cases.GROUP_LRS[1]] * len(ratio))
 
 
 def test_load_state_dict_keeps_the_scripts_mask(job):
     """DeepSpeed's load_state_dict: the optimizer's own exp_avg_mask stays, a checkpoint's
-    is dropped when the optimizer has none; the caller's state dict is not modified."""
+    is dropped when the optimizer has none; the caller's state dict is not modified. (That
+    step() uses param_groups' mask: test_final_sync_ends_with_one_model.)"""
     if job["k"]:
         pytest.skip("checked in the flat jobs")
-    expected = oracle("zero_one_adam", job["size"], None, mask=cases.mask(), mask_from=5)
     for rank in job["ranks"]:
         got = _ok(rank["mask_checkpoint"])
         assert got["kept"] and got["dropped"] and got["checkpoint_unchanged"]
-        np.testing.assert_allclose(np.float32(got["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
 
 
 def test_final_sync_ends_with_one_model(job):
-    """0/1 Adam with exact_sync stopped between syncs: ranks differ; final_sync runs the
-    sync once (collectives, bytes, a round), equals the oracle's, and leaves every rank
-    with the same parameters bit for bit; a second call does nothing."""
+    """0/1 Adam with exact_sync and param_groups[0]["exp_avg_mask"], stopped between
+    syncs: ranks differ; final_sync runs the sync once (collectives, bytes, a round),
+    equals the oracle's with the same mask, and leaves every rank with the same
+    parameters bit for bit; a second call does nothing."""
     if job["k"]:
         pytest.skip("checked in the flat jobs")
     n = job["size"]
-    expected = oracle("zero_one_adam", n, None, exact_sync=True, final_sync=True)
+    expected = oracle("zero_one_adam", n, None, exact_sync=True, final_sync=True, mask=cases.mask())
+    unmasked = oracle("zero_one_adam", n, None, exact_sync=True, final_sync=True)
     assert expected[0].state.kinds[-1] == "local" and expected[0].synced
     got = [_ok(r["final_sync"]) for r in job["ranks"]]
     rule = ZeroOneAdamRule(**cases.CONFIGS["zero_one_adam"])
     for rank, g in zip(job["ranks"], got):
         np.testing.assert_allclose(np.float32(g["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
+        if n > 1:  # the mask multiplies 1-bit results (none with one rank): it made a difference
+            assert not np.allclose(np.float32(g["x"]), unmasked[rank["rank"]].x, rtol=1e-3)
         assert g["synced"] is True and g["again"] is False and g["kinds_unchanged"] and g["gamma"] == 0.0
         assert g["calls"][1] == 0
         assert (g["calls"][0] > 0) == (n > 1) and g["rounds"] == int(n > 1)
@@ -349,27 +333,23 @@ def test_keras_gamma_follows_a_learning_rate_schedule(tf_job):
     assert differs
 
 
-def test_keras_exp_avg_mask(tf_job):
-    """Masks for p0 (by path) and p2 (by variable); p1 not named: ones."""
+def test_keras_final_sync_and_exp_avg_mask(tf_job):
+    """0/1 Adam with exact_sync and exp_avg_mask for p0 (by path) and p2 (by variable; p1
+    not named: ones), stopped between syncs: equal to the oracle with that mask, the mask
+    made a difference and is no optimizer variable (checkpoints never carry it, so the
+    constructor's mask stays, as DeepSpeed keeps the script's); final_sync syncs once and
+    leaves every rank with the same weights bit for bit; a second call does nothing."""
+    n = tf_job["size"]
     mask = cases.mask()
     mask[cases.COUNTS[0]:cases.COUNTS[0] + cases.COUNTS[1]] = 1.0
-    expected = oracle("zero_one_adam", tf_job["size"], None, mask=mask)
-    unmasked = oracle("zero_one_adam", tf_job["size"], None)
-    for rank in tf_job["ranks"]:
-        got = _ok(rank["mask"])
-        np.testing.assert_allclose(np.float32(got["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
-        assert not np.allclose(np.float32(got["x"]), unmasked[rank["rank"]].x, rtol=1e-3)
-        # Not optimizer state: a checkpoint never carries it, the constructor's mask stays.
-        assert not any("mask" in path for path in got["optimizer_variables"])
-
-
-def test_keras_final_sync_ends_with_one_model(tf_job):
-    n = tf_job["size"]
-    expected = oracle("zero_one_adam", n, None, exact_sync=True, final_sync=True)
+    expected = oracle("zero_one_adam", n, None, exact_sync=True, final_sync=True, mask=mask)
+    unmasked = oracle("zero_one_adam", n, None, exact_sync=True, final_sync=True)
     got = [_ok(r["final_sync"]) for r in tf_job["ranks"]]
     rule = ZeroOneAdamRule(**cases.CONFIGS["zero_one_adam"])
     for rank, g in zip(tf_job["ranks"], got):
         np.testing.assert_allclose(np.float32(g["x"]), expected[rank["rank"]].x, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(np.float32(g["x"]), unmasked[rank["rank"]].x, rtol=1e-3)
+        assert not any("mask" in path for path in g["optimizer_variables"])
         assert g["synced"] is True and g["again"] is False and g["kinds_unchanged"] and g["gamma"] == 0.0
         assert g["calls"][0] > 0 and g["calls"][1] == 0 and g["rounds"] == 1
         assert g["bytes"] == pytest.approx(rule.wire_bytes("onebit", cases.COUNTS, n))

@@ -25,9 +25,9 @@ to a mask of that variable's shape, or a list of ``(variable, mask)`` pairs; the
 results are multiplied by it (variables not named: ones), as DeepSpeed multiplies by a
 param group's mask. 1-bit compression cannot represent exact zeros, so elements whose
 momentum should stay zero (embedding rows that never occur) accumulate compression error
-unless masked with 0. The mask is not optimizer state: it is never saved, and a restored
-optimizer uses the mask it was constructed with, as DeepSpeed's ``load_state_dict``
-keeps the training script's mask over the checkpoint's.
+unless masked with 0. The mask is not optimizer state: it is never saved (nor in
+``get_config``), and a restored optimizer uses the mask it was constructed with, as
+DeepSpeed's ``load_state_dict`` keeps the training script's mask over the checkpoint's.
 
 0/1 Adam's ranks hold different parameters between syncs (local steps):
 :meth:`ZeroOneAdam.final_sync`, or ``hvd_quant.tensorflow.callbacks.FinalSyncCallback`` in
