@@ -203,49 +203,80 @@ def optimizer_rules_sweep():
     return out
 
 
+def bad_steps(opt, g, values):
+    """Step ``opt`` once per value in ``values`` with ``g``, whose element 11 holds that
+    value on the last rank; what each step did (its kind, skip, and changes)."""
+    records = []
+    for bad in values:
+        x, slots, scalars, skipped = opt.x(), opt.slots(), opt.scalars(), opt.skipped()
+        poisoned = g.copy()
+        if RANK == SIZE - 1:
+            poisoned[11] = bad
+        opt.step(poisoned)
+        after = opt.slots()
+        records.append({
+            "kind": opt.kind(), "frozen_before": scalars.get("frozen"),
+            "skipped": opt.skipped() - skipped, "x_finite": bool(np.isfinite(opt.x()).all()),
+            "x_unchanged": bool(np.array_equal(opt.x(), x)),
+            "slots_unchanged": after.keys() == slots.keys() and all(
+                np.array_equal(after[k], slots[k]) for k in slots),
+            "scalars_before": scalars, "scalars_after": opt.scalars()})
+    return records
+
+
+def after_step(opt):
+    return {"kind": opt.kind(), "finite": bool(np.isfinite(opt.x()).all()),
+            "momentum": digest([opt.slots()["exp_avg"]]), "scalars": opt.scalars()}
+
+
 def optimizer_non_finite_sweep():
     """The last rank's gradient holds inf, -inf or NaN in one element at one step of each
-    1-bit optimizer's phases (test_fault_sweep.OPTIMIZER_FAULTS). Each rank records the
-    bad step's kind, what it skipped and changed, and how the run went on: the same
-    optimizer with the step left out ("clean") and, for 0/1 Adam's local step, the sync
-    that follows it."""
+    1-bit optimizer's phases (test_fault_sweep.OPTIMIZER_FAULTS). Each rank records, per
+    bad step, its kind and what it skipped and changed (:func:`bad_steps`), the step
+    after it, and whether the run ends like the same optimizer without the bad steps.
+
+    A skipped step with a collective leaves the schedule where it was, so one run takes
+    the three bad gradients in a row; a bad local step advances the schedule, so each
+    bad value gets its own run there. TensorFlow also runs every step through one
+    ``tf.function`` (``tf.cond`` instead of Python branches); tracing costs seconds, so
+    there one run per optimizer visits all of its cases, the local step with NaN only."""
     out, d = {}, 37
     grads = [(np.random.default_rng(1000 * RANK + s).standard_normal(d) * 0.1).astype(np.float32)
              for s in range(12)]
     x0 = np.linspace(-1.0, 1.0, d, dtype=np.float32)
-    for case, name, options, where, _, _ in OPTIMIZER_FAULTS:
+    values = (np.inf, -np.inf, np.nan)
+    for case, name, options, where, kind, _ in OPTIMIZER_FAULTS:
         label = {"binsgdm": "binsgdm_flat"}.get(name, name)
-        steps = where + 3
+        steps = where + 2
         clean = Stepper(label, x0, **options)
         for s in range(steps):
             clean.step(grads[s])
-        runs = [(str(bad), bad, False) for bad in (np.inf, -np.inf, np.nan)]
-        if FRAMEWORK == "tf":  # the compiled step (tf.cond) once, with a NaN
-            runs.append(("graph-nan", np.nan, True))
-        for tag, bad, graph in runs:
-            opt = Stepper(label, x0, graph=graph, **options)
+        for group in [values] if kind != "local" else [(bad,) for bad in values]:
+            opt = Stepper(label, x0, **options)
             for s in range(where):
                 opt.step(grads[s])
-            x, slots, scalars, skipped = opt.x(), opt.slots(), opt.scalars(), opt.skipped()
-            g = grads[where].copy()
-            if RANK == SIZE - 1:
-                g[11] = bad
-            opt.step(g)  # an extra step: the clean gradients follow it unchanged
-            after = opt.slots()
-            r = {"kind": opt.kind(), "frozen_before": scalars.get("frozen"),
-                 "skipped": opt.skipped() - skipped, "x_finite": bool(np.isfinite(opt.x()).all()),
-                 "x_unchanged": bool(np.array_equal(opt.x(), x)),
-                 "slots_unchanged": after.keys() == slots.keys() and all(
-                     np.array_equal(after[k], slots[k]) for k in slots),
-                 "scalars_before": scalars, "scalars_after": opt.scalars()}
+            run = {"bad": bad_steps(opt, grads[where], group)}  # the clean gradients follow
             opt.step(grads[where])
-            r["next"] = {"kind": opt.kind(), "finite": bool(np.isfinite(opt.x()).all()),
-                         "momentum": digest([opt.slots()["exp_avg"]]), "scalars": opt.scalars()}
+            run["next"] = after_step(opt)
             for s in range(where + 1, steps):
                 opt.step(grads[s])
-            r["same_as_clean"] = bool(np.array_equal(opt.x(), clean.x())) and all(
+            run["same_as_clean"] = bool(np.array_equal(opt.x(), clean.x())) and all(
                 np.array_equal(v, clean.slots()[k]) for k, v in opt.slots().items())
-            out[f"{case}/{tag}"] = r
+            out[f"{case}/eager/{'+'.join(map(str, group))}"] = run
+    if FRAMEWORK == "tf":
+        for name in dict.fromkeys(c[1] for c in OPTIMIZER_FAULTS):
+            cases = [c for c in OPTIMIZER_FAULTS if c[1] == name]  # in step order
+            options = cases[0][2]
+            assert all(c[2] == options for c in cases)
+            opt = Stepper({"binsgdm": "binsgdm_flat"}.get(name, name), x0, graph=True, **options)
+            for s in range(cases[-1][3] + 1):
+                case = next((c for c in cases if c[3] == s), None)
+                group = () if case is None else (np.nan,) if case[4] == "local" else values
+                records = bad_steps(opt, grads[s], group)
+                opt.step(grads[s])
+                if case is not None:
+                    out[f"{case[0]}/graph/{'+'.join(map(str, group))}"] = {
+                        "bad": records, "next": after_step(opt)}
     return out
 
 
