@@ -250,6 +250,30 @@ def test_adam_family_primitives_are_bit_exact(d, wd, threads):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_in_place_updates_equal_fresh_ones(d, wd, threads):
+    """The optimizers write kept steps over their inputs (parameters, moments, the 0/1
+    Adam accumulator): the in-place kernels give the fresh ones' bits."""
+    x, m, v, u, w = _adam_inputs(d)
+    k = kernels.cpu_module()
+    a = m.copy()
+    np.testing.assert_array_equal(k.ema(a, x, 0.9, in_place=True), k.ema(m, x, 0.9))
+    np.testing.assert_array_equal(a, k.ema(m, x, 0.9))
+    y = x.copy()
+    assert k.descend(y, w, 1e-3, wd, in_place=True) is y
+    np.testing.assert_array_equal(y, k.descend(x, w, 1e-3, wd))
+    want_x, want_u = k.adam_descend(x, m, v, 1e-3, 1e-6, wd, u)
+    y, acc = x.copy(), u.copy()
+    got_x, got_u = k.adam_descend(y, m, v, 1e-3, 1e-6, wd, acc, x_out=y, acc_out=acc)
+    assert got_x is y and got_u is acc
+    np.testing.assert_array_equal(y, want_x)
+    np.testing.assert_array_equal(acc, want_u)
+    y = x.copy()
+    k.adam_descend(y, m, v, 3e-3, 1e-8, wd, x_out=y)
+    np.testing.assert_array_equal(y, k.adam_descend(x, m, v, 3e-3, 1e-8, wd)[0])
+
+
 def test_adam_family_primitives_match_the_torch_generic_path(monkeypatch):
     """The kernels against torch's own float32 expressions (Python scalars included):
     equal, except where torch's CPU ``sqrt``, which is not correctly rounded (one ulp

@@ -132,8 +132,12 @@ def warm_up():
     k.ema(x, x, 0.9)
     k.ema(v, x, 0.999, square=True)
     k.descend(x, x, 0.1, 0.0)
+    k.descend(x.copy(), x, 0.1, 0.0, in_place=True)
     for acc in (None, x.copy()):
         k.adam_descend(x, x, v, 0.1, 1e-8, 0.0, acc)
+        y = x.copy()
+        k.adam_descend(y, x, v, 0.1, 1e-8, 0.0, acc, x_out=y, acc_out=acc)  # in place
+    k.ema(x.copy(), x, 0.9, in_place=True)
     k.zero_one_sync_result(x, k.precondition(x, v, 1e-8), x, v, 1e-8, 0.1)
     k.zero_one_sync_result(x, None, x, v, 1e-8, 0.1)
     return time.perf_counter() - start

@@ -655,8 +655,19 @@ def _ema(avg, value, beta, rest, square, out):
         out[i] = avg[i] * beta + v * rest
 
 
-def ema(avg, value, beta, square=False):
-    """``elementwise.ema``: ``avg * beta + value * (1 - beta)`` (``value**2`` if square)."""
+@njit(parallel=True, **_OPTS)
+def _ema_in_place(avg, value, beta, rest, square):
+    for i in prange(avg.size):
+        v = value[i] * value[i] if square else value[i]
+        avg[i] = avg[i] * beta + v * rest
+
+
+def ema(avg, value, beta, square=False, in_place=False):
+    """``elementwise.ema``: ``avg * beta + value * (1 - beta)`` (``value**2`` if square),
+    into ``avg`` itself when ``in_place``."""
+    if in_place:
+        _ema_in_place(avg, value, np.float32(beta), np.float32(1.0 - beta), square)
+        return avg
     out = np.empty_like(avg)
     _ema(avg, value, np.float32(beta), np.float32(1.0 - beta), square, out)
     return out
@@ -669,8 +680,19 @@ def _descend(x, step, lr, wd, has_wd, out):
         out[i] = x[i] - s * lr
 
 
-def descend(x, step, lr, weight_decay):
-    """``elementwise.descend``: ``x - lr * (step + weight_decay * x)``."""
+@njit(parallel=True, **_OPTS)
+def _descend_in_place(x, step, lr, wd, has_wd):
+    for i in prange(x.size):
+        s = step[i] + x[i] * wd if has_wd else step[i]
+        x[i] = x[i] - s * lr
+
+
+def descend(x, step, lr, weight_decay, in_place=False):
+    """``elementwise.descend``: ``x - lr * (step + weight_decay * x)``, into ``x`` itself
+    when ``in_place``."""
+    if in_place:
+        _descend_in_place(x, step, np.float32(lr), np.float32(weight_decay), weight_decay > 0.0)
+        return x
     out = np.empty_like(x)
     _descend(x, step, np.float32(lr), np.float32(weight_decay), weight_decay > 0.0, out)
     return out
@@ -689,13 +711,40 @@ def _adam_descend(x, m, v, lr, eps, wd, has_wd, acc, x_out, acc_out):
             acc_out[i] = acc[i] - delta
 
 
-def adam_descend(x, m, v, lr, eps, weight_decay, acc=None):
+@njit(parallel=True, **_OPTS)
+def _adam_descend_in_place(x, m, v, lr, eps, wd, has_wd, acc):
+    # x (and acc) read and written through the same array: LLVM then knows the store
+    # does not feed a later load and vectorizes; distinct in/out arrays that happen to
+    # share memory would fail its run-time overlap check and run scalar.
+    has_acc = acc.size > 0
+    for i in prange(x.size):
+        upd = m[i] / (np.sqrt(v[i]) + eps)
+        if has_wd:
+            upd = upd + x[i] * wd
+        delta = upd * lr
+        x[i] = x[i] - delta
+        if has_acc:
+            acc[i] = acc[i] - delta
+
+
+def _same(a, b):
+    return a.size == b.size and a.ctypes.data == b.ctypes.data
+
+
+def adam_descend(x, m, v, lr, eps, weight_decay, acc=None, x_out=None, acc_out=None):
     """``elementwise.adam_descend``: ``(x - delta, acc - delta)`` (``acc``'s part empty
-    when it is None) with ``delta = lr * (m / (sqrt(v) + eps) + weight_decay * x)``."""
-    x_out = np.empty_like(x)
-    acc_out = np.empty_like(x) if acc is not None else np.empty(0, np.float32)
-    _adam_descend(x, m, v, np.float32(lr), np.float32(eps), np.float32(weight_decay),
-                  weight_decay > 0.0, np.empty(0, np.float32) if acc is None else acc, x_out, acc_out)
+    when it is None) with ``delta = lr * (m / (sqrt(v) + eps) + weight_decay * x)``,
+    written into ``x_out`` / ``acc_out`` when given: in place when they are ``x`` / ``acc``
+    themselves (both, when ``acc`` is given)."""
+    args = (np.float32(lr), np.float32(eps), np.float32(weight_decay), weight_decay > 0.0)
+    empty = np.empty(0, np.float32)
+    if (x_out is not None and _same(x_out, x)
+            and (acc is None or (acc_out is not None and _same(acc_out, acc)))):
+        _adam_descend_in_place(x, m, v, *args, empty if acc is None else acc)
+        return x, (empty if acc is None else acc)
+    x_out = np.empty_like(x) if x_out is None else x_out
+    acc_out = (np.empty_like(x) if acc_out is None else acc_out) if acc is not None else empty
+    _adam_descend(x, m, v, *args, empty if acc is None else acc, x_out, acc_out)
     return x_out, acc_out
 
 

@@ -110,13 +110,25 @@ class StepContext:
     counts : list of int
         Sizes of the group's tensors, in the order they are concatenated in ``x`` and
         ``g`` (default: one tensor).
+    x_writable : bool
+        True when the rule may write the new parameters into ``x`` itself (the torch
+        optimizer's flat view of a parameter) instead of a fresh buffer, on a step that
+        updates them: :meth:`into_x` says where. The rule must still return them.
     """
 
-    def __init__(self, B, comm, state, g, x, lr, hp, name, rng=None, mask=None, counts=None):
+    def __init__(self, B, comm, state, g, x, lr, hp, name, rng=None, mask=None, counts=None,
+                 x_writable=False):
         self.B, self.comm, self.state = B, comm, state
         self.g, self.x, self.lr, self.hp = g, x, lr, hp
         self.name, self.rng, self.mask = name, rng, mask
         self.counts = [B.numel(x)] if counts is None else [int(c) for c in counts]
+        self.x_writable = bool(x_writable)
+
+    def into_x(self, ok):
+        """Where a step whose verdict is ``ok`` may write its new parameters: ``x`` when
+        it is writable and the step is kept (a skipped step must leave ``x`` as it
+        was), else None (a fresh buffer)."""
+        return self.x if self.x_writable and bool(ok) else None
 
     def collective_name(self, phase):
         return f"hvd_quant.{self.name}.{phase}"
@@ -209,6 +221,15 @@ def compressed_counts(scales, counts):
     return counts if scales == "tensor" else [sum(counts)]
 
 
+def same_memory(a, b):
+    """True when the torch tensors ``a`` and ``b`` are views of the same elements (an
+    in-place kernel returns a new tensor object over its output's memory): copying one
+    onto the other would move 2 bytes per byte for nothing."""
+    ptr = getattr(a, "data_ptr", None)
+    return (ptr is not None and hasattr(b, "data_ptr") and a.data_ptr() == b.data_ptr()
+            and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride())
+
+
 def keep_if(B, ok, new, old):
     """``new`` if ``ok`` else ``old`` (a tensor; eagerly a Python branch)."""
     return B.cond(ok, lambda: new, lambda: old)
@@ -264,7 +285,7 @@ class EagerGroupState(GroupState):
     def set_slot(self, name, value):
         current = self.slots[name]
         if self.in_place:
-            if value is not current:
+            if value is not current and not same_memory(value, current):
                 current.copy_(value)
         else:
             self.slots[name] = value

@@ -114,6 +114,7 @@ class BinSGDMRule(Rule):
             st.count("local", 0.0)
         st.commit(ok, {"exp_avg": m, "exp_avg_abs": b},
                   {"step": st.scalar("step") + 1, "draws": calls + 2})
-        # x - lr * (q_bar + weight_decay * x)
-        return keep_if(B, ok, descend(B, ctx.x, q_bar, ctx.lr, ctx.hp["weight_decay"]), ctx.x)
+        # x - lr * (q_bar + weight_decay * x), into the parameters where the adapter allows
+        return keep_if(B, ok, descend(B, ctx.x, q_bar, ctx.lr, ctx.hp["weight_decay"],
+                                      into=ctx.into_x(ok)), ctx.x)
 

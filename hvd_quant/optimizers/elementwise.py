@@ -13,32 +13,35 @@ Formulas follow DeepSpeed's ``runtime/fp16/onebit/adam.py`` and ``zoadam.py`` (s
 """
 
 
-def ema(B, avg, value, beta, square=False):
+def ema(B, avg, value, beta, square=False, in_place=False):
     """``avg * beta + value * (1 - beta)`` (``value * value`` in place of ``value`` when
-    ``square``): Adam's moment updates. Fused primitive ``ema``."""
+    ``square``): Adam's moment updates. Fused primitive ``ema``; ``in_place`` lets it
+    write into ``avg`` itself (the generic path returns a new tensor either way)."""
     fast = B.kernel("ema", avg, value)
     if fast is not None:
-        return fast(avg, value, float(beta), square)
+        return fast(avg, value, float(beta), square, in_place)
     if square:
         value = value * value
     return avg * beta + value * (1.0 - beta)
 
 
-def descend(B, x, step, lr, weight_decay):
+def descend(B, x, step, lr, weight_decay, into=None):
     """``x - lr * (step + weight_decay * x)``: BinSGDM's update with its averaged signs as
-    ``step``. Fused primitive ``descend``."""
+    ``step``. Fused primitive ``descend`` (in place when ``into`` is ``x``; the generic
+    path returns a new tensor)."""
     fast = B.kernel("descend", x, step)
     if fast is not None:
-        return fast(x, step, float(lr), float(weight_decay))
+        return fast(x, step, float(lr), float(weight_decay), in_place=into is not None)
     if weight_decay > 0.0:
         step = step + x * weight_decay
     return x - step * lr
 
 
-def adam_descend(B, x, m, v, lr, eps, weight_decay, acc=None):
+def adam_descend(B, x, m, v, lr, eps, weight_decay, acc=None, into=None, acc_into=None):
     """``x - delta`` with Adam's ``delta = lr * (m / (sqrt(v) + eps) + weight_decay * x)``;
     with ``acc``, also ``acc - delta`` (0/1 Adam's momentum accumulator). Fused primitive
-    ``adam_descend``.
+    ``adam_descend``, which writes the results into ``into`` / ``acc_into`` when given
+    (they may be ``x`` / ``acc`` themselves; the generic path ignores them).
 
     Returns
     -------
@@ -46,7 +49,7 @@ def adam_descend(B, x, m, v, lr, eps, weight_decay, acc=None):
     """
     fast = B.kernel("adam_descend", x, m, v)
     if fast is not None:
-        out = fast(x, m, v, float(lr), float(eps), float(weight_decay), acc)
+        out = fast(x, m, v, float(lr), float(eps), float(weight_decay), acc, x_out=into, acc_out=acc_into)
         return out if acc is not None else out[0]
     upd = m / (B.sqrt(v) + eps)
     if weight_decay > 0.0:

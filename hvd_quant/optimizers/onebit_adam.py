@@ -90,10 +90,10 @@ class OnebitAdamRule(Rule):
         beta1, beta2 = ctx.hp["betas"]
         step = st.scalar("step") + 1
 
-        def compress(value):
+        def compress(value, into=None):
             out, worker, server, finite = compressed_allreduce(
                 B, comm, value, st.slot("worker_error"), st.slot("server_error"),
-                ctx.collective_name("momentum"), compressed_counts(self.scales, ctx.counts))
+                ctx.collective_name("momentum"), compressed_counts(self.scales, ctx.counts), out=into)
             # The error buffers are already left untouched on a non-finite step.
             st.commit(True, {"worker_error": worker, "server_error": server})
             return out, finite
@@ -110,8 +110,10 @@ class OnebitAdamRule(Rule):
             st.commit(True, {"exp_avg": masked(m)}, {"step": step, "initialized": 1})
             return ctx.x
 
-        def apply(m, v):
-            return adam_descend(B, ctx.x, m, v, ctx.lr, ctx.hp["eps"], ctx.hp["weight_decay"])
+        def apply(m, v, ok):
+            # Into the parameters themselves where the adapter allows and the step is kept.
+            return adam_descend(B, ctx.x, m, v, ctx.lr, ctx.hp["eps"], ctx.hp["weight_decay"],
+                                into=ctx.into_x(ok))
 
         def warm_up():
             g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
@@ -125,19 +127,19 @@ class OnebitAdamRule(Rule):
             # Compression starts after the step at which step >= freeze_step.
             st.commit(ok, {"exp_avg": m, "exp_avg_sq": v},
                       {"step": step, "frozen": B.select(step >= self.freeze_step, 1, 0)})
-            return keep_if(B, ok, apply(m, v), ctx.x)
+            return keep_if(B, ok, apply(m, v, ok), ctx.x)
 
         def compressed():
             m = ema(B, st.slot("exp_avg"), ctx.g, beta1)
             if n > 1:
-                m, ok = compress(m)
+                m, ok = compress(m, into=m)  # m is this step's own temporary
                 st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
             else:
                 ok = B.all_finite(m)
                 st.count("local", 0.0)
             m = masked(m)
             st.commit(ok, {"exp_avg": m}, {"step": step})
-            return keep_if(B, ok, apply(m, st.slot("exp_avg_sq")), ctx.x)
+            return keep_if(B, ok, apply(m, st.slot("exp_avg_sq"), ok), ctx.x)
 
         def train_step():
             return B.cond(st.scalar("frozen") > 0, compressed, warm_up)

@@ -173,8 +173,8 @@ class ZeroOneAdamRule(Rule):
         eps, wd = ctx.hp["eps"], ctx.hp["weight_decay"]
         step = st.scalar("step") + 1
 
-        def compress(value, phase):
-            return self._compress(ctx, value, phase)
+        def compress(value, phase, into=None):
+            return self._compress(ctx, value, phase, into)
 
         def initialisation():
             u = st.slot("momentum_accumulator")
@@ -207,7 +207,7 @@ class ZeroOneAdamRule(Rule):
             g, v, ok = B.cond(var_step, full_round, onebit_round)
             m = ema(B, st.slot("exp_avg"), g, beta1)
             # DeepSpeed's step: x - lr * (m / (sqrt(v) + eps) + weight_decay * x)
-            x = adam_descend(B, ctx.x, m, v, ctx.lr, eps, wd)
+            x = adam_descend(B, ctx.x, m, v, ctx.lr, eps, wd, into=ctx.into_x(ok))
             # Variance schedule: kappa full rounds per interval, then the interval doubles.
             count = B.select(var_step, st.scalar("var_counter") + 1, st.scalar("var_counter"))
             doubled = count == self.var_update_scaler
@@ -229,11 +229,18 @@ class ZeroOneAdamRule(Rule):
 
         # --- Phase B: local steps; every local_step_interval steps, a 1-bit sync.
         def phase_b():
-            m = ema(B, st.slot("exp_avg"), ctx.g, beta1)
             lrs = _plus_lr(B, st.scalar("lrs"), ctx.lr)  # DeepSpeed: state['lrs'] += group['lr']
-            # The same step as Phase A's; the accumulator collects it (u -= delta).
-            x, u = adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd,
-                                acc=st.slot("momentum_accumulator"))
+
+            def moment_and_step(in_place):
+                """The same step as Phase A's; the accumulator collects it (u -= delta).
+                ``in_place``: a local step that is kept writes m, x and u over the old
+                ones (no 100 MB temporaries), where the adapter allows it."""
+                into = ctx.into_x(in_place)
+                m = ema(B, st.slot("exp_avg"), ctx.g, beta1, in_place=into is not None)
+                acc = st.slot("momentum_accumulator")
+                x, u = adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd, acc=acc,
+                                    into=into, acc_into=acc if into is not None else None)
+                return m, x, u
             # Local-step schedule: the interval doubles every local_step_scaler steps, up
             # to local_step_clipper. It advances on every rank, finite or not, so that all
             # ranks agree on which step syncs.
@@ -247,6 +254,7 @@ class ZeroOneAdamRule(Rule):
             def local():
                 st.count("local", 0.0)
                 ok = B.all_finite(ctx.g)  # this rank's own: no collective on a local step
+                m, x, u = moment_and_step(ok)
                 # Gamma advances with the schedule on every rank: the sync divides the
                 # ranks' average by it, so all ranks keep the same momentum afterwards (a
                 # skipped local step counts as a zero update from that rank).
@@ -255,9 +263,10 @@ class ZeroOneAdamRule(Rule):
                 return keep_if(B, ok, x, ctx.x)
 
             def sync():
+                m, x, u = moment_and_step(False)
                 w = precondition(B, u, st.slot("exp_avg_sq"), eps)  # u * (sqrt(v) + eps)
                 if n > 1:
-                    w, ok = compress(w, "sync")
+                    w, ok = compress(w, "sync", into=w)  # w is this step's own temporary
                     st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
                 else:
                     ok = B.all_finite(w)
@@ -283,13 +292,13 @@ class ZeroOneAdamRule(Rule):
 
         return B.cond(st.scalar("initialized") > 0, train_step, initialisation)
 
-    def _compress(self, ctx, value, phase):
-        """DeepSpeed's ``compressed_allreduce`` of ``value`` with the group's error buffers,
-        then ``exp_avg_mask``: ``(average, finite)``."""
+    def _compress(self, ctx, value, phase, into=None):
+        """DeepSpeed's ``compressed_allreduce`` of ``value`` with the group's error buffers
+        (decoded into ``into`` where possible), then ``exp_avg_mask``: ``(average, finite)``."""
         B, st = ctx.B, ctx.state
         out, worker, server, finite = compressed_allreduce(
             B, ctx.comm, value, st.slot("worker_error"), st.slot("server_error"),
-            ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts))
+            ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts), out=into)
         # The error buffers are already left untouched on a non-finite step.
         st.commit(True, {"worker_error": worker, "server_error": server})
         return (out * ctx.mask if ctx.mask is not None else out), finite

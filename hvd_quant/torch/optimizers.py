@@ -63,7 +63,8 @@ import horovod.torch as hvd
 from ..core.runner import RankDisagreement, check_agreement, digest63
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..core.hierarchical import ranks_per_node_of
-from ..optimizers.base import EagerGroupState, StepContext, adam_hyperparameters, initial_state
+from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
+                               same_memory)
 from ..optimizers.binsgdm import single_beta
 from .backend import TorchBackend
 from .comm import HorovodTorchComm
@@ -182,9 +183,11 @@ class RuleOptimizer(torch.optim.Optimizer):
             before_kinds, before_bytes, before_skips = len(st.kinds), st.bytes_sent, st.skipped
             g = _flat_grads(group["params"], inv_scale)
             x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
+            # x is the parameter's own memory (one float32 tensor), the master copy, or a
+            # concatenation of ours: the rule may write a kept step's result into it.
             ctx = StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group),
                               f"opt.g{gi}", mask=_group_mask(group, gi),
-                              counts=[p.numel() for p in group["params"]])
+                              counts=[p.numel() for p in group["params"]], x_writable=True)
             new_x = self._rule.step(ctx)
             if "master" in st.slots:
                 st.set_slot("master", new_x)
@@ -524,7 +527,9 @@ def _write_back(params, flat):
     offset = 0
     for p in params:
         n = p.numel()
-        p.copy_(flat[offset:offset + n].view_as(p))
+        value = flat[offset:offset + n].view_as(p)
+        if not same_memory(value, p):  # else the rule already wrote the parameter itself
+            p.copy_(value)
         offset += n
 
 
