@@ -1,4 +1,21 @@
+import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="module")
+def can_run():
+    """Skip (or fail under HVD_QUANT_REQUIRE_CLUSTER=1, as CI sets it) where no emulated
+    cluster (network namespaces, veth, tc) can be built on this machine."""
+    from hvd_quant.cluster import netns
+
+    problems, _ = netns.probe()
+    if problems:
+        message = "emulated cluster unavailable: " + "; ".join(problems)
+        if os.environ.get("HVD_QUANT_REQUIRE_CLUSTER") == "1":
+            pytest.fail(message)
+        pytest.skip(message)

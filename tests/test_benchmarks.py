@@ -81,19 +81,6 @@ def test_powersgd_byte_model_follows_its_compression_rule():
     assert cluster_worker.powersgd_bytes([(6, 6)], 4, n) == pytest.approx(ring * 36)
 
 
-@pytest.fixture(scope="module")
-def can_run():
-    """Skip (or fail under HVD_QUANT_REQUIRE_CLUSTER=1) where no cluster can be built."""
-    from hvd_quant.cluster import netns
-
-    problems, _ = netns.probe()
-    if problems:
-        message = "emulated cluster unavailable: " + "; ".join(problems)
-        if os.environ.get("HVD_QUANT_REQUIRE_CLUSTER") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_cluster_benchmark_end_to_end(can_run, tmp_path):

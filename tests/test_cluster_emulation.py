@@ -24,17 +24,6 @@ PY = sys.executable
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module")
-def can_run():
-    """Skip (or fail under HVD_QUANT_REQUIRE_CLUSTER=1) where no cluster can be built."""
-    problems, _ = netns.probe()
-    if problems:
-        message = "emulated cluster unavailable: " + "; ".join(problems)
-        if os.environ.get("HVD_QUANT_REQUIRE_CLUSTER") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 def leftovers(prefix):
     """Namespaces, /etc/netns directories and state files of ``prefix`` still present."""
     found = [ns for ns in netns.list_namespaces() if ns.startswith(prefix)]

@@ -698,14 +698,19 @@ def descend(x, step, lr, weight_decay, in_place=False):
     return out
 
 
+@njit(inline="always", **_OPTS)
+def _adam_delta(x, m, v, lr, eps, wd, has_wd):
+    upd = m / (np.sqrt(v) + eps)
+    if has_wd:
+        upd = upd + x * wd
+    return upd * lr
+
+
 @njit(parallel=True, **_OPTS)
 def _adam_descend(x, m, v, lr, eps, wd, has_wd, acc, x_out, acc_out):
     has_acc = acc.size > 0
     for i in prange(x.size):
-        upd = m[i] / (np.sqrt(v[i]) + eps)
-        if has_wd:
-            upd = upd + x[i] * wd
-        delta = upd * lr
+        delta = _adam_delta(x[i], m[i], v[i], lr, eps, wd, has_wd)
         x_out[i] = x[i] - delta
         if has_acc:
             acc_out[i] = acc[i] - delta
@@ -718,10 +723,7 @@ def _adam_descend_in_place(x, m, v, lr, eps, wd, has_wd, acc):
     # share memory would fail its run-time overlap check and run scalar.
     has_acc = acc.size > 0
     for i in prange(x.size):
-        upd = m[i] / (np.sqrt(v[i]) + eps)
-        if has_wd:
-            upd = upd + x[i] * wd
-        delta = upd * lr
+        delta = _adam_delta(x[i], m[i], v[i], lr, eps, wd, has_wd)
         x[i] = x[i] - delta
         if has_acc:
             acc[i] = acc[i] - delta

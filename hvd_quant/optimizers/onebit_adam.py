@@ -86,7 +86,7 @@ class OnebitAdamRule(Rule):
 
     def step(self, ctx):
         B, st, comm = ctx.B, ctx.state, ctx.comm
-        n, d = comm.size, B.numel(ctx.x)
+        n = comm.size
         beta1, beta2 = ctx.hp["betas"]
         step = st.scalar("step") + 1
 
