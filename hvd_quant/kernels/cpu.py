@@ -634,11 +634,13 @@ def _binsgdm_encode(g, m, b, beta, one_minus_beta, key, m_out, b_out, bits):
         bits[d // 8] = np.uint8(v)
 
 
-def binsgdm_encode(g, m, b, beta, key):
-    """``binsgdm.binary_randomize``: the new momentum and |g| average (fresh arrays: the
-    caller stores them only if the step is finite everywhere) and the packed bits of
-    ``q = +1`` with probability ``(1 + m/b) / 2``."""
-    m_out, b_out = np.empty_like(g), np.empty_like(g)
+def binsgdm_encode(g, m, b, beta, key, m_out=None, b_out=None):
+    """``binsgdm.binary_randomize``: the new momentum and |g| average (new arrays, or
+    ``m_out`` / ``b_out``, never ``m`` / ``b`` themselves: the caller stores them only if
+    the step is finite everywhere) and the packed bits of ``q = +1`` with probability
+    ``(1 + m/b) / 2``."""
+    m_out = np.empty_like(g) if m_out is None else m_out
+    b_out = np.empty_like(g) if b_out is None else b_out
     bits = np.empty((g.size + 7) // 8, np.uint8)
     _binsgdm_encode(g, m, b, np.float32(beta), np.float32(1.0 - beta), key, m_out, b_out, bits)
     return m_out, b_out, bits
@@ -662,13 +664,13 @@ def _ema_in_place(avg, value, beta, rest, square):
         avg[i] = avg[i] * beta + v * rest
 
 
-def ema(avg, value, beta, square=False, in_place=False):
+def ema(avg, value, beta, square=False, in_place=False, out=None):
     """``elementwise.ema``: ``avg * beta + value * (1 - beta)`` (``value**2`` if square),
-    into ``avg`` itself when ``in_place``."""
+    into ``avg`` itself when ``in_place``, else into ``out`` (or a fresh array)."""
     if in_place:
         _ema_in_place(avg, value, np.float32(beta), np.float32(1.0 - beta), square)
         return avg
-    out = np.empty_like(avg)
+    out = np.empty_like(avg) if out is None else out
     _ema(avg, value, np.float32(beta), np.float32(1.0 - beta), square, out)
     return out
 
@@ -687,13 +689,13 @@ def _descend_in_place(x, step, lr, wd, has_wd):
         x[i] = x[i] - s * lr
 
 
-def descend(x, step, lr, weight_decay, in_place=False):
+def descend(x, step, lr, weight_decay, in_place=False, out=None):
     """``elementwise.descend``: ``x - lr * (step + weight_decay * x)``, into ``x`` itself
-    when ``in_place``."""
+    when ``in_place``, else into ``out`` (or a fresh array)."""
     if in_place:
         _descend_in_place(x, step, np.float32(lr), np.float32(weight_decay), weight_decay > 0.0)
         return x
-    out = np.empty_like(x)
+    out = np.empty_like(x) if out is None else out
     _descend(x, step, np.float32(lr), np.float32(weight_decay), weight_decay > 0.0, out)
     return out
 
@@ -756,9 +758,9 @@ def _precondition(u, v, eps, out):
         out[i] = u[i] * (np.sqrt(v[i]) + eps)
 
 
-def precondition(u, v, eps):
-    """``elementwise.precondition``: ``u * (sqrt(v) + eps)``."""
-    out = np.empty_like(u)
+def precondition(u, v, eps, out=None):
+    """``elementwise.precondition``: ``u * (sqrt(v) + eps)`` (into ``out`` if given)."""
+    out = np.empty_like(u) if out is None else out
     _precondition(u, v, np.float32(eps), out)
     return out
 
@@ -772,10 +774,12 @@ def _zero_one_sync_result(base, u, w, v, eps, lrs, synced, momentum):
         momentum[i] = -(w[i] / lrs)
 
 
-def zero_one_sync_result(base, u, w, v, eps, lrs):
+def zero_one_sync_result(base, u, w, v, eps, lrs, synced=None, momentum=None):
     """``elementwise.zero_one_sync_result``: ``((base - u) + w / (sqrt(v) + eps),
-    -(w / lrs))``, ``base`` alone when ``u`` is None."""
-    synced, momentum = np.empty_like(w), np.empty_like(w)
+    -(w / lrs))``, ``base`` alone when ``u`` is None (into ``synced`` / ``momentum`` if
+    given; neither may share memory with an input)."""
+    synced = np.empty_like(w) if synced is None else synced
+    momentum = np.empty_like(w) if momentum is None else momentum
     _zero_one_sync_result(base, np.empty(0, np.float32) if u is None else u, w, v, np.float32(eps),
                           np.float32(lrs), synced, momentum)
     return synced, momentum

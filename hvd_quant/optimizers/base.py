@@ -114,15 +114,37 @@ class StepContext:
         True when the rule may write the new parameters into ``x`` itself (the torch
         optimizer's flat view of a parameter) instead of a fresh buffer, on a step that
         updates them: :meth:`into_x` says where. The rule must still return them.
+    scratch : callable or None
+        ``scratch(name, zero) -> tensor``: a float32 buffer of the group's size that the
+        adapter keeps from step to step for the temporary called ``name`` (zeros, never
+        to be written, when ``zero``). See :meth:`buffer`.
     """
 
     def __init__(self, B, comm, state, g, x, lr, hp, name, rng=None, mask=None, counts=None,
-                 x_writable=False):
+                 x_writable=False, scratch=None):
         self.B, self.comm, self.state = B, comm, state
         self.g, self.x, self.lr, self.hp = g, x, lr, hp
         self.name, self.rng, self.mask = name, rng, mask
         self.counts = [B.numel(x)] if counts is None else [int(c) for c in counts]
         self.x_writable = bool(x_writable)
+        self._scratch = scratch
+
+    def buffer(self, name):
+        """Where a fused kernel may write the step's temporary ``name`` (one full-size
+        value: a new moment, a preconditioned update...), or None (a fresh tensor).
+
+        A fresh 100 MB tensor per temporary costs more than the arithmetic that fills it
+        (page faults, and huge-page compaction on a busy machine); the torch adapter
+        therefore keeps one buffer per name and group. Its contents live until the next
+        step: values to keep must be committed (which copies them into the state)."""
+        return self._scratch(name, False) if self._scratch is not None else None
+
+    def zeros(self):
+        """Zeros of the group's size (to commit as a reset slot): a kept buffer that is
+        never written where the adapter has one, else a fresh tensor."""
+        if self._scratch is not None:
+            return self._scratch("zeros", True)
+        return self.B.zeros(self.B.numel(self.x))
 
     def into_x(self, ok):
         """Where a step whose verdict is ``ok`` may write its new parameters: ``x`` when

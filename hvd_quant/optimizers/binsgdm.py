@@ -42,12 +42,13 @@ def single_beta(betas, beta=None):
     return values.pop()
 
 
-def binary_randomize(B, g, m, b, beta, key):
+def binary_randomize(B, g, m, b, beta, key, out=(None, None)):
     """New ``m``, ``b`` and the packed +-1 bits of ``q`` (fused primitive
-    ``binsgdm_encode``; one draw of the call ``key`` per element)."""
+    ``binsgdm_encode``, which writes the new ``m`` and ``b`` into the pair ``out`` where
+    given; one draw of the call ``key`` per element)."""
     fast = B.kernel("binsgdm_encode", g, m, b)
     if fast is not None:
-        return fast(g, m, b, beta, key)
+        return fast(g, m, b, beta, key, m_out=out[0], b_out=out[1])
     m = m * beta + g * (1.0 - beta)
     b = b * beta + B.abs(g) * (1.0 - beta)
     positive = B.less(B.zeros(1), b)  # b > 0 (b is never negative)
@@ -102,7 +103,8 @@ class BinSGDMRule(Rule):
         else:  # a graph counter (TensorFlow)
             encode_key, sum_key = call_key_tensor(B, key, calls), call_key_tensor(B, key, calls + 1)
 
-        m, b, bits = binary_randomize(B, ctx.g, st.slot("exp_avg"), st.slot("exp_avg_abs"), beta, encode_key)
+        m, b, bits = binary_randomize(B, ctx.g, st.slot("exp_avg"), st.slot("exp_avg_abs"), beta, encode_key,
+                                      out=(ctx.buffer("m"), ctx.buffer("b")))
         local_ok = B.all_finite(ctx.g)
         if n > 1:
             q_bar, ok = sign_mean(B, comm, bits, d, self.ranks_per_node, sum_key,

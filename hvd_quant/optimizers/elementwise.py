@@ -13,25 +13,26 @@ Formulas follow DeepSpeed's ``runtime/fp16/onebit/adam.py`` and ``zoadam.py`` (s
 """
 
 
-def ema(B, avg, value, beta, square=False, in_place=False):
+def ema(B, avg, value, beta, square=False, in_place=False, out=None):
     """``avg * beta + value * (1 - beta)`` (``value * value`` in place of ``value`` when
     ``square``): Adam's moment updates. Fused primitive ``ema``; ``in_place`` lets it
-    write into ``avg`` itself (the generic path returns a new tensor either way)."""
+    write into ``avg`` itself, ``out`` into a buffer of the caller's (the generic path
+    returns a new tensor either way)."""
     fast = B.kernel("ema", avg, value)
     if fast is not None:
-        return fast(avg, value, float(beta), square, in_place)
+        return fast(avg, value, float(beta), square, in_place, out=out)
     if square:
         value = value * value
     return avg * beta + value * (1.0 - beta)
 
 
-def descend(B, x, step, lr, weight_decay, into=None):
+def descend(B, x, step, lr, weight_decay, into=None, out=None):
     """``x - lr * (step + weight_decay * x)``: BinSGDM's update with its averaged signs as
-    ``step``. Fused primitive ``descend`` (in place when ``into`` is ``x``; the generic
-    path returns a new tensor)."""
+    ``step``. Fused primitive ``descend`` (in place when ``into`` is ``x``, else into
+    ``out`` if given; the generic path returns a new tensor)."""
     fast = B.kernel("descend", x, step)
     if fast is not None:
-        return fast(x, step, float(lr), float(weight_decay), in_place=into is not None)
+        return fast(x, step, float(lr), float(weight_decay), in_place=into is not None, out=out)
     if weight_decay > 0.0:
         step = step + x * weight_decay
     return x - step * lr
@@ -58,22 +59,24 @@ def adam_descend(B, x, m, v, lr, eps, weight_decay, acc=None, into=None, acc_int
     return (x - delta, acc - delta) if acc is not None else x - delta
 
 
-def precondition(B, u, v, eps):
+def precondition(B, u, v, eps, out=None):
     """``u * (sqrt(v) + eps)``: 0/1 Adam's accumulated update in the units of the
-    momentum, what its sync compresses. Fused primitive ``precondition``."""
+    momentum, what its sync compresses. Fused primitive ``precondition`` (into ``out``
+    if given)."""
     fast = B.kernel("precondition", u, v)
     if fast is not None:
-        return fast(u, v, float(eps))
+        return fast(u, v, float(eps), out=out)
     return u * (B.sqrt(v) + eps)
 
 
-def zero_one_sync_result(B, base, u, w, v, eps, lrs):
+def zero_one_sync_result(B, base, u, w, v, eps, lrs, out=None):
     """After 0/1 Adam's sync of ``w``: the synced parameters ``(base - u) + w / (sqrt(v)
     + eps)`` (``base`` alone when ``u`` is None) and the new momentum ``-(w / lrs)``.
-    Fused primitive ``zero_one_sync_result``."""
+    Fused primitive ``zero_one_sync_result`` (into the pair ``out`` if given)."""
     fast = B.kernel("zero_one_sync_result", base, w, v)
     if fast is not None:
-        return fast(base, u, w, v, float(eps), float(lrs))
+        synced, momentum = out if out is not None else (None, None)
+        return fast(base, u, w, v, float(eps), float(lrs), synced=synced, momentum=momentum)
     if u is not None:
         base = base - u
     return base + w / (B.sqrt(v) + eps), -(w / lrs)

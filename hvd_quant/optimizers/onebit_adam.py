@@ -118,8 +118,8 @@ class OnebitAdamRule(Rule):
         def warm_up():
             g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
             st.count("full", self.wire_bytes("full", ctx.counts, n))
-            m = ema(B, st.slot("exp_avg"), g, beta1)
-            v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True)
+            m = ema(B, st.slot("exp_avg"), g, beta1, out=ctx.buffer("m"))
+            v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True, out=ctx.buffer("v"))
             # v is finite iff g is and g**2 did not overflow float32 (|g| > ~1.8e19, where
             # plain Adam stores an infinite v): either way the step is skipped. v is the
             # same on every rank (from the bit-identical average), so is the verdict.
@@ -130,7 +130,7 @@ class OnebitAdamRule(Rule):
             return keep_if(B, ok, apply(m, v, ok), ctx.x)
 
         def compressed():
-            m = ema(B, st.slot("exp_avg"), ctx.g, beta1)
+            m = ema(B, st.slot("exp_avg"), ctx.g, beta1, out=ctx.buffer("m"))
             if n > 1:
                 m, ok = compress(m, into=m)  # m is this step's own temporary
                 st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))

@@ -168,7 +168,7 @@ class ZeroOneAdamRule(Rule):
 
     def step(self, ctx):
         B, st, comm = ctx.B, ctx.state, ctx.comm
-        n, d = comm.size, B.numel(ctx.x)
+        n = comm.size
         beta1, beta2 = ctx.hp["betas"]
         eps, wd = ctx.hp["eps"], ctx.hp["weight_decay"]
         step = st.scalar("step") + 1
@@ -191,7 +191,7 @@ class ZeroOneAdamRule(Rule):
             def full_round():
                 g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
                 st.count("full", self.wire_bytes("full", ctx.counts, n))
-                v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True)
+                v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True, out=ctx.buffer("v"))
                 # Finite v: g finite and g**2 within float32 (as in 1-bit Adam's warm-up).
                 return g, v, B.all_finite(v)
 
@@ -205,7 +205,7 @@ class ZeroOneAdamRule(Rule):
                 return g, st.slot("exp_avg_sq"), ok
 
             g, v, ok = B.cond(var_step, full_round, onebit_round)
-            m = ema(B, st.slot("exp_avg"), g, beta1)
+            m = ema(B, st.slot("exp_avg"), g, beta1, out=ctx.buffer("m"))
             # DeepSpeed's step: x - lr * (m / (sqrt(v) + eps) + weight_decay * x)
             x = adam_descend(B, ctx.x, m, v, ctx.lr, eps, wd, into=ctx.into_x(ok))
             # Variance schedule: kappa full rounds per interval, then the interval doubles.
@@ -236,11 +236,14 @@ class ZeroOneAdamRule(Rule):
                 ``in_place``: a local step that is kept writes m, x and u over the old
                 ones (no 100 MB temporaries), where the adapter allows it."""
                 into = ctx.into_x(in_place)
-                m = ema(B, st.slot("exp_avg"), ctx.g, beta1, in_place=into is not None)
                 acc = st.slot("momentum_accumulator")
-                x, u = adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd, acc=acc,
-                                    into=into, acc_into=acc if into is not None else None)
-                return m, x, u
+                if into is not None:
+                    m = ema(B, st.slot("exp_avg"), ctx.g, beta1, in_place=True)
+                    return (m, *adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd,
+                                             acc=acc, into=into, acc_into=acc))
+                m = ema(B, st.slot("exp_avg"), ctx.g, beta1, out=ctx.buffer("m"))
+                return (m, *adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd, acc=acc,
+                                         into=ctx.buffer("x"), acc_into=ctx.buffer("u")))
             # Local-step schedule: the interval doubles every local_step_scaler steps, up
             # to local_step_clipper. It advances on every rank, finite or not, so that all
             # ranks agree on which step syncs.
@@ -264,26 +267,11 @@ class ZeroOneAdamRule(Rule):
 
             def sync():
                 m, x, u = moment_and_step(False)
-                w = precondition(B, u, st.slot("exp_avg_sq"), eps)  # u * (sqrt(v) + eps)
                 if n > 1:
-                    w, ok = compress(w, "sync", into=w)  # w is this step's own temporary
                     st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
                 else:
-                    ok = B.all_finite(w)
                     st.count("local", 0.0)
-                # Back to the parameters of the last sync, then the average. DeepSpeed's
-                # x - u undoes the local steps up to rounding, which differs per rank;
-                # exact_sync keeps those parameters instead, so ranks agree bit for bit.
-                # synced = base + w / (sqrt(v) + eps), new momentum -(w / lrs).
-                synced, momentum = (
-                    zero_one_sync_result(B, st.slot("synced_params"), None, w, st.slot("exp_avg_sq"), eps,
-                                         _divisor(B, lrs))
-                    if self.exact_sync else
-                    zero_one_sync_result(B, x, u, w, st.slot("exp_avg_sq"), eps, _divisor(B, lrs)))
-                extra = {"synced_params": synced} if self.exact_sync else {}
-                st.commit(ok, {"exp_avg": momentum, "momentum_accumulator": B.zeros(d), **extra},
-                          dict(schedule, step=step, lrs=0.0))
-                return keep_if(B, ok, synced, ctx.x)
+                return self._sync(ctx, x, u, lrs, "sync", dict(schedule, step=step, lrs=0.0))
 
             return B.cond(step % interval == 0, sync, local)
 
@@ -334,23 +322,32 @@ class ZeroOneAdamRule(Rule):
         -------
         The new flat parameters (float32).
         """
-        B, st, comm = ctx.B, ctx.state, ctx.comm
-        eps = ctx.hp["eps"]
+        B, st = ctx.B, ctx.state
+        return B.cond(self.sync_pending(B, st), lambda: self._sync(
+            ctx, ctx.x, st.slot("momentum_accumulator"), st.scalar("lrs"), "final_sync", {"lrs": 0.0}),
+            lambda: ctx.x)
 
-        def sync():
-            u, v, lrs = st.slot("momentum_accumulator"), st.slot("exp_avg_sq"), st.scalar("lrs")
-            w = precondition(B, u, v, eps)  # as in a sync: u * (sqrt(v) + eps)
-            if comm.size > 1:
-                w, ok = self._compress(ctx, w, "final_sync")
-            else:
-                ok = B.all_finite(w)
-            synced, momentum = (
-                zero_one_sync_result(B, st.slot("synced_params"), None, w, v, eps, _divisor(B, lrs))
-                if self.exact_sync else
-                zero_one_sync_result(B, ctx.x, u, w, v, eps, _divisor(B, lrs)))
-            extra = {"synced_params": synced} if self.exact_sync else {}
-            st.commit(ok, {"exp_avg": momentum, "momentum_accumulator": B.zeros(B.numel(ctx.x)), **extra},
-                      {"lrs": 0.0})
-            return keep_if(B, ok, synced, ctx.x)
-
-        return B.cond(self.sync_pending(B, st), sync, lambda: ctx.x)
+    def _sync(self, ctx, x, u, lrs, phase, scalars):
+        """A sync of the accumulator ``u`` (DeepSpeed's ``zoadam.py`` ``step()``, the branch
+        under ``state['step'] % state['local_step_interval'] == 0``): ``w = u * (sqrt(v) +
+        eps)`` through the compressed allreduce, then back to the parameters of the last
+        sync and the average, ``u = 0``; ``scalars`` are committed with it. Returns the
+        synced parameters (``ctx.x`` on a non-finite step)."""
+        B, st = ctx.B, ctx.state
+        v, eps = st.slot("exp_avg_sq"), ctx.hp["eps"]
+        w = precondition(B, u, v, eps, out=ctx.buffer("w"))
+        if ctx.comm.size > 1:
+            w, ok = self._compress(ctx, w, phase, into=w)  # w is this step's own temporary
+        else:
+            ok = B.all_finite(w)
+        # DeepSpeed's x - u undoes the local steps up to rounding, which differs per rank;
+        # exact_sync keeps the last sync's parameters instead, so ranks agree bit for bit.
+        # synced = base + w / (sqrt(v) + eps), new momentum -(w / lrs).
+        out = (ctx.buffer("synced"), ctx.buffer("momentum")) if ctx.buffer("synced") is not None else None
+        synced, momentum = (
+            zero_one_sync_result(B, st.slot("synced_params"), None, w, v, eps, _divisor(B, lrs), out=out)
+            if self.exact_sync else
+            zero_one_sync_result(B, x, u, w, v, eps, _divisor(B, lrs), out=out))
+        extra = {"synced_params": synced} if self.exact_sync else {}
+        st.commit(ok, {"exp_avg": momentum, "momentum_accumulator": ctx.zeros(), **extra}, scalars)
+        return keep_if(B, ok, synced, ctx.x)

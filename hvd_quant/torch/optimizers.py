@@ -110,6 +110,15 @@ class RuleOptimizer(torch.optim.Optimizer):
     # skipping must be decided on every rank together (see the module docstring).
     _step_supports_amp_scaling = True
 
+    #: Keep the rule's full-size temporaries (a new moment, 0/1 Adam's preconditioned
+    #: update and sync results...) from one step to the next instead of allocating them
+    #: every step: a fresh 100 MB tensor costs more than the arithmetic that fills it
+    #: (page faults; huge-page compaction on a busy machine). The price is memory: up to
+    #: six float32 buffers the size of the largest param group, held between steps (0/1
+    #: Adam's sync; 1-bit Adam two, BinSGDM two). Set ``opt.reuse_buffers = False`` to
+    #: allocate per step instead. Results are the same bits either way.
+    reuse_buffers = True
+
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0):
         super().__init__(params, defaults)  # add_param_group refuses non-CPU parameters
         self._rule = rule
@@ -123,6 +132,21 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._restored = False
         self.step_kinds, self.bytes_sent, self.comm_rounds, self.skipped_steps = [], 0.0, 0, 0
         self.last_step_skipped = False  # the verdict of every rank together (see GradScaler)
+        self._scratch = {}  # (group, name) -> kept temporary (reuse_buffers)
+
+    def _scratch_of(self, gi, numel):
+        """``StepContext``'s scratch provider for group ``gi`` (see ``reuse_buffers``)."""
+        if not self.reuse_buffers:
+            self._scratch.clear()
+            return None
+
+        def get(name, zero):
+            buf = self._scratch.get((gi, name))
+            if buf is None or buf.numel() != numel:
+                buf = torch.zeros(numel) if zero else torch.empty(numel)
+                self._scratch[(gi, name)] = buf
+            return buf
+        return get
 
     # --- state ------------------------------------------------------------------------
     def _group_state(self, gi, group):
@@ -187,7 +211,8 @@ class RuleOptimizer(torch.optim.Optimizer):
             # concatenation of ours: the rule may write a kept step's result into it.
             ctx = StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group),
                               f"opt.g{gi}", mask=_group_mask(group, gi),
-                              counts=[p.numel() for p in group["params"]], x_writable=True)
+                              counts=[p.numel() for p in group["params"]], x_writable=True,
+                              scratch=self._scratch_of(gi, x.numel()))
             new_x = self._rule.step(ctx)
             if "master" in st.slots:
                 st.set_slot("master", new_x)
