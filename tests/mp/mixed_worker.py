@@ -4,8 +4,12 @@ every rank.
 
 ``python mixed_worker.py MODE OUTDIR``; MODE is ``torch`` (``model.half()``/``bfloat16``,
 autocast + ``GradScaler``, through Horovod's stock optimizer and ours), ``keras3``
-(``mixed_float16``/``mixed_bfloat16`` policies with our Keras ``DistributedOptimizer``) or
-``legacy`` (tf-keras ``mixed_float16`` with Horovod's own Keras optimizer).
+(``mixed_float16``/``mixed_bfloat16`` policies with our Keras ``DistributedOptimizer``, and
+float16/bfloat16 *variables* through our tape and our Keras ``DistributedOptimizer``),
+``keras3_ring`` (the float16/bfloat16 variable cases for the ring and chunked compressors
+only, meant for 3 ranks: an odd world size over a buffer of 83 elements, which divides
+neither by 3 nor by 8) or ``legacy`` (tf-keras ``mixed_float16`` and ``mixed_bfloat16``
+with Horovod's own Keras optimizer).
 
 The overflow: on rank 1 only, one input of batch ``OVERFLOW_STEP`` is 1e30 (inf once cast
 to fp16). The compressors propagate it to every rank's reduced gradient, so every rank's
@@ -16,6 +20,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,12 @@ MODE, OUT = sys.argv[1], Path(sys.argv[2])
 ALL = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd:norm=l2",
        "global_qsgd_exp", "onebit"]
 STOCK_TF = ["none", "fp16", "ef_sign", "global_qsgd", "global_qsgd:norm=l2", "onebit"]  # no ring methods
+# Ring hops (marsit, cascading_sign, global_qsgd_exp) and alltoall chunks (onebit) are where
+# an odd world size and a buffer that does not split evenly matter: the keras3_ring mode.
+RING = ["marsit", "cascading_sign", "global_qsgd_exp", "onebit"]
+# tf-keras mixed_bfloat16: one of each collective (plain, sign allgather, integer allreduce,
+# 1-bit alltoall); every tf-keras fit costs a few seconds of tracing.
+STOCK_BF16 = ["none", "ef_sign", "global_qsgd", "onebit"]
 STEPS, BATCH, OVERFLOW_STEP = 5, 8, 2
 # hvd_quant's 1-bit optimizers (they reduce by themselves), with schedules short enough
 # that the overflow (step 3) is a 1-bit round (0/1 Adam: Phase A, whose ranks stay identical).
@@ -39,6 +50,20 @@ def record(key, fn):
         import traceback
         results[key] = {"error": type(exc).__name__, "message": str(exc)[:2000],
                         "trace": traceback.format_exc()[-3000:]}
+
+
+def attempt(fn, *args):
+    """One case: its result, or its error recorded for the test to judge (the other
+    cases still run)."""
+    start = time.perf_counter()
+    try:
+        result = fn(*args)
+        result["seconds"] = time.perf_counter() - start
+        return result
+    except Exception as exc:
+        import traceback
+        return {"error": type(exc).__name__, "message": str(exc)[:2000],
+                "trace": traceback.format_exc()[-3000:]}
 
 
 def digest(arrays):
@@ -266,7 +291,106 @@ def keras3_mode():
     record("mixed_float16", lambda: run("mixed_float16", True, ALL))
     record("mixed_bfloat16", lambda: run("mixed_bfloat16", False, ALL))
     record("onebit_mixed_float16", run_onebit)
+    record("low_precision_variables", lambda: low_precision_variables(tf, hvd, keras, hq, ALL))
     return rank
+
+
+def low_precision_variables(tf, hvd, keras, hq, configs):
+    """float16 and bfloat16 *variables* (layers built with ``dtype="float16"``: the
+    gradients arrive in that dtype), global policy float32 so no loss scaling. For each
+    compressor, through our tape in a ``tf.function`` custom loop (``DTYPE/tape/CONFIG``)
+    and through our Keras ``DistributedOptimizer`` in ``model.fit`` (``DTYPE/optimizer/CONFIG``):
+    the dtypes going in and coming out, the weights after every step, and, for the tape,
+    how close the first step's reduced gradient is to the exact fp32 mean of the ranks'
+    local gradients."""
+    rank = hvd.rank()
+    xs, ys = inputs(rank, overflow=False)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    class RecordingSGD(keras.optimizers.SGD):
+        """Records the dtypes of the gradients handed to it (at trace time)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen = set()
+
+        def apply(self, grads, trainable_variables=None):
+            grads = list(grads)
+            self.seen |= {g.dtype.name for g in grads if g is not None}
+            return super().apply(grads, trainable_variables)
+
+    def model_in(dtype):
+        keras.utils.set_random_seed(0)  # the same initial weights on every rank
+        return keras.Sequential([keras.Input((6,)),
+                                 keras.layers.Dense(8, activation="relu", dtype=dtype, name="hidden"),
+                                 keras.layers.Dense(3, dtype=dtype, name="logits"),
+                                 keras.layers.Activation("linear", dtype="float32", name="out")], name="net")
+
+    def numel(model):
+        return sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+
+    def flat32(grads):
+        return np.concatenate([np.asarray(tf.cast(g, tf.float32)).ravel() for g in grads])
+
+    def tape_case(dtype, config):
+        name, options = split(config)
+        model = model_in(dtype)
+        compression = hq.Compression.get(name, **options)
+        opt = keras.optimizers.SGD(0.05, momentum=0.9)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape(persistent=True) as tape:
+                loss = loss_fn(y, model(x, training=True))
+            local = tape.gradient(loss, model.trainable_variables)
+            grads = hq.DistributedGradientTape(tape, compression=compression).gradient(
+                loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return local, grads
+
+        after, local_dtypes, grad_dtypes = [], set(), set()
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            local, grads = step(tf.constant(x), tf.constant(y))
+            local_dtypes |= {g.dtype.name for g in local}
+            grad_dtypes |= {g.dtype.name for g in grads}
+            if i == 0:  # the exact mean of the ranks' local gradients, in fp32, in rank order
+                every = hvd.allgather(tf.constant(flat32(local)[None, :]), name=f"lp.{dtype}.{config}").numpy()
+                exact, reduced = every.mean(axis=0, dtype=np.float64), flat32(grads).astype(np.float64)
+                cosine = float(reduced @ exact / (np.linalg.norm(reduced) * np.linalg.norm(exact)))
+                rel_err = float(np.max(np.abs(reduced - exact)) / np.max(np.abs(exact)))
+            after.append(digest([v.numpy() for v in model.trainable_variables]))
+        return {"after_step": after, "local_grad_dtypes": sorted(local_dtypes),
+                "grad_dtypes": sorted(grad_dtypes), "cosine": cosine, "rel_err": rel_err,
+                "variable_dtypes": sorted({v.dtype for v in model.trainable_variables}),
+                "numel": numel(model),
+                "finite": all(bool(np.isfinite(v.numpy().astype(np.float32)).all())
+                              for v in model.trainable_variables)}
+
+    def optimizer_case(dtype, config):
+        name, options = split(config)
+        model = model_in(dtype)
+        inner = RecordingSGD(0.05, momentum=0.9)
+        opt = hq.DistributedOptimizer(inner, compression=hq.Compression.get(name, **options))
+        result = fit_with_overflow(keras, model, opt, False, rank)
+        result.update(grad_dtypes=sorted(inner.seen), numel=numel(model), loss_scaling=opt._loss_scaling(),
+                      bytes=opt.bytes_sent)
+        return result
+
+    out = {}
+    for dtype in ("float16", "bfloat16"):
+        for config in configs:
+            for path, case in (("tape", tape_case), ("optimizer", optimizer_case)):
+                out[f"{dtype}/{path}/{config}"] = attempt(case, dtype, config)
+    return out
+
+
+def keras3_ring_mode():
+    tf, hvd = tf_setup()
+    import keras
+    import hvd_quant.tensorflow as hq
+
+    record("low_precision_variables", lambda: low_precision_variables(tf, hvd, keras, hq, RING))
+    return hvd.rank()
 
 
 def legacy_mode():
@@ -277,26 +401,32 @@ def legacy_mode():
     keras = tf.keras
     rank = hvd.rank()
 
-    def run():
+    def run(policy, overflow, configs):
         out = {}
-        for config in STOCK_TF:
-            keras.mixed_precision.set_global_policy("mixed_float16")
+        for config in configs:
+            keras.mixed_precision.set_global_policy(policy)
             try:
                 name, options = split(config)
                 model = keras_model(keras)
                 opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
                                                 compression=hq.Compression.get(name, **options))
-                out[config] = fit_with_overflow(keras, model, opt, True, rank)
+                out[config] = fit_with_overflow(keras, model, opt, overflow, rank)
+                out[config]["compute_dtype"] = model.get_layer("hidden").compute_dtype
+                out[config]["variable_dtype_names"] = sorted({tf.as_dtype(v.dtype).name
+                                                              for v in model.trainable_variables})
             finally:
                 keras.mixed_precision.set_global_policy("float32")
         return out
 
     assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
-    record("stock_mixed_float16", run)
+    record("stock_mixed_float16", lambda: run("mixed_float16", True, STOCK_TF))
+    # bfloat16 needs no loss scaling: tf-keras wraps nothing, Horovod's optimizer reduces.
+    record("stock_mixed_bfloat16", lambda: run("mixed_bfloat16", False, STOCK_BF16))
     return rank
 
 
-rank = {"torch": torch_mode, "keras3": keras3_mode, "legacy": legacy_mode}[MODE]()
+rank = {"torch": torch_mode, "keras3": keras3_mode, "keras3_ring": keras3_ring_mode,
+        "legacy": legacy_mode}[MODE]()
 OUT.mkdir(parents=True, exist_ok=True)
 (OUT / f"rank{rank}.json").write_text(json.dumps(results))
 print(f"rank {rank}: wrote {OUT / f'rank{rank}.json'}")
