@@ -60,7 +60,12 @@ def make_optimizer(args, total_steps):
         # 0/1 Adam: exact_sync and FinalSyncCallback (in main) end the run with one model.
         exact = {"exact_sync": True} if args.optimizer == "zero_one_adam" else {}
         options = {**one_bit_defaults(args.optimizer, total_steps), **exact, **parse_options(args.opt_option)}
-        return cls(learning_rate=lr, **options), None
+        opt = cls(learning_rate=lr, **options)
+        if args.policy == "mixed_float16":
+            # Keras' own LossScaleOptimizer (what compile adds) would skip steps per rank and
+            # is refused; ours scales the loss from the optimizer's all-rank verdict.
+            opt = hq.DistributedOptimizer(opt)
+        return opt, None
     if args.opt_option:
         raise SystemExit("--opt-option is for hvd_quant's 1-bit optimizers")
     base = (keras.optimizers.SGD(lr, momentum=0.9) if args.optimizer == "sgd"

@@ -2,11 +2,14 @@
 and the benchmark runner's bookkeeping.
 
 Data tests run in one process on a small corpus (a fraction of a second each); the
-``multiprocess`` ones train the LM for a few steps on 2 ranks with a tiny model.
+``multiprocess`` ones train the LM for a few steps on 2 ranks with a tiny model, and run
+the other examples briefly on 2 ranks (the digits scripts' ``--optimizer``, the GAN with
+both optimizer paths, ``keras_fit.py`` with a 1-bit optimizer and with ``mixed_float16``).
 """
 
 import importlib.util
 import json
+import re
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -313,3 +316,47 @@ def test_tensorflow2_train_takes_the_optimizers(tmp_path, optimizer):
     else:
         assert s["mean_bytes_per_step"] < s["fp32_allreduce_bytes_per_step"]
         assert sum(s["kind_counts"].values()) == 22 and 0 < s["comm_rounds"] <= 22
+
+
+# --- the GAN example: two optimizers, one compression object --------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.timeout(360)  # more than the job's own 300 s
+@pytest.mark.parametrize("path", ["ours", "stock"])
+def test_gan_example_keeps_one_state_per_optimizer(path):
+    # Generator and discriminator have identically named and shaped parameters (0.weight
+    # is 32x2 in both): had they shared one residual per name, their states would be equal.
+    proc = run_horovod(EXAMPLES / "gan_torch.py", 2, ["--path", path, "--steps", "50"], timeout=300)
+    out = "\n".join(line.split(":", 1)[1] for line in proc.stdout.splitlines() if line.startswith("[0]<stdout>:"))
+    assert f"2 ranks, {path} optimizer, one object for both" in out, out
+    losses = re.search(r"step +50 +D loss (\S+) +G loss (\S+)", out)
+    assert losses and all(np.isfinite(float(v)) for v in losses.groups()), out
+    equal, total = map(int, re.search(r"state entries equal between the two optimizers: (\d+) of (\d+)", out).groups())
+    assert total >= 4 and equal == 0, out  # a residual per parameter, none shared
+    sent = re.search(r"bytes sent per rank: generator ([\d,]+), discriminator ([\d,]+)", out).groups()
+    assert all(int(v.replace(",", "")) > 0 for v in sent), out
+    assert "weights identical on every rank: True" in out, out
+
+
+# --- keras_fit.py: a 1-bit optimizer, mixed_float16 ------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(360)  # more than the job's own 300 s
+@pytest.mark.parametrize("args", [
+    ["--optimizer", "onebit_adam"],
+    ["--policy", "mixed_float16", "--compression", "ef_sign"],
+    # The 1-bit optimizer inside hq.DistributedOptimizer for loss scaling: compile's own
+    # LossScaleOptimizer around it is refused on every rank.
+    ["--policy", "mixed_float16", "--optimizer", "onebit_adam"]], ids=["onebit_adam", "mixed_float16-ef_sign",
+                                                                       "mixed_float16-onebit_adam"])
+def test_keras_fit_example_runs(tmp_path, args):
+    out = tmp_path / "keras_fit.json"
+    run_horovod(EXAMPLES / "keras_fit.py", 2, [*args, "--epochs", "2", "--json", out], timeout=300)
+    s = json.loads(out.read_text())
+    opts = dict(zip(args[::2], args[1::2]))
+    assert s["ranks"] == 2 and len(s["history"]) == 2
+    assert s["policy"] == opts.get("--policy", "float32") and s["optimizer"] == opts.get("--optimizer", "sgd")
+    assert s["identical_weights"], s["weights_digest_per_rank"]
+    assert all(np.isfinite(h["loss"]) for h in s["history"]) and s["final_test_accuracy"] > 0.5
+    # The second epoch: 1-bit rounds only (1-bit Adam's warm-up is the first quarter of
+    # the run), or EF-SignSGD's bits; either far below the fp32 allreduce.
+    assert 0 < s["bytes_per_step"] < s["fp32_allreduce_bytes_per_step"] / 8, s["bytes_per_step"]

@@ -233,7 +233,10 @@ class DistributedOptimizer(LossScaleOptimizer):
     @property
     def bytes_sent(self):
         """Bytes this rank has sent for gradient reduction, counted per executed step
-        (cost model of :class:`~hvd_quant.core.comm.WireMeter`)."""
+        (cost model of :class:`~hvd_quant.core.comm.WireMeter`). Around a 1-bit optimizer
+        (which communicates by itself) that optimizer's own count."""
+        if self._inner_communicates:
+            return float(self.inner_optimizer.bytes_sent)
         return float(self._bytes.numpy())
 
     def compression_state_dict(self):
