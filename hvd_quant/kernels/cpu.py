@@ -607,31 +607,41 @@ def marsit_select(own, recv, keep, key):
 
 
 # --- BinSGDM's binary randomization (hvd_quant.optimizers.binsgdm) ------------------------
-@njit(inline="always", **_OPTS)
-def _binsgdm_one(g, m, b, beta, one_minus_beta, k, m_out, b_out, i):
-    mi = m[i] * beta + g[i] * one_minus_beta
-    bi = b[i] * beta + abs(g[i]) * one_minus_beta
-    m_out[i] = mi
-    b_out[i] = bi
-    z = mi / bi if np.float32(0) < bi else np.float32(0)
-    z = min(max(z, np.float32(-1.0)), np.float32(1.0))
-    return np.int32(_uniform(k, i) < (z + np.float32(1.0)) * np.float32(0.5))
+@njit(**_OPTS)
+def _binsgdm_piece(g, m, b, beta, one_minus_beta, k, first, m_out, b_out, up, bits):
+    # As _sign_pack_residual: a vectorized loop writes one 0/1 byte per element into a
+    # small scratch, then 8 of them are packed with a multiply (bit-by-bit ORs in the
+    # same loop kept LLVM from vectorizing the moments, the division and the draws).
+    n = g.size
+    for i in range(n):
+        mi = m[i] * beta + g[i] * one_minus_beta
+        bi = b[i] * beta + abs(g[i]) * one_minus_beta
+        m_out[i] = mi
+        b_out[i] = bi
+        z = mi / bi if np.float32(0) < bi else np.float32(0)
+        z = min(max(z, np.float32(-1.0)), np.float32(1.0))
+        up[i] = np.uint8(1) if _uniform(k, first + i) < (z + np.float32(1.0)) * np.float32(0.5) else np.uint8(0)
+    words = up[:n // 8 * 8].view(np.uint64)
+    for w in range(n // 8):
+        bits[w] = np.uint8((words[w] * _PACK_MUL) >> _S56)
+    if n % 8:  # the buffer's last, partial byte
+        v = 0
+        for j in range(n - n % 8, n):
+            v |= np.int32(up[j]) << (j - (n - n % 8))
+        bits[n // 8] = np.uint8(v)
 
 
 @njit(parallel=True, **_OPTS)
 def _binsgdm_encode(g, m, b, beta, one_minus_beta, key, m_out, b_out, bits):
     d = g.size
     k = np.uint64(key)
-    for byte in prange(d // 8):
-        v = 0
-        for j in range(8):
-            v |= _binsgdm_one(g, m, b, beta, one_minus_beta, k, m_out, b_out, 8 * byte + j) << j
-        bits[byte] = np.uint8(v)
-    if d % 8:
-        v = 0
-        for j in range(d % 8):
-            v |= _binsgdm_one(g, m, b, beta, one_minus_beta, k, m_out, b_out, 8 * (d // 8) + j) << j
-        bits[d // 8] = np.uint8(v)
+    pieces = (d + SPR_PIECE - 1) // SPR_PIECE
+    for c in prange(pieces):
+        a = c * SPR_PIECE
+        e = min(d, a + SPR_PIECE)
+        up = np.empty(SPR_PIECE, np.uint8)
+        _binsgdm_piece(g[a:e], m[a:e], b[a:e], beta, one_minus_beta, k, a, m_out[a:e], b_out[a:e],
+                       up, bits[a // 8:(e + 7) // 8])
 
 
 def binsgdm_encode(g, m, b, beta, key, m_out=None, b_out=None):
