@@ -492,7 +492,7 @@ for _config in compressor_configs():
                  "(buffer) / .step() (model)")
 
 #: Chunk size of the pipelined rows (``pipeline_chunk_mb``).
-PIPELINE_CHUNK_MB = 4
+PIPELINE_CHUNK_MB = 16
 for _config in ("ef_sign", "global_qsgd"):
     register(f"{_config}+pipelined", compressor_setup(_config, chunk_mb=PIPELINE_CHUNK_MB),
              doc=f"the same with pipeline_chunk_mb={PIPELINE_CHUNK_MB}: chunk k+1 encoded while "
