@@ -3,10 +3,8 @@ tf-keras ``model.fit`` with Horovod's own Keras optimizer and our compressors.
 
 Unit tests build optimizers in this process (no Horovod collectives); the multi-process
 tests run ``tests/mp/keras_worker.py`` under horovodrun with 2 and 3 ranks, and the slow
-test trains ``examples/keras_fit.py`` on digits.
+ones train ``examples/keras_fit.py`` on digits at 2 and 3 ranks against ``none``.
 """
-
-import json
 
 import pytest
 
@@ -194,25 +192,53 @@ def test_tf_keras_fit_with_horovods_optimizer_and_our_compressors(tmp_path):
                                                   "out/bias/residual", "out/kernel/residual"]
 
 
-# --- digits, the example ----------------------------------------------------------------------
-EXAMPLE = HERE.parent / "examples" / "keras_fit.py"
+# --- digits, the example, through benchmarks/keras_fit_table.py's runner -------------------------
+# The issue's done-when: every compressor and 1-bit optimizer trains in Keras 3 fit at 2 and 3
+# ranks with identical weights and accuracy within 1 point of none on digits. The README's
+# table shows all of them over several seeds (benchmarks/keras_fit_table.py); here one
+# representative per kind of collective, one seed, fewer epochs, to keep CI to minutes:
+# an allgather of signs (ef_sign), a ring of re-signed hops (marsit), DeepSpeed's 1-bit
+# alltoall/allgather (onebit), and a 1-bit optimizer (1-bit Adam, whose warm-up and freeze
+# run at this length too).
+FIT_EPOCHS = 10
+FIT_SEED = 0
+FIT_CONFIGS = ["ef_sign", "marsit", "onebit", "opt=onebit_adam"]
+FIT_JOB_S = 300
 
 
-def _train(tmp_path, nranks, compression, epochs=30):
-    out = tmp_path / f"{compression.replace(':', '_')}-{nranks}.json"
-    run_horovod(EXAMPLE, nranks, ["--compression", compression, "--epochs", epochs, "--json", out], timeout=900)
-    return json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def digits_fit(tmp_path_factory):
+    """``run(np, config)``: one keras_fit.py job (cached per module), its summary."""
+    import importlib.util
+    from horovod_launch import BIN
+
+    spec = importlib.util.spec_from_file_location("keras_fit_table", HERE.parent / "benchmarks" / "keras_fit_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    workdir, done = tmp_path_factory.mktemp("digits_fit"), {}
+
+    def run(np_, config):
+        if (np_, config) not in done:
+            done[np_, config] = table.run_one(BIN, np_, config, FIT_SEED, FIT_EPOCHS, FIT_JOB_S, workdir)
+        result = done[np_, config]
+        assert "error" not in result, f"np={np_} {config}: {result['error']}"
+        return result
+
+    return run
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(3 * 900 + 60)  # three jobs of up to 900 s each
-def test_keras_fit_example_on_digits(tmp_path):
-    """none, ef_sign and global_qsgd on 2 ranks (the README's table has every compressor at
-    2 and 3 ranks): identical weights on every rank, accuracy within 1 point of none."""
-    base = _train(tmp_path, 2, "none")
-    assert base["identical_weights"] and base["final_test_accuracy"] > 0.93
-    for compression in ("ef_sign", "global_qsgd"):
-        run = _train(tmp_path, 2, compression)
-        assert run["identical_weights"], compression
-        assert run["final_test_accuracy"] >= base["final_test_accuracy"] - 0.01, compression
+@pytest.mark.timeout(2 * FIT_JOB_S + 60)  # the baseline's job (first use) and this config's
+@pytest.mark.parametrize("config", FIT_CONFIGS)
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_keras_fit_on_digits_within_a_point_of_none(digits_fit, nranks, config):
+    base = digits_fit(nranks, "none")
+    assert base["identical_weights"] and base["final_test_accuracy"] > 0.93, base["final_test_accuracy"]
+    run = digits_fit(nranks, config)
+    assert run["ranks"] == nranks and run["epochs"] == FIT_EPOCHS
+    assert run["identical_weights"], f"ranks ended with different weights: {run['weights_digest_per_rank']}"
+    # 360 test images: one point is 3.6 images, so this allows 3 fewer correct than none.
+    gap = 100 * (run["final_test_accuracy"] - base["final_test_accuracy"])
+    assert gap >= -1.0, f"{config} at {nranks} ranks: {gap:+.2f} points against none"
+    assert run["bytes_per_step"] < base["bytes_per_step"] / 8  # and it did compress

@@ -207,6 +207,41 @@ def test_runner_reports_a_failing_or_hanging_job():
         conv.run_job([sys.executable, "-c", "import time; time.sleep(60)"], 1, echo=False)
 
 
+
+def _load_keras_fit_table():
+    spec = importlib.util.spec_from_file_location("keras_fit_table", HERE.parent / "benchmarks" / "keras_fit_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_keras_fit_table_gaps_are_paired_by_seed_and_runs_are_reused(tmp_path):
+    table = _load_keras_fit_table()
+
+    def run(config, seed, acc, np_=2, epochs=30, **extra):
+        return {"np": np_, "config": config, "seed": seed, "epochs": epochs, "final_test_accuracy": acc,
+                "identical_weights": True, "bytes_per_step": 100.0, **extra}
+
+    runs = [run("none", 0, 0.97), run("none", 1, 0.99), run("none", 2, 0.95),
+            run("ef_sign", 0, 0.96), run("ef_sign", 1, 0.99)]
+    rows = table.summarize(runs, 2, ["none", "ef_sign"])
+    # ef_sign has seeds 0 and 1 only: its gap is against none's seeds 0 and 1 (-0.5), not
+    # against none's three-seed mean (97.0, which would give +0.5).
+    assert rows["ef_sign"]["seed_gaps"] == pytest.approx({0: -1.0, 1: 0.0})
+    assert rows["ef_sign"]["gap"] == pytest.approx(-0.5) and rows["none"]["mean"] == pytest.approx(97.0)
+    args = table.parse_args(["none", "ef_sign", "--np", "2", "3", "--seeds", "0", "1"])
+    text = table.markdown_table(args, runs + [run("ef_sign", 0, 0.9, np_=3, error="exit status 1")])
+    assert "| 2 | ef_sign | 97.50 | 96.00-99.00 | 96.00 / 99.00 | -0.50 | -1.00 / +0.00 | yes |" in text
+    assert "| 3 | ef_sign | FAILED (exit status 1) |" in text
+    # --load: successful runs with the same epochs are reused, failed or other-length ones not.
+    saved = tmp_path / "runs.json"
+    saved.write_text(json.dumps(runs + [run("marsit", 0, 0.9, error="x"), run("marsit", 1, 0.9, epochs=10)]))
+    found = table.load_runs([saved], 30)
+    assert set(found) == {(2, "none", 0), (2, "none", 1), (2, "none", 2), (2, "ef_sign", 0), (2, "ef_sign", 1)}
+    cmd = table.job_command(Path("/bin"), 3, "opt=binsgdm", 4, 10, "o.json")
+    assert cmd[:3] == ["/bin/horovodrun", "-np", "3"] and cmd[cmd.index("--optimizer") + 1] == "binsgdm"
+    assert cmd[cmd.index("--seed") + 1] == "4" and cmd[cmd.index("--epochs") + 1] == "10"
+
 # --- the scripts under horovodrun ---------------------------------------------------------
 TINY = ["--steps", "6", "--eval-every", "3", "--batch", "4", "--context", "32", "--d-model", "32",
         "--heads", "2", "--layers", "1", "--val-windows", "8", "--corpus-bytes", str(SMALL)]
