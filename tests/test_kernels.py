@@ -16,11 +16,11 @@ from hvd_quant.compressors import exp_dithering as ed
 from hvd_quant.compressors import global_qsgd as gq
 from hvd_quant.compressors.marsit import MarsitSelect
 from hvd_quant.core.backend import NumpyBackend
-from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, unpack_lanes,
-                                    unpack_scaled_sum)
+from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, sign_residual,
+                                    unpack_lanes, unpack_scaled_sum)
 from hvd_quant.core.rng import CounterRNG, draws
 from hvd_quant.core.runner import CompressorRunner
-from hvd_quant.core.segments import compensate_sums, segment_bounds
+from hvd_quant.core.segments import compensate_sums, compensate_sums_signs, segment_bounds
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import elementwise as ew
 
@@ -272,6 +272,41 @@ def test_in_place_updates_equal_fresh_ones(d, wd, threads):
     y = x.copy()
     k.adam_descend(y, m, v, 3e-3, 1e-8, wd, x_out=y)
     np.testing.assert_array_equal(y, k.adam_descend(x, m, v, 3e-3, 1e-8, wd)[0])
+
+
+LAYOUTS = {  # segment sizes: one buffer, unaligned ones, one crossing several blocks
+    "one": lambda d: [d],
+    "thirds": split,
+    "blocks": lambda d: [5, kernels.cpu_module().BLOCK + 3, 0, max(0, d - kernels.cpu_module().BLOCK - 8)],
+}
+
+
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("with_e", [True, False], ids=["x+e", "x"])
+def test_sums_and_signs_in_one_pass(d, layout, with_e, threads):
+    """compensate_sums_signs: the very sums of compensate_sums' kernel (the scale must not
+    depend on which one a path uses) and the bits of pack_signs; sign_residual: the
+    residual of sign_pack_residual, also in place over e."""
+    counts = LAYOUTS[layout](d)
+    if sum(counts) != d:
+        counts = [d]
+    x = data(d, 40, specials=True)
+    e = data(d, 41) * 0.5 if with_e else None
+    for squares in (False, True):
+        sums, bits = compensate_sums_signs(K, x, e, counts, squares)
+        assert sums.tobytes() == compensate_sums(K, x, e, counts, squares).tobytes()
+        np.testing.assert_allclose(sums, compensate_sums(B, x, e, counts, squares), rtol=1e-12)
+        np.testing.assert_array_equal(bits, pack_signs(B, x if e is None else x + e))
+        np.testing.assert_array_equal(compensate_sums_signs(B, x, e, counts, squares)[1], bits)
+    scales = (np.arange(len(counts), dtype=np.float32) + 1) * 0.25
+    want = sign_pack_residual(B, x, e, scales, counts)[1]
+    np.testing.assert_array_equal(sign_residual(K, x, e, scales, counts), want)
+    np.testing.assert_array_equal(sign_residual(B, x, e, scales, counts), want)
+    if e is not None:
+        got = sign_residual(K, x, e, scales, counts, out=e)
+        np.testing.assert_array_equal(e, want)
+        assert got is e or np.shares_memory(got, e)
 
 
 def test_adam_family_primitives_match_the_torch_generic_path(monkeypatch):

@@ -16,14 +16,21 @@ them in rank order, so all ranks hold bit-identical results. Bytes sent per rank
 ``(n-1) * (ceil(d/8) + 4*S)`` under the ring-allgather cost model, against
 ``2 (n-1)/n * 4d`` for an fp32 allreduce.
 
+Phases, in the order that lets the wire overlap the CPU: one pass over ``x`` and ``e``
+gives the scale sums *and* the sign bits (a sign does not depend on the scale); the
+scales and then the bits are sent (asynchronously where the communicator can); the
+residual pass runs while the bits are on the wire; then every contribution is decoded.
+
 Non-finite input: a NaN or inf in ``p`` makes its segment's scale non-finite; the scales
-travel first, so every rank sees it before touching its residual. Such a step returns
-NaN for the whole buffer on every rank and leaves every residual exactly as it was.
+are gathered before any residual is touched, so every rank sees it first. Such a step
+returns NaN for the whole buffer on every rank and leaves every residual exactly as it
+was (its bits are still sent, so that every rank issues the same collectives).
 """
 
 from ..core.compressor import Compressor
-from ..core.packing import packed_sign_bytes, sign_pack_residual, unpack_scaled_sum
-from ..core.segments import compensate_sums, segment_means
+from ..core.packing import packed_sign_bytes, sign_residual, unpack_scaled_sum
+from ..core.pipeline import start_allgather
+from ..core.segments import compensate_sums_signs, segment_means
 
 
 class EFSignCompressor(Compressor):
@@ -38,20 +45,23 @@ class EFSignCompressor(Compressor):
         counts = [c for _, c in ctx.segments]
         residual = ctx.state.get("residual")
 
-        # Phase 1: one scale per segment, mean |x + e| (float64 sums; non-finite if p is).
-        scales = segment_means(B, compensate_sums(B, x, residual, counts), counts)
+        # Phase 1: one scale per segment, mean |x + e| (float64 sums; non-finite if p is),
+        # and the sign bits of p, in one pass.
+        sums, bits = compensate_sums_signs(B, x, residual, counts)
+        scales = segment_means(B, sums, counts)
 
-        # Phase 2: the scales go first, so every rank knows whether the step is finite.
-        all_scales = comm.allgather(scales, ctx.collective_name("scales"))
+        # Phase 2: the scales, then the bits, go on the wire; the scales say whether
+        # every rank's step is finite before any residual changes.
+        scale_handle = start_allgather(comm, scales, ctx.collective_name("scales"))
+        bits_handle = start_allgather(comm, bits, ctx.collective_name("signs"))
+        all_scales = scale_handle.wait()
         finite = B.all_finite(all_scales)
 
-        # Phase 3: signs and the new residual, kept only on a finite step.
-        bits, residual = B.cond(
-            finite,
-            lambda: sign_pack_residual(B, x, residual, scales, counts, out=residual),
-            lambda: (B.zeros(packed_sign_bytes(d), "uint8"), residual))
+        # Phase 3, while the bits travel: the new residual, kept only on a finite step.
+        residual = B.cond(finite, lambda: sign_residual(B, x, residual, scales, counts, out=residual),
+                          lambda: residual)
         ctx.state.set("residual", residual)
-        all_bits = comm.allgather(bits, ctx.collective_name("signs"))
+        all_bits = bits_handle.wait()
 
         # Phase 4: decode every rank's contribution in rank order (into ctx.out where
         # given: x is not read any more). Scales are divided by n before the sum, so

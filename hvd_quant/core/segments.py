@@ -34,6 +34,20 @@ def compensate_sums(B, x, e, counts, squares=False):
     return B.concat(sums) if sums else B.zeros(0, "float64")
 
 
+def compensate_sums_signs(B, x, e, counts, squares=False):
+    """:func:`compensate_sums` and the packed sign bits of ``p = x + e`` (as
+    :func:`hvd_quant.core.packing.pack_signs`), in one pass over ``x`` and ``e`` on the
+    fast path (fused primitive ``compensate_sums_signs``; the same sums, bit for bit).
+    The bits do not depend on the scale, so they can be sent while the residual is
+    computed."""
+    fast = B.kernel("compensate_sums_signs", x, e)
+    if fast is not None:
+        return fast(x, e, segment_bounds(counts), squares=squares)
+    from .packing import pack_signs  # packing imports this module
+
+    return compensate_sums(B, x, e, counts, squares), pack_signs(B, x if e is None else x + e)
+
+
 def segment_means(B, sums, counts):
     """float32 ``sums[s] / counts[s]`` (0 for empty segments)."""
     sizes = np.maximum(np.asarray(counts, np.float64), 1.0)

@@ -6,31 +6,33 @@ builds from several backend operations (several passes over memory, full-size in
 float temporaries), and that a fast kernel does in one pass. Each generic implementation
 asks ``B.kernel(name, *tensors)`` first and uses the fast one when the backend offers it:
 
-======================== =============================================== ===========================
-primitive                generic twin                                    used by
-======================== =============================================== ===========================
-``sign_pack``            ``core.packing.pack_signs``                     every sign method
-``sign_pack_residual``   ``core.packing.sign_pack_residual``             ef_sign, marsit, onebit
-``unpack_scaled_sum``    ``core.packing.unpack_scaled_sum``              ef_sign, marsit, onebit
-``compensate_sums``      ``core.segments.compensate_sums``               ef_sign, marsit, onebit
-``absmax_finite``        ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
-``quantize_lanes``       ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
-``quantize_ints``        ``compressors.global_qsgd.quantize``            global_qsgd (native ints)
-``dequantize_lanes``     ``compressors.global_qsgd.dequantize``          global_qsgd (int32 lanes)
-``dequantize_ints``      ``compressors.global_qsgd.dequantize``          global_qsgd (native ints)
-``exp_encode``           ``compressors.exp_dithering.exp_encode``        global_qsgd_exp
-``exp_combine``          ``compressors.exp_dithering.combine_codes``     global_qsgd_exp (every hop)
-``exp_decode``           ``compressors.exp_dithering.exp_decode``        global_qsgd_exp
-``marsit_select``        ``compressors.marsit.MarsitSelect``             marsit (every hop)
-``binsgdm_encode``       ``optimizers.binsgdm.binary_randomize``         BinSGDM
-``all_finite``           ``Backend.all_finite``                          every non-finite check
-``ema``                  ``optimizers.elementwise.ema``                  1-bit Adam, 0/1 Adam
-``descend``              ``optimizers.elementwise.descend``              BinSGDM
-``adam_descend``         ``optimizers.elementwise.adam_descend``         1-bit Adam, 0/1 Adam
-``precondition``         ``optimizers.elementwise.precondition``         0/1 Adam (sync)
-``zero_one_sync_result`` ``optimizers.elementwise.zero_one_sync_result`` 0/1 Adam (sync)
-``uniform``              ``Backend.uniform``                             random draws
-======================== =============================================== ===========================
+========================== =============================================== ===========================
+primitive                  generic twin                                    used by
+========================== =============================================== ===========================
+``sign_pack``              ``core.packing.pack_signs``                     every sign method
+``sign_pack_residual``     ``core.packing.sign_pack_residual``             ef_sign, marsit, onebit
+``unpack_scaled_sum``      ``core.packing.unpack_scaled_sum``              ef_sign, marsit, onebit
+``compensate_sums``        ``core.segments.compensate_sums``               ef_sign, marsit, onebit
+``compensate_sums_signs``  ``core.segments.compensate_sums_signs``         ef_sign
+``sign_residual``          ``core.packing.sign_residual``                  ef_sign
+``absmax_finite``          ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
+``quantize_lanes``         ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
+``quantize_ints``          ``compressors.global_qsgd.quantize``            global_qsgd (native ints)
+``dequantize_lanes``       ``compressors.global_qsgd.dequantize``          global_qsgd (int32 lanes)
+``dequantize_ints``        ``compressors.global_qsgd.dequantize``          global_qsgd (native ints)
+``exp_encode``             ``compressors.exp_dithering.exp_encode``        global_qsgd_exp
+``exp_combine``            ``compressors.exp_dithering.combine_codes``     global_qsgd_exp (every hop)
+``exp_decode``             ``compressors.exp_dithering.exp_decode``        global_qsgd_exp
+``marsit_select``          ``compressors.marsit.MarsitSelect``             marsit (every hop)
+``binsgdm_encode``         ``optimizers.binsgdm.binary_randomize``         BinSGDM
+``all_finite``             ``Backend.all_finite``                          every non-finite check
+``ema``                    ``optimizers.elementwise.ema``                  1-bit Adam, 0/1 Adam
+``descend``                ``optimizers.elementwise.descend``              BinSGDM
+``adam_descend``           ``optimizers.elementwise.adam_descend``         1-bit Adam, 0/1 Adam
+``precondition``           ``optimizers.elementwise.precondition``         0/1 Adam (sync)
+``zero_one_sync_result``   ``optimizers.elementwise.zero_one_sync_result`` 0/1 Adam (sync)
+``uniform``                ``Backend.uniform``                             random draws
+========================== =============================================== ===========================
 
 Fast kernels exist for CPU tensors (numba, :mod:`hvd_quant.kernels.cpu`): the torch
 backend uses them for CPU tensors; CUDA tensors and TensorFlow graphs keep the generic
@@ -47,6 +49,7 @@ from ..core.backend import NumpyBackend
 
 #: Every fused primitive with a fast CPU kernel.
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
+         "compensate_sums_signs", "sign_residual",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
          "binsgdm_encode", "uniform", "all_finite", "ema", "descend", "adam_descend",
@@ -116,6 +119,10 @@ def warm_up():
     k.unpack_scaled_sum(bits, np.ones(2, np.float32), bounds, 24)
     k.compensate_sums(x, x.copy(), bounds)
     k.compensate_sums(x, None, bounds, squares=True)
+    for e in (None, x.copy()):
+        k.compensate_sums_signs(x, e, bounds)
+        k.sign_residual(x, e, np.ones(2, np.float32), bounds)
+        k.sign_residual(x, e, np.ones(2, np.float32), bounds, out=e)
     k.absmax_finite(x)
     for width in (8, 16):
         w = k.quantize_lanes(x, 1.0, 1.0, 3, 1, width, True)

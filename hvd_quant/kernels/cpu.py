@@ -345,6 +345,133 @@ def compensate_sums(x, e, bounds, squares=False):
                      for s in range(bounds.size - 1)], np.float64)
 
 
+@njit(**_OPTS)
+def _block_signs(x, e, has_e, first, pos, bits):
+    """Sign bits of ``x + e`` (slices starting at buffer element ``first``) for the whole
+    bytes inside the slices, while they are still in the cache after the block's sum."""
+    a = (first + 7) // 8 * 8 - first  # where the first whole byte starts in the slice
+    m = max(0, (x.size - a) // 8 * 8)
+    xs = x[a:a + m]
+    es = e[a:a + m] if has_e else e
+    for i in range(m):
+        p = xs[i] + es[i] if has_e else xs[i]
+        pos[i] = np.uint8(1) if p >= np.float32(0) else np.uint8(0)
+    words = pos[:m].view(np.uint64)
+    b0 = (first + a) // 8
+    for w in range(m // 8):
+        bits[b0 + w] = np.uint8((words[w] * _PACK_MUL) >> _S56)
+
+
+@njit(parallel=True, **_OPTS)
+def _sums_and_signs(x, e, lo, hi, squares, bits):
+    # The block sums exactly as _compensate_sums makes them (the same _block_sum on the
+    # same slices), then the block's sign bits from the cache: one pass over memory.
+    n = hi - lo
+    nblocks = (n + BLOCK - 1) // BLOCK
+    partial = np.zeros(max(nblocks, 1), np.float64)
+    has_e = e.size > 0
+    for blk in prange(nblocks):
+        a = lo + blk * BLOCK
+        b = min(hi, a + BLOCK)
+        xs = x[a:b]
+        es = e[a:b] if has_e else e
+        partial[blk] = _block_sum(xs, es, has_e, squares)
+        pos = np.empty(BLOCK, np.uint8)
+        _block_signs(xs, es, has_e, a, pos, bits)
+    total = 0.0
+    for blk in range(nblocks):
+        total += partial[blk]
+    return total
+
+
+def _edge_bytes(bounds, block):
+    """Bytes that no block of :func:`_sums_and_signs` packs whole: those holding a
+    segment or block boundary strictly inside, and the last, partial byte."""
+    d = int(bounds[-1])
+    edges = {d // 8} if d % 8 else set()
+    for s in range(bounds.size - 1):
+        for p in range(int(bounds[s]), int(bounds[s + 1]), block):  # start, block boundaries
+            if p % 8:
+                edges.add(p // 8)
+    return np.array(sorted(edges), np.int64)
+
+
+@njit(**_OPTS)
+def _pack_edges(x, e, has_e, edges, bits):
+    d = x.size
+    for byte in edges:
+        v = 0
+        for i in range(8 * byte, min(d, 8 * byte + 8)):
+            p = x[i] + e[i] if has_e else x[i]
+            v |= np.int32(p >= 0) << (i - 8 * byte)
+        bits[byte] = np.uint8(v)
+
+
+def compensate_sums_signs(x, e, bounds, squares=False):
+    """``segments.compensate_sums_signs``: :func:`compensate_sums` (the same sums, bit for
+    bit) and the packed sign bits of ``p = x + e``, in one pass over ``x`` and ``e``."""
+    e_arr = np.empty(0, np.float32) if e is None else e
+    bits = np.empty((x.size + 7) // 8, np.uint8)
+    sums = np.array([_sums_and_signs(x, e_arr, bounds[s], bounds[s + 1], squares, bits)
+                     for s in range(bounds.size - 1)], np.float64)
+    if x.size:
+        _pack_edges(x, e_arr, e is not None, _edge_bytes(bounds, BLOCK), bits)
+    return sums, bits
+
+
+@njit(parallel=True, **_OPTS)
+def _sign_residual(x, e, scales, bounds, resid):
+    has_e = e.size > 0
+    for s in range(scales.size):
+        sc = scales[s]
+        lo, hi = bounds[s], bounds[s + 1]
+        for k in prange((hi - lo + SPR_PIECE - 1) // SPR_PIECE):
+            a = lo + k * SPR_PIECE
+            b = min(hi, a + SPR_PIECE)
+            _residual_piece(x[a:b], e[a:b] if has_e else e, has_e, sc, resid[a:b])
+
+
+@njit(**_OPTS)
+def _residual_piece(x, e, has_e, sc, resid):
+    for i in range(x.size):
+        p = x[i] + e[i] if has_e else x[i]
+        resid[i] = p - (sc if p >= np.float32(0) else -sc)
+
+
+@njit(parallel=True, **_OPTS)
+def _sign_residual_in_place(x, e, scales, bounds):
+    # e read and written through the same array: LLVM vectorizes (see adam_descend).
+    for s in range(scales.size):
+        sc = scales[s]
+        lo, hi = bounds[s], bounds[s + 1]
+        for k in prange((hi - lo + SPR_PIECE - 1) // SPR_PIECE):
+            a = lo + k * SPR_PIECE
+            b = min(hi, a + SPR_PIECE)
+            _residual_piece_in_place(x[a:b], e[a:b], sc)
+
+
+@njit(**_OPTS)
+def _residual_piece_in_place(x, e, sc):
+    for i in range(x.size):
+        p = x[i] + e[i]
+        e[i] = p - (sc if p >= np.float32(0) else -sc)
+
+
+def sign_residual(x, e, scales, bounds, out=None):
+    """``packing.sign_residual``: the error-feedback residual ``p - where(p >= 0, scale,
+    -scale)`` of ``p = x + e`` without the bits (:func:`compensate_sums_signs` packed
+    them); into ``out``, which may be ``e`` itself."""
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    if e is not None and out is not None and out.ctypes.data == e.ctypes.data and out.size == e.size:
+        if x.size:
+            _sign_residual_in_place(x, e, scales, bounds)
+        return e
+    resid = np.empty_like(x) if out is None else out
+    if x.size:
+        _sign_residual(x, np.empty(0, np.float32) if e is None else e, scales, bounds, resid)
+    return resid
+
+
 # Magnitudes compared as integers: for non-negative floats the order of the bit patterns is
 # the order of the values, and an integer max vectorizes where a float max with NaN checks
 # does not. Patterns at or above 0x7F800000 are inf and NaN.

@@ -11,6 +11,17 @@ from ..process_sets import ProcessSetTorus
 _ALLREDUCE_DTYPES = (torch.int32, torch.int64, torch.float16, torch.float32, torch.float64)
 
 
+class _AsyncHandle:
+    """A Horovod handle whose ``wait()`` runs under the collective deadline."""
+
+    def __init__(self, handle, label):
+        self._handle, self._label = handle, label
+
+    def wait(self):
+        with WATCHDOG.guard(self._label):
+            return hvd.synchronize(self._handle)
+
+
 class HorovodTorchComm(ProcessSetTorus, Communicator):
     """Collectives over a Horovod process set (the global one by default). Every call
     runs under the collective deadline of :mod:`hvd_quant.core.watchdog`."""
@@ -38,6 +49,20 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
         self._count_allgather(x.numel() * x.element_size())
         with WATCHDOG.guard(f"allgather {name!r}"):
             return hvd.allgather(x, name=name, process_set=self.process_set)
+
+    # Asynchronous twins (hvd_quant.core.pipeline.start_allgather / start_allreduce): the
+    # collective is on the wire while the caller computes; wait() returns its result.
+    def allgather_async(self, x, name):
+        self._count_allgather(x.numel() * x.element_size())
+        return _AsyncHandle(hvd.allgather_async(x, name=name, process_set=self.process_set),
+                            f"allgather {name!r}")
+
+    def allreduce_async(self, x, op, name):
+        self._check_allreduce_dtype(x)
+        self._count_allreduce(x.numel() * x.element_size())
+        hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
+        return _AsyncHandle(hvd.allreduce_async(x, name=name, op=hvd_op, process_set=self.process_set),
+                            f"allreduce {name!r}")
 
     def alltoall(self, x, name):
         if self.size == 1:

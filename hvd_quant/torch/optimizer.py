@@ -60,35 +60,8 @@ import horovod.torch as hvd
 
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63
-from ..core.watchdog import WATCHDOG
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
-
-
-class _AsyncHandle:
-    def __init__(self, handle, label):
-        self._handle, self._label = handle, label
-
-    def wait(self):
-        with WATCHDOG.guard(self._label):
-            return hvd.synchronize(self._handle)
-
-
-class _OverlapComm(HorovodTorchComm):
-    """:class:`HorovodTorchComm` plus the asynchronous allgather that chunk pipelining
-    (:func:`hvd_quant.core.pipeline.chunked_reduce`) starts and later waits for."""
-
-    def allgather_async(self, x, name):
-        self._count_allgather(x.numel() * x.element_size())
-        return _AsyncHandle(hvd.allgather_async(x, name=name, process_set=self.process_set),
-                            f"allgather {name!r}")
-
-    def allreduce_async(self, x, op, name):
-        self._check_allreduce_dtype(x)
-        self._count_allreduce(x.numel() * x.element_size())
-        hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
-        return _AsyncHandle(hvd.allreduce_async(x, name=name, op=hvd_op, process_set=self.process_set),
-                            f"allreduce {name!r}")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -117,7 +90,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._runner = compression.make_runner()  # this optimizer's own state
         self._op = op
-        self._comm = _OverlapComm(process_set)
+        self._comm = HorovodTorchComm(process_set)
 
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         names = {}
