@@ -52,10 +52,11 @@ when ``scale="mean_abs"`` (``(n - 1) * 4`` bytes per parameter), or a 4-byte all
 from ..core.comm import identical_sum, all_ranks_finite
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
-from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, unpack_scaled_sum,
-                            unpack_signs)
+from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, sign_residual,
+                            unpack_scaled_sum, unpack_signs)
+from ..core.pipeline import beside
 from ..core.ring import ring_allreduce, torus_allreduce
-from ..core.segments import compensate_sums, segment_means
+from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
 
 
 class MarsitSelect(HopOperator):
@@ -201,7 +202,15 @@ class MarsitCompressor(Compressor):
         # small float allgather, summed identically on every rank). Its values double as
         # the non-finite flag. A constant alpha sends no float: then the flag costs one
         # 4-byte allreduce of its own, unless check_finite=False.
-        if self.scale == "mean_abs":
+        # The default (mean_abs, local compensation) packs the bits in the same pass as
+        # the scale sums, so that the residual pass can run beside the ring's hops.
+        early_bits = self.scale == "mean_abs" and self.compensation == "local"
+        if early_bits:
+            sums, bits = compensate_sums_signs(B, x, residual, counts)
+            local = segment_means(B, sums, counts)
+            alpha = identical_sum(B, comm, local / float(n), ctx.collective_name("scale"))
+            finite = B.all_finite(alpha)
+        elif self.scale == "mean_abs":
             local = segment_means(B, compensate_sums(B, x, residual, counts), counts)
             alpha = identical_sum(B, comm, local / float(n), ctx.collective_name("scale"))
             finite = B.all_finite(alpha)
@@ -210,10 +219,18 @@ class MarsitCompressor(Compressor):
             finite = (all_ranks_finite(B, comm, x, ctx.collective_name("finite")) if self.check_finite
                       else B.all_finite(alpha))
 
-        # Phase 2: sign bits of p = x + e; with local compensation the new residual
-        # p - alpha * sign(p) comes out of the same pass. Kept only on a finite step.
+        # Phase 2: sign bits of p = x + e (already packed on the default path); with local
+        # compensation the new residual p - alpha * sign(p). Kept only on a finite step.
         nbytes = packed_sign_bytes(d)
-        if self.compensation == "local":
+        pending = None
+        if early_bits:
+            # The new residual p - alpha * sign(p), on a helper thread while the ring runs
+            # (kept only on a finite step; every rank knows the verdict from alpha).
+            keep = residual
+            pending = beside(B, lambda: B.cond(
+                finite, lambda: sign_residual(B, x, keep, alpha, counts, out=keep, serial=True),
+                lambda: keep), x, residual, alpha)
+        elif self.compensation == "local":
             bits, residual = B.cond(
                 finite, lambda: sign_pack_residual(B, x, residual, alpha, counts, out=residual),
                 lambda: (B.zeros(nbytes, "uint8"), residual))
@@ -229,6 +246,8 @@ class MarsitCompressor(Compressor):
             agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
         else:
             agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
+        if pending is not None:
+            ctx.state.set("residual", pending.wait())  # before decoding into ctx.out, which x may share
         out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d, out=ctx.out),
                      lambda: B.full(d, float("nan")))
 

@@ -55,8 +55,9 @@ import math
 
 import numpy as np
 
-from .packing import packed_sign_bytes, sign_pack_residual, unpack_scaled_sum
-from .segments import compensate_sums
+from .packing import packed_sign_bytes, sign_pack_residual, sign_residual, unpack_scaled_sum
+from .pipeline import start_allgather, start_alltoall
+from .segments import compensate_sums, compensate_sums_signs
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -70,9 +71,10 @@ def padded_size(numel, world_size):
     return numel + (-numel) % unit
 
 
-def rms_scales(B, x, e, counts):
-    """float32 :func:`rms_scale` of every segment of ``x + e`` (``counts`` elements each)."""
-    norms = B.sqrt(compensate_sums(B, x, e, counts, squares=True))
+def rms_scales(B, x, e, counts, sums=None):
+    """float32 :func:`rms_scale` of every segment of ``x + e`` (``counts`` elements each),
+    from ``sums``, the float64 sums of squares, when they were computed already."""
+    norms = B.sqrt(compensate_sums(B, x, e, counts, squares=True) if sums is None else sums)
     roots = np.sqrt(np.maximum(np.asarray(counts, np.float64), 1.0))
     as_deepspeed = B.cast(norms, "float32") / B.constant(roots.astype(np.float32), "float32")
     return B.where(B.less(norms, B.full(1, FLOAT32_MAX, "float64")), as_deepspeed,
@@ -130,15 +132,21 @@ def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=No
     total, chunk = sum(padded), sum(chunks)
     buf = _pad_tensors(B, x, counts, padded)
 
-    # Phase 1 (worker): RMS scales, gathered first so every rank knows if the step is finite.
-    worker_scale = rms_scales(B, buf, worker_error, padded)
-    worker_scales = comm.allgather(worker_scale, f"{name}.worker_scale")  # n rows of len(counts)
+    # Phase 1 (worker): one pass gives the sums of squares and the sign bits (a sign does
+    # not depend on the scale). The RMS scales go first, so every rank knows whether the
+    # step is finite before any error buffer changes; the signs follow (n rows, row r:
+    # every tensor's chunk r, in tensor order; row j goes to rank j), and the worker error
+    # is updated while they travel (asynchronously where the communicator can).
+    sums, bits = compensate_sums_signs(B, buf, worker_error, padded, squares=True)
+    worker_scale = rms_scales(B, buf, worker_error, padded, sums=sums)
+    scale_handle = start_allgather(comm, worker_scale, f"{name}.worker_scale")  # n rows of len(counts)
+    signs_handle = start_alltoall(comm, _rank_major(B, bits, chunks, n), f"{name}.worker_signs")
+    worker_scales = scale_handle.wait()
     finite = B.all_finite(worker_scales)
-    bits, worker_error = B.cond(
-        finite, lambda: sign_pack_residual(B, buf, worker_error, worker_scale, padded, out=worker_error),
-        lambda: (B.zeros(packed_sign_bytes(total), "uint8"), worker_error))
-    # n rows, row r: every tensor's chunk r, in tensor order; row j goes to rank j.
-    received = comm.alltoall(_rank_major(B, bits, chunks, n), f"{name}.worker_signs")
+    worker_error = B.cond(
+        finite, lambda: sign_residual(B, buf, worker_error, worker_scale, padded, out=worker_error),
+        lambda: worker_error)
+    received = signs_handle.wait()
 
     # Phase 2 (server): average this rank's chunks, add the server error, re-sign them.
     def server_stage():

@@ -28,8 +28,9 @@ Two mechanisms, both framework-agnostic (the torch optimizer uses them):
     is bit-identical to the unchunked method). Other compressors fall back to their own
     ``reduce`` (see :func:`supports_chunking`).
 
-Asynchronous collectives: a communicator may offer ``allgather_async(x, name)`` and
-``allreduce_async(x, op, name)`` returning a handle with ``wait()``; without them (the
+Asynchronous collectives: a communicator may offer ``allgather_async(x, name)``,
+``alltoall_async(x, name)`` and ``allreduce_async(x, op, name)`` returning a handle with
+``wait()``; without them (the
 thread-world oracle) the collective runs eagerly and the handle only returns its result,
 which keeps the results the same.
 """
@@ -164,6 +165,37 @@ def start_allgather(comm, x, name):
     if hasattr(comm, "allgather_async"):
         return comm.allgather_async(x, name)
     return _Done(comm.allgather(x, name))
+
+
+_BESIDE = {}
+
+
+def beside(B, fn, *tensors):
+    """Run ``fn`` on a helper thread while the caller goes on (e.g. with a chain of ring
+    hops), where that is safe: a fused CPU kernel does the work and releases the GIL.
+    Elsewhere (TF graphs, CUDA tensors, the oracle) ``fn`` runs now, in order. Returns a
+    handle; ``wait()`` gives ``fn``'s result or raises its error."""
+    if B.kernel("sign_residual", *tensors) is None:
+        return _Done(fn())
+    if "pool" not in _BESIDE:
+        from concurrent.futures import ThreadPoolExecutor
+        _BESIDE["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvd_quant-beside")
+    future = _BESIDE["pool"].submit(fn)
+    return _Waiting(future)
+
+
+class _Waiting:
+    def __init__(self, future):
+        self._future = future
+
+    def wait(self):
+        return self._future.result()
+
+
+def start_alltoall(comm, x, name):
+    if hasattr(comm, "alltoall_async"):
+        return comm.alltoall_async(x, name)
+    return _Done(comm.alltoall(x, name))
 
 
 def start_allreduce(comm, x, op, name):

@@ -123,6 +123,8 @@ def warm_up():
         k.compensate_sums_signs(x, e, bounds)
         k.sign_residual(x, e, np.ones(2, np.float32), bounds)
         k.sign_residual(x, e, np.ones(2, np.float32), bounds, out=e)
+        k.sign_residual(x, e, np.ones(2, np.float32), bounds, out=e, serial=True)
+        k.sign_residual(x, e, np.ones(2, np.float32), bounds, serial=True)
     k.absmax_finite(x)
     for width in (8, 16):
         w = k.quantize_lanes(x, 1.0, 1.0, 3, 1, width, True)

@@ -457,18 +457,38 @@ def _residual_piece_in_place(x, e, sc):
         e[i] = p - (sc if p >= np.float32(0) else -sc)
 
 
-def sign_residual(x, e, scales, bounds, out=None):
+@njit(**_OPTS)
+def _sign_residual_serial(x, e, scales, bounds, resid, in_place):
+    # For a helper thread beside the main one's kernels: no parallel region, so it never
+    # touches numba's threading layer (whose workqueue flavour is not thread-safe).
+    has_e = e.size > 0
+    for s in range(scales.size):
+        lo, hi = bounds[s], bounds[s + 1]
+        for a in range(lo, hi, SPR_PIECE):
+            b = min(hi, a + SPR_PIECE)
+            if in_place:
+                _residual_piece_in_place(x[a:b], e[a:b], scales[s])
+            else:
+                _residual_piece(x[a:b], e[a:b] if has_e else e, has_e, scales[s], resid[a:b])
+
+
+def sign_residual(x, e, scales, bounds, out=None, serial=False):
     """``packing.sign_residual``: the error-feedback residual ``p - where(p >= 0, scale,
     -scale)`` of ``p = x + e`` without the bits (:func:`compensate_sums_signs` packed
-    them); into ``out``, which may be ``e`` itself."""
+    them); into ``out``, which may be ``e`` itself. ``serial``: one thread, no parallel
+    region (for a call from a helper thread)."""
     scales = np.ascontiguousarray(scales, dtype=np.float32)
-    if e is not None and out is not None and out.ctypes.data == e.ctypes.data and out.size == e.size:
-        if x.size:
-            _sign_residual_in_place(x, e, scales, bounds)
-        return e
-    resid = np.empty_like(x) if out is None else out
-    if x.size:
-        _sign_residual(x, np.empty(0, np.float32) if e is None else e, scales, bounds, resid)
+    in_place = e is not None and out is not None and out.ctypes.data == e.ctypes.data and out.size == e.size
+    resid = e if in_place else (np.empty_like(x) if out is None else out)
+    e_arr = np.empty(0, np.float32) if e is None else e
+    if not x.size:
+        return resid
+    if serial:
+        _sign_residual_serial(x, e_arr, scales, bounds, resid, in_place)
+    elif in_place:
+        _sign_residual_in_place(x, e, scales, bounds)
+    else:
+        _sign_residual(x, e_arr, scales, bounds, resid)
     return resid
 
 

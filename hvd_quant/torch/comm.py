@@ -14,12 +14,13 @@ _ALLREDUCE_DTYPES = (torch.int32, torch.int64, torch.float16, torch.float32, tor
 class _AsyncHandle:
     """A Horovod handle whose ``wait()`` runs under the collective deadline."""
 
-    def __init__(self, handle, label):
-        self._handle, self._label = handle, label
+    def __init__(self, handle, label, pick=None):
+        self._handle, self._label, self._pick = handle, label, pick
 
     def wait(self):
         with WATCHDOG.guard(self._label):
-            return hvd.synchronize(self._handle)
+            out = hvd.synchronize(self._handle)
+        return out[self._pick] if self._pick is not None else out
 
 
 class HorovodTorchComm(ProcessSetTorus, Communicator):
@@ -56,6 +57,15 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
         self._count_allgather(x.numel() * x.element_size())
         return _AsyncHandle(hvd.allgather_async(x, name=name, process_set=self.process_set),
                             f"allgather {name!r}")
+
+    def alltoall_async(self, x, name):
+        if self.size == 1:
+            from ..core.pipeline import _Done
+            return _Done(x.clone())
+        self._count_alltoall(x.numel() * x.element_size())
+        # An alltoall's handle gives (output, received splits): keep the output.
+        return _AsyncHandle(hvd.alltoall_async(x, name=name, process_set=self.process_set),
+                            f"alltoall {name!r}", pick=0)
 
     def allreduce_async(self, x, op, name):
         self._check_allreduce_dtype(x)
