@@ -8,7 +8,7 @@ global_qsgd, onebit_adam, zero_one_adam, binsgdm (torch), or keras_ef_sign (Kera
   collective (for the ring and Global-QSGD that is the scale allgather or allreduce);
 * ``hang_in_hop``: rank 1 runs step 3 up to its first ring hop (``sendrecv``) and stops
   there, after the scale allgather: the others wait inside a hop of the ring;
-* ``hang_in_alltoall``: rank 1 stops at its first ``alltoall`` of step 3 (the 1-bit
+* ``hang_in_alltoall``: rank 1 stops at its first ``alltoall(_async)`` of step 3 (the 1-bit
   allreduce's exchange of signs, after the worker-scale allgather).
 
 The job must end by itself (the deadline, or horovodrun reacting to the dead rank).
@@ -78,15 +78,21 @@ if MODE in ("hang_in_hop", "hang_in_alltoall") and hvd.rank() == 1:
     # waiting in this one.
     from hvd_quant.torch.comm import HorovodTorchComm
 
-    method = {"hang_in_hop": "sendrecv", "hang_in_alltoall": "alltoall"}[MODE]
-    issue = getattr(HorovodTorchComm, method)
+    # The 1-bit allreduce issues its alltoall asynchronously (alltoall_async): stop at
+    # whichever form of the collective comes first.
+    methods = {"hang_in_hop": ["sendrecv"], "hang_in_alltoall": ["alltoall", "alltoall_async"]}[MODE]
 
-    def stop_inside(self, *args, **kwargs):
-        if STEP == 3:
-            stop(f"in its {method}")
-        return issue(self, *args, **kwargs)
+    def stopping_at(method):
+        issue = getattr(HorovodTorchComm, method)
 
-    setattr(HorovodTorchComm, method, stop_inside)
+        def stop_inside(self, *args, **kwargs):
+            if STEP == 3:
+                stop(f"in its {method}")
+            return issue(self, *args, **kwargs)
+        return stop_inside
+
+    for method in methods:
+        setattr(HorovodTorchComm, method, stopping_at(method))
 for step in range(1000):
     STEP = step
     if step == 3 and hvd.rank() == 1 and MODE in ("hang", "die"):
