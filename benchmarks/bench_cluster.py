@@ -197,6 +197,9 @@ def main(argv=None):
     p.add_argument("--out-dir", default="", help="default benchmarks/results/cluster-<date-time>")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra argument for cluster_worker.py (repeatable), e.g. --worker-arg=--batch=8")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the raw results already in --out-dir of jobs with the same configuration "
+                        "(an interrupted run goes on where it stopped; the report and plot cover all)")
     args = p.parse_args(argv)
 
     rates = [parse_rate(r) for r in parse_list(args.rates)]
@@ -238,6 +241,13 @@ def main(argv=None):
                     label = f"{format_rate(rate)} {hosts}h {case}"
                     timeout = args.job_timeout or max(900.0, 3 * estimates[job])
                     raw_path = out_dir / "raw" / f"{format_rate(rate)}_{hosts}h_{case}.json"
+                    earlier = reusable(raw_path, args, hosts, rate, case) if args.resume else None
+                    if earlier is not None:
+                        log(f"job {done}/{len(jobs)}: {label}: reusing {raw_path}")
+                        runs.append({"rate": format_rate(rate), "rate_bps": rate, "hosts": hosts,
+                                     "slots": args.slots, "case": case, "elapsed_s": None, "raw": earlier,
+                                     "summary": summarize(earlier, rate)})
+                        continue
                     log(f"job {done}/{len(jobs)}: {label} (estimate {estimates[job] / 60:.1f} min, "
                         f"limit {timeout / 60:.0f} min; {(time.monotonic() - start) / 60:.1f} min elapsed)")
                     cmd = [sys.executable, str(HERE / "cluster_worker.py"), "--case", case,
@@ -277,6 +287,27 @@ def main(argv=None):
     log(f"done in {(time.monotonic() - start) / 60:.1f} min: {len(runs)} jobs ok, {len(failures)} failed; "
         f"{out_dir / 'report.md'}, {out_dir / 'results.json'}")
     return 1 if failures else 0
+
+
+def reusable(raw_path, args, hosts, rate, case):
+    """The raw results at ``raw_path`` if an earlier run left them for this very job
+    (same case, size, repeats, threads, hosts, ranks per host, link rate and methods)."""
+    if not raw_path.exists() or args.worker_arg:  # worker arguments change the job: run it again
+        return None
+    try:
+        raw = json.loads(raw_path.read_text())
+        cfg = raw["config"]
+    except (ValueError, KeyError):
+        return None
+    wanted = {"case": case, "repeats": args.repeats, "threads": args.threads, "hosts": hosts,
+              "slots": args.slots, "rate_bps": rate}
+    if case == "buffer":
+        wanted["numel"] = args.numel
+    if any(cfg.get(k) != v for k, v in wanted.items()):
+        return None
+    if args.methods and set(parse_list(args.methods)) != set(raw["methods"]):
+        return None
+    return raw
 
 
 def write_outputs(out_dir, args, runs, failures, start):

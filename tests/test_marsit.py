@@ -390,3 +390,33 @@ def test_tensorflow_backend_eager_and_in_tf_function():
     np.testing.assert_allclose(step(x).numpy(), [2.5 / 3, -2.5 / 3, 2.5 / 3], rtol=1e-6)
     np.testing.assert_allclose(runner.state_dict()["p/residual"],
                                [0.5 - 2.5 / 3, -2.0 + 2.5 / 3, -2.5 / 3], rtol=1e-5)
+
+
+def test_a_failing_ring_waits_for_the_residual_helper(monkeypatch):
+    """The residual update runs beside the ring (a helper thread under the kernels); when a
+    hop fails (a dead peer, the collective deadline), the error must reach the caller only
+    after the helper is done, so nothing writes the residual once the caller goes on."""
+    from hvd_quant.compressors import marsit
+    from hvd_quant.kernels import NumpyKernelBackend
+
+    handles = []
+    real_beside = marsit.beside
+
+    def recording_beside(*args, **kwargs):
+        handle = real_beside(*args, **kwargs)
+        waited = []
+        real_wait = handle.wait
+        handle.wait = lambda: waited.append(True) or real_wait()
+        handles.append(waited)
+        return handle
+
+    def dead_peer(*args, **kwargs):
+        raise RuntimeError("ring hop 'x' did not complete within 10 s")
+
+    monkeypatch.setattr(marsit, "beside", recording_beside)
+    monkeypatch.setattr(marsit, "ring_allreduce", dead_peer)
+    runner = CompressorRunner(MarsitCompressor(), NumpyKernelBackend(), seed=0)
+    x = np.random.default_rng(0).standard_normal(D).astype(np.float32)
+    with pytest.raises(RuntimeError, match="did not complete"):
+        runner.reduce(x, SoloComm(), "g", SEGMENTS)
+    assert handles == [[True]]  # the helper was started, and joined before the error left

@@ -241,13 +241,18 @@ class MarsitCompressor(Compressor):
 
         # Phase 3: multi-hop allreduce of the sign bits, 1 bit per element on every hop.
         name = ctx.collective_name("signs")
-        if self.topology == "torus":
-            row_comm, col_comm = comm.subgroups(self.torus_rows)
-            agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
-        else:
-            agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
+        try:
+            if self.topology == "torus":
+                row_comm, col_comm = comm.subgroups(self.torus_rows)
+                agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
+            else:
+                agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
+        finally:
+            # Joined on every exit path: a ring that failed (a dead peer, the deadline)
+            # must not leave the helper writing the residual while the caller goes on.
+            new_residual = pending.wait() if pending is not None else None
         if pending is not None:
-            ctx.state.set("residual", pending.wait())  # before decoding into ctx.out, which x may share
+            ctx.state.set("residual", new_residual)  # before decoding into ctx.out, which x may share
         out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d, out=ctx.out),
                      lambda: B.full(d, float("nan")))
 

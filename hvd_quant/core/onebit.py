@@ -171,8 +171,8 @@ def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=No
         return _unpad_tensors(B, unpack_scaled_sum(B, tensor_bits, tensor_scales, per_chunk, total,
                                                    out=into), counts, padded)
 
-    out = B.cond(finite, decode, lambda: B.full(d, float("nan")))
-    return out, worker_error, server_error, finite
+    result = B.cond(finite, decode, lambda: B.full(d, float("nan")))
+    return result, worker_error, server_error, finite
 
 
 def _pad_tensors(B, x, counts, padded):
@@ -188,6 +188,8 @@ def _pad_tensors(B, x, counts, padded):
 
 def _unpad_tensors(B, y, counts, padded):
     """Inverse of :func:`_pad_tensors`."""
+    if list(counts) == list(padded):  # nothing was padded (y may be the caller's out)
+        return y
     if len(counts) == 1:
         return B.slice(y, 0, counts[0])
     parts, offset = [], 0

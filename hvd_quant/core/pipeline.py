@@ -1,6 +1,7 @@
 """Overlap: reduce fused buckets while backward runs, and pipeline chunks of one buffer.
 
-Two mechanisms, both framework-agnostic (the torch optimizer uses them):
+Three mechanisms, all framework-agnostic (the torch optimizer and the compressors use
+them):
 
 :class:`BucketPipeline`
     One worker thread per owner reduces buckets ``0, 1, ..., B-1`` *in index order*, each
@@ -28,11 +29,15 @@ Two mechanisms, both framework-agnostic (the torch optimizer uses them):
     is bit-identical to the unchunked method). Other compressors fall back to their own
     ``reduce`` (see :func:`supports_chunking`).
 
+:func:`beside`
+    Inside one collective: a fused CPU kernel (e.g. Marsit's residual update) runs on a
+    helper thread while the caller's collectives (the ring's hops) are on the wire.
+
 Asynchronous collectives: a communicator may offer ``allgather_async(x, name)``,
 ``alltoall_async(x, name)`` and ``allreduce_async(x, op, name)`` returning a handle with
-``wait()``; without them (the
-thread-world oracle) the collective runs eagerly and the handle only returns its result,
-which keeps the results the same.
+``wait()`` (:func:`start_allgather`, :func:`start_alltoall`, :func:`start_allreduce`);
+without them (the thread-world oracle) the collective runs eagerly and the handle only
+returns its result, which keeps the results the same.
 """
 
 import threading
@@ -168,18 +173,22 @@ def start_allgather(comm, x, name):
 
 
 _BESIDE = {}
+_BESIDE_LOCK = threading.Lock()
 
 
-def beside(B, fn, *tensors):
+def beside(B, fn, *tensors, kernel="sign_residual"):
     """Run ``fn`` on a helper thread while the caller goes on (e.g. with a chain of ring
-    hops), where that is safe: a fused CPU kernel does the work and releases the GIL.
-    Elsewhere (TF graphs, CUDA tensors, the oracle) ``fn`` runs now, in order. Returns a
-    handle; ``wait()`` gives ``fn``'s result or raises its error."""
-    if B.kernel("sign_residual", *tensors) is None:
+    hops), where that is safe: ``fn``'s work is the fused CPU kernel ``kernel``, which
+    releases the GIL, and ``tensors`` are its inputs. Elsewhere (no such kernel for these
+    tensors: TF graphs, CUDA tensors, the oracle) ``fn`` runs now, in order. Returns a
+    handle; ``wait()`` gives ``fn``'s result or raises its error. The caller must wait on
+    every exit path, its errors included."""
+    if B.kernel(kernel, *tensors) is None:
         return _Done(fn())
-    if "pool" not in _BESIDE:
-        from concurrent.futures import ThreadPoolExecutor
-        _BESIDE["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvd_quant-beside")
+    with _BESIDE_LOCK:  # bucket threads may get here at once: one pool
+        if "pool" not in _BESIDE:
+            from concurrent.futures import ThreadPoolExecutor
+            _BESIDE["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvd_quant-beside")
     future = _BESIDE["pool"].submit(fn)
     return _Waiting(future)
 
@@ -218,7 +227,8 @@ def supports_chunking(compressor):
       :class:`BucketPipeline` instead.
     * ``onebit``: its server stage needs every rank's whole chunk (alltoall) first.
     """
-    return _CHUNKED.get(type(compressor).__name__) == getattr(compressor, "name", None)
+    name = _CHUNKED.get(type(compressor).__name__)
+    return name is not None and name == getattr(compressor, "name", None)
 
 
 def chunk_bounds(numel, chunk_numel):
@@ -341,7 +351,9 @@ def _global_qsgd_chunked(x, ctx, compressor, chunks):
     def finish(k, handle):
         a, b = chunks[k]
         into = B.slice(out, a, b) if out is not None else None
-        pieces.append(dequantize(B, comm, handle.wait(), b - a, scale, pre, levels, width, into=into))
+        piece = dequantize(B, comm, handle.wait(), b - a, scale, pre, levels, width, into=into)
+        if out is None:  # otherwise the piece is already in place
+            pieces.append(piece)
 
     pending = start(0)
     for k in range(1, len(chunks)):

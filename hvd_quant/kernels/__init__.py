@@ -13,8 +13,8 @@ primitive                  generic twin                                    used 
 ``sign_pack_residual``     ``core.packing.sign_pack_residual``             ef_sign, marsit, onebit
 ``unpack_scaled_sum``      ``core.packing.unpack_scaled_sum``              ef_sign, marsit, onebit
 ``compensate_sums``        ``core.segments.compensate_sums``               ef_sign, marsit, onebit
-``compensate_sums_signs``  ``core.segments.compensate_sums_signs``         ef_sign
-``sign_residual``          ``core.packing.sign_residual``                  ef_sign
+``compensate_sums_signs``  ``core.segments.compensate_sums_signs``         ef_sign, marsit, onebit
+``sign_residual``          ``core.packing.sign_residual``                  ef_sign, marsit, onebit
 ``absmax_finite``          ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
 ``quantize_lanes``         ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
 ``quantize_ints``          ``compressors.global_qsgd.quantize``            global_qsgd (native ints)

@@ -343,7 +343,8 @@ class ZeroOneAdamRule(Rule):
         # DeepSpeed's x - u undoes the local steps up to rounding, which differs per rank;
         # exact_sync keeps the last sync's parameters instead, so ranks agree bit for bit.
         # synced = base + w / (sqrt(v) + eps), new momentum -(w / lrs).
-        out = (ctx.buffer("synced"), ctx.buffer("momentum")) if ctx.buffer("synced") is not None else None
+        synced_into = ctx.buffer("synced")
+        out = (synced_into, ctx.buffer("momentum")) if synced_into is not None else None
         synced, momentum = (
             zero_one_sync_result(B, st.slot("synced_params"), None, w, v, eps, _divisor(B, lrs), out=out)
             if self.exact_sync else

@@ -25,7 +25,8 @@ class _AsyncHandle:
 
 class HorovodTorchComm(ProcessSetTorus, Communicator):
     """Collectives over a Horovod process set (the global one by default). Every call
-    runs under the collective deadline of :mod:`hvd_quant.core.watchdog`."""
+    runs under the collective deadline of :mod:`hvd_quant.core.watchdog` (for the
+    ``*_async`` ones: the handle's ``wait()``)."""
 
     def __init__(self, process_set=None):
         super().__init__()
@@ -51,8 +52,9 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
         with WATCHDOG.guard(f"allgather {name!r}"):
             return hvd.allgather(x, name=name, process_set=self.process_set)
 
-    # Asynchronous twins (hvd_quant.core.pipeline.start_allgather / start_allreduce): the
-    # collective is on the wire while the caller computes; wait() returns its result.
+    # Asynchronous twins (hvd_quant.core.pipeline.start_allgather / start_alltoall /
+    # start_allreduce): the collective is on the wire while the caller computes; wait()
+    # returns its result.
     def allgather_async(self, x, name):
         self._count_allgather(x.numel() * x.element_size())
         return _AsyncHandle(hvd.allgather_async(x, name=name, process_set=self.process_set),

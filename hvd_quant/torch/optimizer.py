@@ -60,6 +60,7 @@ import horovod.torch as hvd
 
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63
+from ..optimizers.base import same_memory
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
 
@@ -198,7 +199,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             value = mean[offset:offset + n].view_as(p).to(p.dtype)
             if p.grad is None or p.grad.is_sparse:
                 p.grad = value.clone()
-            elif not _same_memory(value, p.grad):  # else reduced in place already
+            elif not same_memory(value, p.grad):  # else reduced in place already
                 p.grad.copy_(value)
             offset += n
 
@@ -257,11 +258,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None:
             self._runner.load_state_dict(ours["state"])
             self._runner.load_rng_state(ours.get("rng", {}))
-
-
-def _same_memory(a, b):
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride())
 
 
 def _split_groups(params, groups):

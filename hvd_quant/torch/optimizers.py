@@ -113,9 +113,10 @@ class RuleOptimizer(torch.optim.Optimizer):
     #: Keep the rule's full-size temporaries (a new moment, 0/1 Adam's preconditioned
     #: update and sync results...) from one step to the next instead of allocating them
     #: every step: a fresh 100 MB tensor costs more than the arithmetic that fills it
-    #: (page faults; huge-page compaction on a busy machine). The price is memory: up to
-    #: six float32 buffers the size of the largest param group, held between steps (0/1
-    #: Adam's sync; 1-bit Adam two, BinSGDM two). Set ``opt.reuse_buffers = False`` to
+    #: (page faults; huge-page compaction on a busy machine). The price is memory: float32
+    #: buffers the size of each param group, held between steps (0/1 Adam up to eight:
+    #: moments, local step and accumulator, the sync's three results, zeros; 1-bit Adam
+    #: two, BinSGDM two). Set ``opt.reuse_buffers = False`` to
     #: allocate per step instead. Results are the same bits either way.
     reuse_buffers = True
 
