@@ -10,6 +10,7 @@ requested method produced a time, that the wire meter's bytes are what each meth
 send, and that the table, the JSON and the plot are written.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -82,7 +83,7 @@ def test_powersgd_byte_model_follows_its_compression_rule():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(560)
 def test_cluster_benchmark_end_to_end(can_run, tmp_path):
     """2 hosts at 1 Gbit/s, 64k floats, one repeat: every requested method is timed on
     both ranks, the bytes sent are the wire meter's (1 bit per element for the sign
@@ -117,6 +118,39 @@ def test_cluster_benchmark_end_to_end(can_run, tmp_path):
     report = (out / "report.md").read_text()
     assert all(f"| {m} |" in report or f"| {m} (" in report for m in methods)
     assert (out / "speedup.png").stat().st_size > 1000
+
+    # --resume: the job already done is reused (no new times), the outputs are rewritten.
+    (out / "speedup.png").unlink()
+    again = subprocess.run(
+        [sys.executable, str(BENCH / "bench_cluster.py"), "--rates", "1gbit", "--hosts", "2",
+         "--cases", "buffer", "--numel", str(numel), "--repeats", "1", "--methods", ",".join(methods),
+         "--out-dir", str(out), "--job-timeout", "300", "--resume"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "reusing" in again.stdout + again.stderr
+    (rerun,) = json.loads((out / "results.json").read_text())["runs"]
+    assert rerun["raw"] == run["raw"]
+    assert (out / "speedup.png").exists()
+
+
+def test_resume_reuses_only_the_same_job(tmp_path):
+    args = argparse.Namespace(
+        repeats=3, threads=1, slots=1, numel=1000, methods="", worker_arg=[])
+    raw = raw_result()
+    raw["config"].update({"threads": 1, "hosts": 2, "slots": 1, "rate_bps": 1e9})
+    path = tmp_path / "1gbit_2h_buffer.json"
+    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") is None  # nothing there yet
+    path.write_text(json.dumps(raw))
+    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") == raw
+    assert bench_cluster.reusable(path, args, 3, 1e9, "buffer") is None  # other hosts
+    assert bench_cluster.reusable(path, args, 2, 1e8, "buffer") is None  # other rate
+    args.repeats = 5
+    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") is None  # other repeats
+    args.repeats, args.worker_arg = 3, ["--batch=8"]
+    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") is None  # other worker arguments
+    path.write_text("{not json")
+    args.worker_arg = []
+    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") is None
 
 
 @pytest.mark.timeout(300)
