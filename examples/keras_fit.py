@@ -43,6 +43,8 @@ def parse_args():
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--policy", default="float32", choices=["float32", "mixed_float16", "mixed_bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jit-compile", action="store_true",
+                   help="XLA-compile the forward and backward pass (hq.callbacks.JitCompileCallback)")
     p.add_argument("--json", default=None, help="rank 0 writes its results here")
     return p.parse_args()
 
@@ -129,7 +131,7 @@ def main():
                               keras.layers.Activation("linear", dtype="float32", name="out")], name="mlp")
     opt, compression = make_optimizer(args, steps * args.epochs)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], jit_compile=False)
+                  metrics=["accuracy"], jit_compile=args.jit_compile)
     if hvd.rank() == 0:
         what = f"compression {compression!r}" if compression is not None else f"optimizer {type(opt).__name__}"
         print(f"keras {keras.__version__}, {hvd.size()} ranks, {what}, policy {args.policy}", flush=True)
@@ -138,6 +140,7 @@ def main():
     model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
               validation_data=(x_test, y_test), shuffle=True,
               callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hq.callbacks.JitCompileCallback(),  # no-op unless --jit-compile
                          hq.callbacks.MetricAverageCallback(), report,
                          hq.callbacks.FinalSyncCallback()])  # 0/1 Adam's last local steps
     wall = time.perf_counter() - start

@@ -11,6 +11,8 @@
   ImageNet in 1 Hour", 2017, section 2.2, gradual warmup), as Horovod's callback does.
 * :class:`FinalSyncCallback`: when ``fit`` ends, 0/1 Adam synchronises the local steps
   since its last sync, so every rank ends with the same model.
+* :class:`JitCompileCallback`: ``jit_compile=True`` works: XLA compiles the forward and
+  backward pass, the collectives run outside it.
 
 Put :class:`MetricAverageCallback` before callbacks that read the logs
 (``ModelCheckpoint(monitor=...)``, ``EarlyStopping``), so that they see averaged values.
@@ -245,3 +247,37 @@ class FinalSyncCallback(keras.callbacks.Callback):
                 return
             optimizer = getattr(optimizer, "inner_optimizer", None)
         self.synced = False
+
+
+class JitCompileCallback(keras.callbacks.Callback):
+    """``model.compile(..., jit_compile=True)`` with hvd_quant: XLA compiles the forward and
+    backward pass, the gradient reduction and the optimizer step run outside XLA.
+
+    Horovod's collectives cannot be XLA-compiled, and Keras compiles the whole train step
+    (optimizer included) under ``jit_compile=True``, so without this callback the first
+    step raises. When ``fit`` starts on a model compiled with ``jit_compile=True``, this
+    callback replaces its train step with :func:`hvd_quant.tensorflow.xla_step.split_train_step`
+    (the same computation as Keras' default step, in two functions) and restores the
+    model when ``fit`` ends. With ``jit_compile=False`` or ``run_eagerly=True`` it does
+    nothing. It applies to ``fit`` only (``train_on_batch`` runs no callbacks).
+    """
+
+    def on_train_begin(self, logs=None):
+        from .xla_step import split_train_step
+
+        model = self.model
+        self._split = bool(model.jit_compile) and not model.run_eagerly
+        if not self._split:
+            return
+        model.train_step = split_train_step(model)
+        model.jit_compile = False  # the outer step: a plain tf.function
+        model.make_train_function(force=True)
+
+    def on_train_end(self, logs=None):
+        if not getattr(self, "_split", False):
+            return
+        model = self.model
+        model.__dict__.pop("train_step", None)
+        model.jit_compile = True
+        model.train_function = None  # the next fit builds (and splits) it again
+        self._split = False

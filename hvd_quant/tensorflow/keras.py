@@ -33,8 +33,10 @@ How it fits Keras
   Passing a ``LossScaleOptimizer`` as ``optimizer`` adopts its settings.
 * ``jit_compile=True``: Horovod's collectives are custom TensorFlow ops that XLA cannot
   compile (this Horovod build has no XLA ops), and Keras compiles the whole train step.
-  The first trace raises a :class:`RuntimeError` saying so on every rank, before any
-  collective; compile with ``jit_compile=False`` (Keras' ``"auto"`` picks it on CPU).
+  Pass :class:`~hvd_quant.tensorflow.callbacks.JitCompileCallback` to ``fit``: XLA then
+  compiles the forward and backward pass and the reduction runs outside it
+  (:mod:`hvd_quant.tensorflow.xla_step`). Without it, the first trace raises a
+  :class:`RuntimeError` saying so on every rank, before any collective.
 """
 
 import sys
@@ -49,6 +51,7 @@ from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor
 from .optimizers import resize_keras_variable
 from .tape import check_agreement_once, group_segments, reduce_gradients
+from .xla_step import refuse_xla
 
 _LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "apply_fn")
 
@@ -252,7 +255,7 @@ class DistributedOptimizer(LossScaleOptimizer):
     # --- the step ---------------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
-        _refuse_xla()
+        refuse_xla()
         self._refuse_being_wrapped()
         grads = list(grads)
         if not grads:
@@ -354,22 +357,4 @@ class DistributedOptimizer(LossScaleOptimizer):
         compression = Compression.get(comp["name"], seed=comp["seed"], **comp["options"])
         op = {int(hvd.Average): hvd.Average, int(hvd.Sum): hvd.Sum}[int(config.pop("op"))]
         return cls(inner, compression=compression, op=op, **config)
-
-
-def _refuse_xla():
-    """Raise while tracing an XLA-compiled function (``jit_compile=True``)."""
-    try:
-        from tensorflow.python.framework import ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # private TF modules moved: XLA will refuse the Horovod ops itself
-        return
-    if tf.executing_eagerly():
-        return
-    if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
-        raise RuntimeError(
-            "hvd_quant: the gradient reduction runs Horovod collectives, custom TensorFlow ops "
-            "that XLA cannot compile (this Horovod build has no XLA ops), and Keras compiles "
-            "the whole train step under jit_compile=True. Compile the model with "
-            "jit_compile=False (Keras' jit_compile='auto' picks False on CPU-only machines, "
-            "True on GPUs).")
 

@@ -54,6 +54,7 @@ from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, ini
 from ..optimizers.binsgdm import single_beta
 from .backend import TFBackend
 from .compression import variable_name
+from .xla_step import refuse_xla
 
 
 class _VariableGroupState(GroupState):
@@ -255,6 +256,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
 
     # --- the step ---------------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):
+        refuse_xla()  # the step's collectives cannot be XLA-compiled (JitCompileCallback)
         _refuse_plain_loss_scaling(self)
         if self._hq_recheck:  # after an elastic reset whose sync was skipped
             self.elastic_check()

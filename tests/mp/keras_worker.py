@@ -132,6 +132,42 @@ def jit_compile_refused():
     return "no error"
 
 
+def jit_compile_refused_onebit():
+    keras = keras3()
+    x, y = data()
+    model = make_model(keras)
+    model.compile(optimizer=hq.OnebitAdam(1e-2, freeze_step=2), jit_compile=True,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    return "no error"
+
+
+def jit_compile_split():
+    """jit_compile=True with JitCompileCallback: XLA runs forward and backward, the
+    reduction runs outside. Same losses as jit_compile=False, ranks identical."""
+    keras = keras3()
+    x, y = data()
+    out = {}
+    optimizers = {"ef_sign": lambda: hq.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                            compression=hq.Compression.ef_sign),
+                  "marsit": lambda: hq.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                           compression=hq.Compression.marsit),
+                  "onebit_adam": lambda: hq.OnebitAdam(3e-3, freeze_step=6)}
+    for name, make_opt in optimizers.items():
+        for jit in (False, True):
+            model = make_model(keras, seed=RANK)
+            model.compile(optimizer=make_opt(), jit_compile=jit, metrics=["accuracy"],
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            hist = model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                             callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0),
+                                        hq.callbacks.JitCompileCallback()])
+            out[f"{name}/{'jit' if jit else 'plain'}"] = {
+                "digest": digest(weights(model)), "loss": hist.history["loss"],
+                "accuracy": hist.history["accuracy"], "jit_compile_after": bool(model.jit_compile),
+                "bytes": float(model.optimizer.bytes_sent)}
+    return out
+
+
 def loss_scale_outside_refused():
     """LossScaleOptimizer(DistributedOptimizer(...)) would check local gradients: refused."""
     keras = keras3()
@@ -206,10 +242,13 @@ if MODE == "keras3":
     record("fit", fit_every_compressor)
     record("checkpoint", checkpoint_resumes_exactly)
     record("jit", jit_compile_refused)
+    record("jit_onebit", jit_compile_refused_onebit)
+    record("jit_split", jit_compile_split)
     record("loss_scale_outside", loss_scale_outside_refused)
     record("callbacks", callbacks_behave)
 elif MODE == "keras3_fit":
     record("fit", fit_every_compressor)
+    record("jit_split", jit_compile_split)
 elif MODE == "legacy":
     assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     record("legacy_fit", legacy_fit)
