@@ -42,10 +42,20 @@ log "horovodrun -np $np -H $hosts --gloo --network-interfaces $dev $*"
 rc=0
 ${JOB_TIMEOUT:+timeout -k 10 "$JOB_TIMEOUT"} \
     horovodrun -np "$np" -H "$hosts" --gloo --network-interfaces "$dev" "$@" || rc=$?
+# A worker is reported unreachable only when three probes, 1 s apart, all fail: just after
+# a failed job the live workers are busy tearing their ranks down, and on a loaded machine
+# one 3 s probe of a live worker was seen to fail ("unreachable workers: w1 w2").
+reachable() {
+    for _ in 1 2 3; do
+        timeout 15 ssh -o ConnectTimeout=5 -o BatchMode=yes "$1" true 2>/dev/null && return 0
+        sleep 1
+    done
+    return 1
+}
 if [ "$rc" -ne 0 ]; then
     down=""
     for h in $(echo "$hosts" | tr , ' '); do
-        ssh -o ConnectTimeout=3 "${h%%:*}" true 2>/dev/null || down="$down ${h%%:*}"
+        reachable "${h%%:*}" || down="$down ${h%%:*}"
     done
     [ "$rc" -eq 124 ] && log "job killed after JOB_TIMEOUT=${JOB_TIMEOUT}s"
     log "job failed (exit $rc); ${down:+unreachable workers:$down; }see the rank output above"

@@ -312,16 +312,26 @@ def test_sums_and_signs_in_one_pass(d, layout, with_e, threads):
 def test_adam_family_primitives_match_the_torch_generic_path(monkeypatch):
     """The kernels against torch's own float32 expressions (Python scalars included):
     equal, except where torch's CPU ``sqrt``, which is not correctly rounded (one ulp
-    off numpy's and LLVM's in about 0.6% of elements), feeds the result."""
+    off numpy's and LLVM's in about 0.6% of elements, more or fewer by CPU), feeds the
+    result. That ulp goes through a division and a subtraction which may cancel (a
+    parameter minus a step of about its size), so the bound is in ulps of the element's
+    largest operand or result, not relative to the result: at most 8 (4 seen, on an AMD
+    EPYC; a relative 1e-6 failed there on a result 60 ulps small after cancellation)."""
     torch = pytest.importorskip("torch")
     from hvd_quant.torch.backend import TorchBackend
 
     fast, generic = TorchBackend(), TorchBackend()
     monkeypatch.setattr(generic, "kernel", lambda name, *tensors: None)
     inputs = [torch.from_numpy(a) for a in _adam_inputs(100_003)]
+    operand_scale = np.max([np.abs(a.numpy()) for a in inputs], axis=0)
     for wd in (0.0, 0.01):
         for got, want in zip(_elementwise_results(fast, *inputs, wd), _elementwise_results(generic, *inputs, wd)):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+            got, want = got.numpy(), want.numpy()
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+            ulp = np.spacing(np.maximum(operand_scale, np.abs(want)).astype(np.float32))
+            finite = np.isfinite(want)
+            err = np.abs(got[finite].astype(np.float64) - want[finite]) / ulp[finite]
+            assert err.max(initial=0) <= 8, (err.max(), int(np.argmax(err)))
         # Without a square root the very same bits.
         for i in (0, 1, 2, 10):
             torch.testing.assert_close(_elementwise_results(fast, *inputs, wd)[i],
