@@ -262,6 +262,10 @@ class JitCompileCallback(keras.callbacks.Callback):
     nothing. It applies to ``fit`` only (``train_on_batch`` runs no callbacks).
     """
 
+    def __init__(self):
+        super().__init__()
+        self._split = False  # this fit's train step was split (restore it when fit ends)
+
     def on_train_begin(self, logs=None):
         from .xla_step import split_train_step
 
@@ -274,7 +278,7 @@ class JitCompileCallback(keras.callbacks.Callback):
         model.make_train_function(force=True)
 
     def on_train_end(self, logs=None):
-        if not getattr(self, "_split", False):
+        if not self._split:
             return
         model = self.model
         model.__dict__.pop("train_step", None)

@@ -20,18 +20,20 @@ installs :func:`split_train_step` when ``fit`` starts.
 
 import tensorflow as tf
 
+try:
+    from tensorflow.python.framework import ops as _ops
+    from tensorflow.python.ops import control_flow_util as _control_flow_util
+except ImportError:  # private TF modules moved: XLA will refuse the Horovod ops itself
+    _ops = _control_flow_util = None
+
 
 def refuse_xla():
     """Raise while tracing an XLA-compiled function (``jit_compile=True``): the collectives
-    of the step that follows cannot be compiled."""
-    try:
-        from tensorflow.python.framework import ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # private TF modules moved: XLA will refuse the Horovod ops itself
+    of the step that follows cannot be compiled. Called on every step: eager steps return
+    at the first check."""
+    if tf.executing_eagerly() or _control_flow_util is None:
         return
-    if tf.executing_eagerly():
-        return
-    if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+    if _control_flow_util.GraphOrParentsInXlaContext(_ops.get_default_graph()):
         raise RuntimeError(
             "hvd_quant: the gradient reduction runs Horovod collectives, custom TensorFlow ops "
             "that XLA cannot compile (this Horovod build has no XLA ops), and Keras compiles "
