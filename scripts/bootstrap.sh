@@ -50,4 +50,17 @@ if ! (cd / && "$py" -c "import hvd_quant, sys; sys.exit(0 if hvd_quant.__file__.
     echo "[bootstrap] installing hvd_quant (editable)"
     "$py" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
 fi
+# Compile the fused kernels now (both the serial and the parallel twins, so that no rank ever
+# compiles whatever its thread count): numba caches the machine code on disk, so a fresh machine
+# pays its ~25 s here, once, and training processes only load it.
+(cd / && TF_CPP_MIN_LOG_LEVEL=3 "$py" - <<'PYEOF'
+from hvd_quant import kernels
+if kernels.enabled():
+    seconds = kernels.warm_up("all")
+    if seconds > 5:
+        print(f"[bootstrap] fused kernels compiled in {seconds:.0f} s (cached for later runs)")
+else:
+    print(f"[bootstrap] fused kernels unavailable: {kernels.why_disabled()}")
+PYEOF
+)
 echo "[bootstrap] environment ready: $venv"

@@ -46,9 +46,9 @@ def split(d):
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
-    kernels.set_threads(request.param)
+    kernels.set_threads(request.param)  # 1: the serial twins; 2: the parallel ones
     yield request.param
-    kernels.set_threads(2)
+    kernels.set_threads(None)
 
 
 @pytest.mark.parametrize("d", SIZES)
@@ -96,6 +96,7 @@ def test_sums_do_not_depend_on_the_thread_count():
     for n in (1, 2):
         kernels.set_threads(n)
         out.append((compensate_sums(K, x, None, [x.size], True), gq.absmax_finite(K, x)[0]))
+    kernels.set_threads(None)
     np.testing.assert_array_equal(out[0][0], out[1][0])
     np.testing.assert_array_equal(out[0][1], out[1][1])
 

@@ -2,12 +2,17 @@
 
     python -m hvd_quant.cluster check [--quick]
     python -m hvd_quant.cluster run --hosts 2 [--slots 1] [--rate 1gbit] [--delay 1ms]
-                                    [--timeout 600] [--no-horovod] -- python script.py ARGS
+                                    [--cpus split] [--timeout 600] [--no-horovod] -- python script.py ARGS
     python -m hvd_quant.cluster cleanup [--prefix hvdqc-] [--force]
 
 ``run`` creates the cluster, runs the command once per rank (Horovod's Gloo rendezvous,
 or plain torch.distributed with ``--no-horovod``), streams every rank's prefixed output,
-removes the cluster and exits with the job's status (124 after a timeout). ``check``
+removes the cluster and exits with the job's status (124 after a timeout). A bare
+``python`` or ``python3`` after ``--`` means the interpreter running this module, as it
+would with a virtual environment active (also under ``sudo``, which resets ``PATH``); a
+rank that fails with ``ModuleNotFoundError`` is reported with the interpreter it ran.
+Each host's ranks are pinned to that host's share of the CPUs (``--cpus split``, the
+default; see :mod:`hvd_quant.cluster.emulated`). ``check``
 says whether this machine can run it and, if not, why. ``cleanup`` removes what a
 killed run left behind (clusters whose owner process is gone; ``--force``: all that
 match the prefix).
@@ -17,10 +22,12 @@ cluster cannot run here (the message says why).
 """
 
 import argparse
+import re
+import shutil
 import sys
 
 from . import netns
-from .emulated import ClusterInterrupted, EmulatedCluster
+from .emulated import ClusterInterrupted, EmulatedCluster, resolve_interpreter
 from .launch import JobTimeout
 from .netns import ClusterError, ClusterUnavailable
 
@@ -47,8 +54,13 @@ def _run(args):
     if not command:
         print("run: give the command after '--', e.g. -- python script.py", file=sys.stderr)
         return 2
+    resolved = resolve_interpreter(command)
+    if resolved[0] != command[0]:
+        print(f"[cluster] {command[0]} -> {resolved[0]} (the interpreter running hvd_quant.cluster)",
+              file=sys.stderr)
+    command = resolved
     with EmulatedCluster(hosts=args.hosts, slots=args.slots, rate=args.rate, delay=args.delay,
-                         mtu=args.mtu) as cluster:
+                         mtu=args.mtu, cpus=args.cpus) as cluster:
         try:
             result = cluster.run(command, horovod=not args.no_horovod, timeout=args.timeout,
                                  stream=sys.stdout)
@@ -58,7 +70,18 @@ def _run(args):
     if result.returncode != 0:
         print(f"[cluster] rank {result.failed_rank} failed with exit status {result.returncode}; "
               "the other ranks were stopped", file=sys.stderr)
+        missing = missing_module(result.stdout)
+        if missing:
+            print(f"[cluster] the ranks ran {shutil.which(command[0]) or command[0]}, which has no "
+                  f"module {missing!r}: give the interpreter of the environment that has it, e.g. "
+                  f"-- {sys.executable} script.py", file=sys.stderr)
     return result.returncode if result.returncode >= 0 else 128 - result.returncode
+
+
+def missing_module(output):
+    """The module a rank's ``ModuleNotFoundError`` names in ``output``, or ``None``."""
+    match = re.search(r"ModuleNotFoundError: No module named '([^']+)'", output)
+    return match.group(1) if match else None
 
 
 def _cleanup(args):
@@ -97,6 +120,9 @@ def main(argv=None):
                                                    "10gbit, unlimited (default 1gbit)")
     r.add_argument("--delay", default=None, help="one-way host-to-host delay, e.g. 0.5ms (default none)")
     r.add_argument("--mtu", type=int, default=1500)
+    r.add_argument("--cpus", choices=("split", "shared"), default="split",
+                   help="split (default): each host gets its own share of this machine's CPUs, "
+                        "its ranks pinned to it; shared: every rank may run on every CPU")
     r.add_argument("--timeout", type=float, default=600, help="hard limit for the job in seconds")
     r.add_argument("--no-horovod", action="store_true",
                    help="no Horovod rendezvous: a plain torch.distributed (env://) job")

@@ -22,6 +22,17 @@ switch. Ranks on the same host (``slots > 1``) talk over that namespace's loopba
 unshaped, as ranks on one machine would. Rates count link-layer bytes (Ethernet header
 included), so with the default 1500-byte MTU TCP payload peaks near 95% of ``rate``.
 
+Cores
+-----
+Each host gets its own CPUs, as a real host has: by default (``cpus="split"``) the CPUs
+this process may use are dealt out to the hosts in equal contiguous shares (host ``i`` of
+``H`` on a machine with ``C >= H`` CPUs gets ``C // H`` of them; with more hosts than CPUs,
+host ``i`` gets CPU ``i mod C`` and shares it), and every rank of a host is pinned to its
+host's set (its affinity mask). Software that sizes itself by the cores it may use
+(hvd_quant's kernel threads, torch's and OpenMP's defaults) then sees a host's share, not
+the whole machine: without it, two emulated hosts on a 2-core machine each took both
+cores and oversubscribed them. ``cpus="shared"`` leaves every rank on every CPU.
+
 Launching
 ---------
 ``run_horovod`` starts Horovod's Gloo rendezvous server in the switch namespace and one
@@ -73,6 +84,10 @@ class EmulatedCluster:
         Number of emulated hosts (>= 1).
     slots : int
         Ranks per host (>= 1).
+    cpus : ``"split"``, ``"shared"`` or a list of CPU lists
+        Each host's CPUs (see "Cores" above): ``"split"`` (default) deals this process's
+        CPUs out to the hosts, ``"shared"`` gives every host every CPU, or one list of CPU
+        numbers per host.
     rate : str, float or None
         Each host's link rate: ``"100mbit"``, ``"1gbit"``, ``"10gbit"``, bits per second,
         or ``None``/``"unlimited"`` for unshaped veth links.
@@ -89,7 +104,7 @@ class EmulatedCluster:
         When entering, if the machine cannot run it (message says why).
     """
 
-    def __init__(self, hosts=2, slots=1, rate=None, delay=None, mtu=1500, log=None):
+    def __init__(self, hosts=2, slots=1, rate=None, delay=None, mtu=1500, log=None, cpus="split"):
         if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1:
             raise ValueError(f"hosts must be an int >= 1, got {hosts!r}")
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
@@ -97,6 +112,7 @@ class EmulatedCluster:
         if not isinstance(mtu, int) or not 576 <= mtu <= 65535:
             raise ValueError(f"mtu must be an int in [576, 65535], got {mtu!r}")
         self.num_hosts, self.slots, self.mtu = hosts, slots, mtu
+        self.host_cpus = host_cpu_sets(hosts, cpus)
         self.rate_bps, self.delay_s = parse_rate(rate), parse_delay(delay)
         self._log = log if log is not None else (lambda msg: print(f"[cluster] {msg}", file=sys.stderr, flush=True))
         self.prefix = None
@@ -141,7 +157,7 @@ class EmulatedCluster:
             self.close()
             raise
         self._log(f"{self.num_hosts} hosts x {self.slots} slots on {self.subnet} "
-                  f"({self.prefix}*): {self.describe_link()}")
+                  f"({self.prefix}*): {self.describe_link()}; {self.describe_cpus()}")
         return self
 
     def close(self):
@@ -211,6 +227,11 @@ class EmulatedCluster:
         return (f"each host one full-duplex {format_rate(self.rate_bps)} link "
                 f"(tbf on both ends of its veth){delay}, MTU {self.mtu}")
 
+    def describe_cpus(self):
+        if self.host_cpus is None:
+            return "every host on every CPU"
+        return "CPUs per host: " + ", ".join(f"h{i} {_cpu_list(c)}" for i, c in enumerate(self.host_cpus))
+
     # --- jobs ---------------------------------------------------------------------------
     @property
     def size(self):
@@ -235,6 +256,7 @@ class EmulatedCluster:
             "HVDQ_CLUSTER_RATE_BPS": str(self.rate_bps or 0),
             "HVDQ_CLUSTER_RATE": format_rate(self.rate_bps),
             "HVDQ_CLUSTER_DELAY_S": repr(self.delay_s),
+            "HVDQ_CLUSTER_CPUS": "" if self.host_cpus is None else _cpu_list(self.host_cpus[host.index]),
         })
         if horovod_rendezvous_port is not None:
             env.update({
@@ -276,15 +298,14 @@ class EmulatedCluster:
             A ``subprocess.CompletedProcess`` with the prefixed output of all ranks.
         """
         self._require_open()
-        command = [str(c) for c in command]
-        if not command:
-            raise ValueError("empty command")
+        command = resolve_interpreter([str(c) for c in command])
         rendezvous = None
         try:
             port = None
             if horovod:
                 rendezvous, port = self._start_rendezvous()
-            commands = [["ip", "netns", "exec", self.rank_host(r).netns, *command] for r in range(self.size)]
+            commands = [self._pinned(r) + ["ip", "netns", "exec", self.rank_host(r).netns, *command]
+                        for r in range(self.size)]
             envs = [self.rank_env(r, port, env) for r in range(self.size)]
             labels = [f"r{r}@{self.rank_host(r).name}" for r in range(self.size)]
             result = run_ranks(commands, envs, labels, timeout, stream=stream)
@@ -295,6 +316,12 @@ class EmulatedCluster:
             raise JobFailed(f"rank {result.failed_rank} failed (exit {result.returncode}): "
                             f"{' '.join(command)}\n" + result.tail(), result)
         return result
+
+    def _pinned(self, rank):
+        """The prefix that pins ``rank`` to its host's CPUs (inherited across exec)."""
+        if self.host_cpus is None:
+            return []
+        return [sys.executable, "-c", _PIN, _cpu_list(self.host_cpus[self.rank_host(rank).index])]
 
     def run_horovod(self, command, **kwargs):
         """:meth:`run` with Horovod's Gloo rendezvous (one Horovod job, one rank per slot)."""
@@ -359,6 +386,49 @@ class EmulatedCluster:
         if not self._open:
             raise ClusterError("the cluster is not running: use 'with EmulatedCluster(...) as c:' "
                                "or call start() first")
+
+
+def host_cpu_sets(hosts, cpus="split"):
+    """One sorted list of CPU numbers per host, or ``None`` for "every host on every CPU"
+    (see "Cores" in the module docstring)."""
+    if cpus == "shared":
+        return None
+    if cpus == "split":
+        mine = sorted(os.sched_getaffinity(0))
+        if len(mine) >= hosts:
+            share = len(mine) // hosts
+            return [mine[i * share:(i + 1) * share] for i in range(hosts)]
+        return [[mine[i % len(mine)]] for i in range(hosts)]
+    sets = [sorted(int(c) for c in host) for host in cpus]
+    if len(sets) != hosts or not all(sets):
+        raise ValueError(f"cpus must be 'split', 'shared' or one non-empty CPU list per host "
+                         f"({hosts}), got {cpus!r}")
+    return sets
+
+
+# Set the affinity, then become the command: what ``taskset -c LIST CMD`` does, without
+# needing util-linux.
+_PIN = ("import os, sys; os.sched_setaffinity(0, [int(c) for c in sys.argv[1].split(',')]); "
+        "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def _cpu_list(cpus):
+    return ",".join(str(c) for c in cpus)
+
+
+#: Command names that mean "the Python that runs this launcher" after ``--``.
+PYTHON_NAMES = ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
+
+
+def resolve_interpreter(command):
+    """``command`` with a bare ``python``/``python3`` first word replaced by the interpreter
+    running this process: the rule users of ``horovodrun`` rely on with a virtual
+    environment active, kept under ``sudo``, which resets ``PATH`` to the system's."""
+    if not command:
+        raise ValueError("empty command")
+    if command[0] in PYTHON_NAMES and sys.executable:
+        return [sys.executable, *command[1:]]
+    return command
 
 
 def _package_root_path():

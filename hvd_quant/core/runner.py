@@ -6,6 +6,7 @@ the runner does the rest the same way for torch and TensorFlow.
 """
 
 import hashlib
+import zlib
 
 import numpy as np
 
@@ -24,6 +25,23 @@ def digest63(*parts):
         h.update(p if isinstance(p, bytes) else str(p).encode())
         h.update(b"\0")
     return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def values_digest63(arrays):
+    """A 63-bit digest of the bytes of numpy arrays, for the first-step check that every
+    rank holds the same parameter values.
+
+    A CRC-32 of each array's bytes (read in place through a memoryview: no copy; zlib's
+    CRC runs at several GB/s, 19 ms for 127 MB here, against 124 ms for ``tobytes()`` and
+    SHA-256) chained over the arrays, with their sizes, into :func:`digest63`. It catches
+    what the check is for, parameters that were never broadcast (any difference in a
+    random initialisation), not deliberate collisions."""
+    crc, sizes = 0, []
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        crc = zlib.crc32(memoryview(a.reshape(-1).view(np.uint8)), crc)
+        sizes.append(a.nbytes)
+    return digest63(crc, *sizes)
 
 
 def check_agreement(gathered, labels, fix_hints):

@@ -246,18 +246,21 @@ class StateStore:
                 del state[k]
 
     def _initial(self, segments, key, dtype):
-        pieces = []
+        # One zeroed allocation (calloc: its pages are faulted in by the first write, not
+        # here) filled with what a checkpoint restored; concatenating per-parameter zeros
+        # instead wrote every byte twice (200 ms for a 127 MB residual at set-up).
+        flat = np.zeros(sum(n for _, n in segments), dtype=dtype)
+        offset = 0
         for pname, n in segments:
             saved = self._restored.pop(f"{pname}/{key}", None)
-            if saved is None:
-                pieces.append(np.zeros(n, dtype=dtype))
-            else:
+            if saved is not None:
                 saved = np.asarray(saved, dtype=dtype).reshape(-1)
                 if saved.size != n:
                     raise ValueError(f"checkpoint state {pname}/{key} has {saved.size} elements, "
                                      f"the parameter has {n}")
-                pieces.append(saved)
-        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+                flat[offset:offset + n] = saved
+            offset += n
+        return flat
 
     def state_dict(self):
         """``{"param/key": numpy array}`` for every parameter with state."""

@@ -46,6 +46,7 @@ import os
 import time
 
 from ..core.backend import NumpyBackend
+from . import threads
 
 #: Every fused primitive with a fast CPU kernel.
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
@@ -56,22 +57,28 @@ NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sum
          "precondition", "zero_one_sync_result")
 
 _cpu = None
-_state = {"checked": False, "ok": False, "why": ""}
+_state = {"checked": False, "ok": False, "why": "", "prepared": False}
 
 
 def enabled():
     """True when the numba kernels can be used (numba imports and they are not disabled
-    with ``HVD_QUANT_KERNELS=0``)."""
+    with ``HVD_QUANT_KERNELS=0``). The first call applies the thread policy
+    (:mod:`hvd_quant.kernels.threads`) before numba is imported, and logs a warning with
+    the reason once if the kernels cannot be used."""
     if not _state["checked"]:
         _state["checked"] = True
         if os.environ.get("HVD_QUANT_KERNELS", "1") == "0":
             _state["why"] = "disabled by HVD_QUANT_KERNELS=0"
         else:
             try:
+                threads.configure()
                 cpu_module()
                 _state["ok"] = True
             except ImportError as exc:  # numba missing: the generic path still works
                 _state["why"] = f"numba is not importable ({exc})"
+                threads.log.warning(
+                    "hvd_quant: fused CPU kernels off, %s; the generic path runs instead, several "
+                    "times slower: pip install numba", _state["why"])
     return _state["ok"]
 
 
@@ -84,32 +91,21 @@ def cpu_module():
     global _cpu
     if _cpu is None:
         from . import cpu
+        cpu.use_serial(threads.choice().serial)
         _cpu = cpu
     return _cpu
 
 
 def set_threads(n):
-    """Use ``n`` numba threads in this Python thread's kernel calls (at most numba's
-    pool size). Ranks that share a machine should split its cores between them."""
-    import numba
-
-    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    """Use ``n`` kernel threads per rank (``None``: back to the environment and the
+    policy); see :mod:`hvd_quant.kernels.threads`. Returns the choice in effect."""
+    return threads.set_threads(n)
 
 
-def warm_up():
-    """Compile (or load from numba's on-disk cache) every kernel now, so that the first
-    training step does not pay for it. Returns the seconds it took.
-
-    A fresh machine pays about a second per kernel signature once; later processes load
-    the cached machine code in milliseconds.
-    """
+def _warm_flavour(k):
     import numpy as np
 
-    if not enabled():
-        return 0.0
-    start = time.perf_counter()
     x = np.linspace(-1, 1, 24, dtype=np.float32)
-    k = cpu_module()
     bounds = np.array([0, 10, 24], np.int64)
     bits = k.sign_pack(x)
     k.sign_pack_residual(x, None, np.ones(2, np.float32), bounds)
@@ -149,7 +145,66 @@ def warm_up():
     k.ema(x.copy(), x, 0.9, in_place=True)
     k.zero_one_sync_result(x, k.precondition(x, v, 1e-8), x, v, 1e-8, 0.1)
     k.zero_one_sync_result(x, None, x, v, 1e-8, 0.1)
+
+
+def warm_up(flavours="in use"):
+    """Compile (or load from numba's on-disk cache) every kernel now, so that the first
+    training step does not pay for it. Returns the seconds it took.
+
+    ``flavours``: ``"in use"`` (the serial or parallel twins, whichever the thread policy
+    picked) or ``"all"`` (both: what ``scripts/bootstrap.sh`` runs once per machine, so
+    that no rank ever compiles, whatever its thread count). A fresh machine pays about a
+    second per kernel signature once; later processes load the cached machine code.
+    """
+    if not enabled():
+        return 0.0
+    start = time.perf_counter()
+    k = cpu_module()
+    if flavours == "all":
+        serial = k._SERIAL[0]
+        try:
+            for flag in (True, False):
+                k.use_serial(flag)
+                _warm_flavour(k)
+        finally:
+            k.use_serial(serial)
+    elif flavours == "in use":
+        _warm_flavour(k)
+    else:
+        raise ValueError(f"flavours must be 'in use' or 'all', got {flavours!r}")
     return time.perf_counter() - start
+
+
+def prepare():
+    """Everything a process needs before its first step, once: the thread policy
+    (re-decided on every call: Horovod may know the ranks on this host by now) and the
+    kernels loaded (on the first call). Called by the adapters when an optimizer, tape or
+    compressor is set up. Returns the seconds the kernels took to load (0.0 after the first call)."""
+    if os.environ.get("HVD_QUANT_KERNELS", "1") != "0":
+        threads.configure()  # cheap (a few small files): Horovod may be initialised by now
+    if _state["prepared"]:
+        return 0.0
+    _state["prepared"] = True
+    return warm_up()
+
+
+def loaded_signatures():
+    """How many kernel signatures this process has compiled or loaded from the cache so
+    far (both twins). Constant during training once :func:`prepare` has run: the tests
+    check that no step compiles or loads a kernel."""
+    if _cpu is None:
+        return 0
+    from numba.core.registry import CPUDispatcher
+
+    total = 0
+    for value in vars(_cpu).values():
+        if isinstance(value, _cpu._Twin):
+            total += sum(len(d.signatures) for d in value.dispatchers())
+        elif isinstance(value, CPUDispatcher):
+            total += len(value.signatures)
+    for pair in _cpu._LANES.values():
+        total += sum(len(d.signatures) for twin in pair for d in twin.dispatchers())
+    return total
 
 
 class NumpyKernelBackend(NumpyBackend):

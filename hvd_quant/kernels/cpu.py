@@ -11,11 +11,15 @@ either; they agree with the generic float64 sums to a few units of float64 round
 
 Functions take and return numpy arrays (torch CPU tensors are passed as zero-copy
 ``tensor.numpy()`` views by :mod:`hvd_quant.torch.backend`). Arrays are 1-D, C-contiguous,
-float32 unless stated. ``parallel=True`` loops run on numba's threads (see
-:func:`hvd_quant.kernels.set_threads`); ``cache=True`` keeps compiled code on disk, so the
-compile cost (about a second per kernel) is paid once per machine, and
-:func:`hvd_quant.kernels.warm_up` pays it before training starts.
+float32 unless stated. Kernels with a ``prange`` loop exist as serial and parallel twins
+compiled from one body; :mod:`hvd_quant.kernels.threads` picks which runs (serial at one
+thread per rank) and how many threads the parallel ones use. ``cache=True`` keeps
+compiled code on disk, so the compile cost (about a second per kernel) is paid once per
+machine (``scripts/bootstrap.sh`` pays it), and :func:`hvd_quant.kernels.warm_up` loads
+it before training starts.
 """
+
+import types
 
 import numpy as np
 from numba import njit, prange
@@ -30,6 +34,50 @@ _U24 = np.float32(2.0 ** -24)
 # instead of a check that raises ZeroDivisionError, which also kept LLVM from vectorizing
 # every loop that divides (0/1 Adam's sync result ran 4x slower).
 _OPTS = dict(cache=True, nogil=True, error_model="numpy")
+
+
+# --- serial and parallel twins ------------------------------------------------------------
+# Every kernel with a ``prange`` loop is compiled two ways from one body: with a parallel
+# region on numba's pool, and serially (``prange`` is then ``range``). One thread per rank,
+# the usual case when ranks share a host, runs the serial twin: a parallel region on one
+# thread pays numba's scheduling call and vectorizes worse (benchmarks/bench_threads.py).
+# hvd_quant.kernels.threads picks the flavour; both give the same bits (fixed blocks).
+_SERIAL = [False]
+
+
+def use_serial(flag):
+    """Run the serial twins (``True``) or the parallel ones (see :mod:`.threads`)."""
+    _SERIAL[0] = bool(flag)
+
+
+def _renamed(fn, suffix):
+    """``fn`` under another qualified name: numba names a kernel's on-disk cache after it,
+    so the twins do not overwrite each other's compiled code."""
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + suffix, fn.__defaults__,
+                              fn.__closure__)
+    twin.__qualname__ = fn.__qualname__ + suffix
+    twin.__doc__ = fn.__doc__
+    return twin
+
+
+class _Twin:
+    """A kernel's parallel and serial compilations; calls go to the flavour in use.
+    Compiled (or loaded from the cache) lazily, on a flavour's first call."""
+
+    def __init__(self, fn):
+        self.parallel = njit(parallel=True, **_OPTS)(fn)
+        self.serial = njit(**_OPTS)(_renamed(fn, "__serial"))
+        self.__name__, self.__doc__ = fn.__name__, fn.__doc__
+
+    def __call__(self, *args):
+        return (self.serial if _SERIAL[0] else self.parallel)(*args)
+
+    def dispatchers(self):
+        return (self.parallel, self.serial)
+
+
+def _twin(fn):
+    return _Twin(fn)
 
 
 # --- random draws (hvd_quant.core.rng) ---------------------------------------------------
@@ -50,7 +98,7 @@ def _uniform(key, i):
     return np.float32(h >> _S8) * _U24
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _uniform_fill(key, out):
     k = np.uint64(key)
     for i in prange(out.size):
@@ -69,7 +117,7 @@ def uniform(key, n):
 # compiles to straight-line code); the few bytes that straddle a segment boundary, and the
 # last partial byte, go through a general per-element path afterwards.
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _sign_pack(x, out):
     for b in prange(x.size // 8):
         v = 0
@@ -137,7 +185,7 @@ def _spr_piece(x, e, has_e, sc, pos, tmp, resid, bits):
         bits[b] = np.uint8((words[b] * _PACK_MUL) >> _S56)
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _sign_pack_residual(x, e, scales, bounds, bits, resid):
     # p = x + e is recomputed here rather than stored by the pass that summed it: the
     # same float32 add gives the same p, and no buffer of p is written or read.
@@ -249,7 +297,7 @@ UNPACK_PIECE = 512
 UNPACK_TABLE_BYTES = 256
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _unpack_scaled_sum(packed, scales, bounds, base, out):
     d = out.size
     rows = packed.shape[0]
@@ -321,7 +369,7 @@ def _block_sum(x, e, has_e, squares):
     return acc
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _compensate_sums(x, e, lo, hi, squares):
     n = hi - lo
     nblocks = (n + BLOCK - 1) // BLOCK
@@ -362,7 +410,7 @@ def _block_signs(x, e, has_e, first, pos, bits):
         bits[b0 + w] = np.uint8((words[w] * _PACK_MUL) >> _S56)
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _sums_and_signs(x, e, lo, hi, squares, bits):
     # The block sums exactly as _compensate_sums makes them (the same _block_sum on the
     # same slices), then the block's sign bits from the cache: one pass over memory.
@@ -419,7 +467,7 @@ def compensate_sums_signs(x, e, bounds, squares=False):
     return sums, bits
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _sign_residual(x, e, scales, bounds, resid):
     has_e = e.size > 0
     for s in range(scales.size):
@@ -438,7 +486,7 @@ def _residual_piece(x, e, has_e, sc, resid):
         resid[i] = p - (sc if p >= np.float32(0) else -sc)
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _sign_residual_in_place(x, e, scales, bounds):
     # e read and written through the same array: LLVM vectorizes (see adam_descend).
     for s in range(scales.size):
@@ -457,21 +505,6 @@ def _residual_piece_in_place(x, e, sc):
         e[i] = p - (sc if p >= np.float32(0) else -sc)
 
 
-@njit(**_OPTS)
-def _sign_residual_serial(x, e, scales, bounds, resid, in_place):
-    # For a helper thread beside the main one's kernels: no parallel region, so it never
-    # touches numba's threading layer (whose workqueue flavour is not thread-safe).
-    has_e = e.size > 0
-    for s in range(scales.size):
-        lo, hi = bounds[s], bounds[s + 1]
-        for a in range(lo, hi, SPR_PIECE):
-            b = min(hi, a + SPR_PIECE)
-            if in_place:
-                _residual_piece_in_place(x[a:b], e[a:b], scales[s])
-            else:
-                _residual_piece(x[a:b], e[a:b] if has_e else e, has_e, scales[s], resid[a:b])
-
-
 def sign_residual(x, e, scales, bounds, out=None, serial=False):
     """``packing.sign_residual``: the error-feedback residual ``p - where(p >= 0, scale,
     -scale)`` of ``p = x + e`` without the bits (:func:`compensate_sums_signs` packed
@@ -483,12 +516,12 @@ def sign_residual(x, e, scales, bounds, out=None, serial=False):
     e_arr = np.empty(0, np.float32) if e is None else e
     if not x.size:
         return resid
-    if serial:
-        _sign_residual_serial(x, e_arr, scales, bounds, resid, in_place)
-    elif in_place:
-        _sign_residual_in_place(x, e, scales, bounds)
+    # serial: the serial twin whatever the flavour in use, because a helper thread must not
+    # enter numba's threading layer while the caller's thread may be in it.
+    if in_place:
+        (_sign_residual_in_place.serial if serial else _sign_residual_in_place)(x, e, scales, bounds)
     else:
-        _sign_residual(x, e_arr, scales, bounds, resid)
+        (_sign_residual.serial if serial else _sign_residual)(x, e_arr, scales, bounds, resid)
     return resid
 
 
@@ -510,7 +543,7 @@ def _block_absmax_bits(u):
     return finite_max, any_max
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _absmax(x):
     u = x.view(np.uint32)
     n = u.size
@@ -532,7 +565,7 @@ def absmax_finite(x):
     return np.float32(m), bool(ok)
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _max_magnitude_bits(bits):
     n = bits.size
     nblocks = (n + BLOCK - 1) // BLOCK
@@ -566,7 +599,7 @@ def _lane_kernels(width):
     half = 1 << (width - 1)
     top = width * (lanes - 1)
 
-    @njit(parallel=True, **_OPTS)
+    @_twin
     def quantize(x, pre, scale, levels, key, offset, words, first):
         d = x.size
         k = np.uint64(key)
@@ -582,7 +615,7 @@ def _lane_kernels(width):
                 acc += _level(x, full * lanes + j, pre, scale, levels, k, first) << (width * j)
             words[full] = np.int32(acc)
 
-    @njit(parallel=True, **_OPTS)
+    @_twin
     def dequantize(words, factor, out):
         d = out.size
         full = d // lanes
@@ -615,7 +648,7 @@ def quantize_lanes(x, pre, scale, levels, key, width, add_offset, first=0):
     return words
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _quantize_ints(x, pre, scale, levels, key, out, first):
     k = np.uint64(key)
     for i in prange(x.size):
@@ -638,7 +671,7 @@ def dequantize_lanes(words, numel, width, factor, out=None):
     return out
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _dequantize_ints(q, factor, out):
     for i in prange(q.size):
         out[i] = np.float32(q[i]) * factor
@@ -652,7 +685,7 @@ def dequantize_ints(q, factor, out=None):
 
 
 # --- Global-QSGD exponential dithering (hvd_quant.compressors.exp_dithering) ---------------
-@njit(parallel=True, **_OPTS)
+@_twin
 def _exp_encode(x, scale, step, key, out):
     k = np.uint64(key)
     for i in prange(x.size):
@@ -680,7 +713,7 @@ def exp_encode(x, scale, world_size, key):
     return out
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _exp_combine(a, b, key, out):
     k = np.uint64(key)
     for i in prange(a.size):
@@ -713,7 +746,7 @@ def exp_combine(a, b, key):
     return out
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _exp_decode(codes, factor, scale, out):
     top = np.float32(3.4028235e38)
     for i in prange(codes.size):
@@ -733,7 +766,7 @@ def exp_decode(codes, factor, scale, out=None):
 
 
 # --- Marsit's per-hop bit selection (hvd_quant.compressors.marsit) --------------------------
-@njit(parallel=True, **_OPTS)
+@_twin
 def _marsit_select(own, recv, keep, key, out):
     k = np.uint64(key)
     for b in prange(own.size):
@@ -778,7 +811,7 @@ def _binsgdm_piece(g, m, b, beta, one_minus_beta, k, first, m_out, b_out, up, bi
         bits[n // 8] = np.uint8(v)
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _binsgdm_encode(g, m, b, beta, one_minus_beta, key, m_out, b_out, bits):
     d = g.size
     k = np.uint64(key)
@@ -807,14 +840,14 @@ def binsgdm_encode(g, m, b, beta, key, m_out=None, b_out=None):
 # The generic twins are float32 tensor expressions; these loops do the same float32
 # operations in the same order (no fastmath, so no fused multiply-add), hence the same bits.
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _ema(avg, value, beta, rest, square, out):
     for i in prange(out.size):
         v = value[i] * value[i] if square else value[i]
         out[i] = avg[i] * beta + v * rest
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _ema_in_place(avg, value, beta, rest, square):
     for i in prange(avg.size):
         v = value[i] * value[i] if square else value[i]
@@ -832,14 +865,14 @@ def ema(avg, value, beta, square=False, in_place=False, out=None):
     return out
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _descend(x, step, lr, wd, has_wd, out):
     for i in prange(x.size):
         s = step[i] + x[i] * wd if has_wd else step[i]
         out[i] = x[i] - s * lr
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _descend_in_place(x, step, lr, wd, has_wd):
     for i in prange(x.size):
         s = step[i] + x[i] * wd if has_wd else step[i]
@@ -865,7 +898,7 @@ def _adam_delta(x, m, v, lr, eps, wd, has_wd):
     return upd * lr
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _adam_descend(x, m, v, lr, eps, wd, has_wd, acc, x_out, acc_out):
     has_acc = acc.size > 0
     for i in prange(x.size):
@@ -875,7 +908,7 @@ def _adam_descend(x, m, v, lr, eps, wd, has_wd, acc, x_out, acc_out):
             acc_out[i] = acc[i] - delta
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _adam_descend_in_place(x, m, v, lr, eps, wd, has_wd, acc):
     # x (and acc) read and written through the same array: LLVM then knows the store
     # does not feed a later load and vectorizes; distinct in/out arrays that happen to
@@ -909,7 +942,7 @@ def adam_descend(x, m, v, lr, eps, weight_decay, acc=None, x_out=None, acc_out=N
     return x_out, acc_out
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _precondition(u, v, eps, out):
     for i in prange(out.size):
         out[i] = u[i] * (np.sqrt(v[i]) + eps)
@@ -922,7 +955,7 @@ def precondition(u, v, eps, out=None):
     return out
 
 
-@njit(parallel=True, **_OPTS)
+@_twin
 def _zero_one_sync_result(base, u, w, v, eps, lrs, synced, momentum):
     has_u = u.size > 0
     for i in prange(synced.size):

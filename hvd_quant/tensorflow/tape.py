@@ -15,13 +15,12 @@ gets its own state. fp16/bf16 gradients are reduced in fp32 and come back in the
 variable's dtype.
 """
 
-import hashlib
 
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
-from ..core.runner import digest63
+from ..core.runner import digest63, values_digest63
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor, variable_name
 
@@ -203,7 +202,4 @@ def _structure_digest(segments, variables):
 
 
 def _value_digest(variables):
-    h = hashlib.sha256()
-    for v in variables:
-        h.update(np.ascontiguousarray(np.asarray(v.numpy())).tobytes())
-    return digest63(h.digest())
+    return values_digest63(np.asarray(v.numpy()) for v in variables)

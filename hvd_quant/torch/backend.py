@@ -131,7 +131,7 @@ class TorchBackend(Backend):
         fn = getattr(_kernels.cpu_module(), name)
 
         def call(*args, **kwargs):
-            _kernels.set_threads(torch.get_num_threads())
+            _kernels.threads.apply_in_thread()  # numba's thread count is per thread
             return _to_torch(fn(*map(_to_numpy, args), **{k: _to_numpy(v) for k, v in kwargs.items()}))
         return call
 
@@ -147,6 +147,15 @@ class TorchBackend(Backend):
     def unpackbits(self, packed):
         shifts = _BIT_SHIFTS.to(packed.device)
         return ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)
+
+
+def prepare_kernels():
+    """Set-up time, before the first step: the kernels' thread policy and the kernels
+    loaded (:func:`hvd_quant.kernels.prepare`), and one warning if torch's own intra-op
+    threads oversubscribe the host (each rank's torch uses every core by default)."""
+    _kernels.prepare()
+    _kernels.threads.warn_oversubscribed("torch", torch.get_num_threads(),
+                                         "torch.set_num_threads({share})")
 
 
 def _to_numpy(value):

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from ..core.handle import CompressionNamespace, CompressorHandle
-from .backend import TorchBackend
+from .backend import TorchBackend, prepare_kernels
 
 _OPTIMIZER_FRAMES = ("_allreduce_grad_async", "_grouped_allreduce_grad_async")
 
@@ -61,6 +61,16 @@ class TorchCompressor(CompressorHandle):
     """
 
     framework = "torch"
+
+    def __init__(self, name, seed=0, **options):
+        super().__init__(name, seed=seed, **options)
+        self.prepare()
+
+    def prepare(self):
+        """Set-up time: the kernels this compressor runs are loaded now, not in the first
+        step, under the thread policy for this host (see :func:`prepare_kernels`)."""
+        if self.name not in ("none", "fp16"):  # plain casts around Horovod's allreduce
+            prepare_kernels()
 
     def make_backend(self):
         return TorchBackend()
