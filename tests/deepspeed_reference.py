@@ -117,11 +117,17 @@ class _Base:
 
 
 class OnebitAdam(_Base):
-    """OnebitAdam.step for all ranks; ``step(grads)`` takes one gradient per rank."""
+    """OnebitAdam.step for all ranks; ``step(grads)`` takes one gradient per rank.
 
-    def __init__(self, xs, lr, freeze_step, **kw):
+    ``non_freeze``: the param group's flag (``group['non_freeze'] is True``). The group's
+    path through ``step`` does not depend on the other groups (the freeze flags are the
+    optimizer's, set from a step count every group shares), so one group stands for
+    itself in a multi-group optimizer."""
+
+    def __init__(self, xs, lr, freeze_step, non_freeze=False, **kw):
         super().__init__(xs, lr, **kw)
         self.freeze_step = freeze_step
+        self.non_freeze = non_freeze
         self.adam_freeze_key = False
 
     def step(self, grads):
@@ -136,6 +142,14 @@ class OnebitAdam(_Base):
             for r, s in enumerate(self.state):
                 s["exp_avg"] = s["exp_avg"] * beta1 + grads[r] * (1.0 - beta1)
                 s["exp_avg_sq"] = s["exp_avg_sq"] * beta2 + grads[r] * grads[r] * (1.0 - beta2)
+            self.kinds.append("full")
+        elif self.non_freeze:
+            # dist.all_reduce(grad); grad.mul_(1 / dist.get_world_size()): on the
+            # initialisation step too, whose grad the engine has averaged already. No mask.
+            avg = _engine_average(grads)
+            for s in self.state:
+                s["exp_avg"] = s["exp_avg"] * beta1 + avg * (1.0 - beta1)
+                s["exp_avg_sq"] = s["exp_avg_sq"] * beta2 + avg * avg * (1.0 - beta2)
             self.kinds.append("full")
         else:
             if self.initialize:

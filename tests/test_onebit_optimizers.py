@@ -15,7 +15,8 @@ from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
-from hvd_quant.optimizers.oracle import OracleOptimizer
+from hvd_quant.optimizers.base import non_freeze_flag
+from hvd_quant.optimizers.oracle import OracleOptimizer, OracleParamGroups
 
 BACKENDS = [NumpyBackend()] + ([kernels.NumpyKernelBackend()] if kernels.enabled() else [])
 BACKEND_IDS = [b.name for b in BACKENDS]
@@ -137,13 +138,15 @@ def test_compressed_allreduce_non_finite_leaves_errors_untouched(bad):
         np.testing.assert_array_equal(e, e0[rank])
 
 
-def run_rule(rule_factory, n, grads, lrs, hp=HP, backend=None, mask=None, x0=None, counts=None):
+def run_rule(rule_factory, n, grads, lrs, hp=HP, backend=None, mask=None, x0=None, counts=None,
+             in_place=False):
     """Each rank's OracleOptimizer over the steps; returns the per-rank optimizers."""
     d = grads[0][0].size
     x0 = dyadic(d, 7) if x0 is None else x0
 
     def body(comm):
-        opt = OracleOptimizer(rule_factory(), x0, comm, hp, backend=backend, mask=mask, counts=counts)
+        opt = OracleOptimizer(rule_factory(), x0, comm, hp, backend=backend, mask=mask, counts=counts,
+                              in_place=in_place)
         for s, lr in enumerate(lrs):
             opt.step(grads[comm.rank][s], lr)
         return opt
@@ -494,8 +497,9 @@ def test_zero_one_adam_training_goes_on_after_a_final_sync():
 @pytest.mark.parametrize("which", ["onebit_adam", "zero_one_adam"])
 def test_two_param_groups_follow_their_own_lr_schedules(backend, n, which):
     """Two groups with different base learning rates under one schedule factor (as
-    ``torch.optim.lr_scheduler.LambdaLR`` computes them), stepped one after the other on
-    one communicator: each equals DeepSpeed's transcription of its own group, and 0/1
+    ``torch.optim.lr_scheduler.LambdaLR`` computes them), stepped together as the torch
+    optimizer steps them (one verdict per step; the smaller group waits for it in buffers
+    of its own): each equals DeepSpeed's transcription of its own group, and 0/1
     Adam's Γ follows its group's learning rates step by step (0 after each sync, the sum
     of the learning rates since, in float64)."""
     counts, steps = [(120, 17), (33,)], 30
@@ -510,14 +514,14 @@ def test_two_param_groups_follow_their_own_lr_schedules(backend, n, which):
     x0 = [dyadic(size, 7 + gi) for gi, size in enumerate(sizes)]
 
     def body(comm):
-        opts = [OracleOptimizer(Rule(scales="group", **options), x0[gi], comm, HP, backend=backend,
-                                name=f"opt.g{gi}", counts=list(counts[gi])) for gi in range(2)]
+        opt = OracleParamGroups(Rule(scales="group", **options), x0, comm, [HP, HP], backend=backend,
+                                counts=[list(c) for c in counts])
         gammas = [[], []]
         for s in range(steps):
-            for gi, opt in enumerate(opts):
-                opt.step(grads[comm.rank][gi][s], lrs[gi][s])
-                gammas[gi].append(opt.state.scalars.get("lrs"))
-        return opts, gammas
+            opt.step([grads[comm.rank][gi][s] for gi in range(2)], [lrs[gi][s] for gi in range(2)])
+            for gi, group in enumerate(opt.groups):
+                gammas[gi].append(group.state.scalars.get("lrs"))
+        return opt.groups, gammas
 
     results = ThreadWorld(n).run(body)
     for gi in range(2):
@@ -545,3 +549,308 @@ def test_two_param_groups_follow_their_own_lr_schedules(backend, n, which):
     if which == "zero_one_adam":
         g0, g1 = results[0][1]
         assert [a / b for a, b in zip(g0, g1) if b] == pytest.approx([bases[0] / bases[1]] * sum(map(bool, g1)))
+
+
+# --- One verdict per step for all param groups ---------------------------------------------------
+# Sizes differ so that groups do not run in index order: the largest runs last (in place when
+# the others kept the step), the others wait for the verdict in buffers of their own.
+GROUP_COUNTS = {2: [[40, 3], [17]], 3: [[40, 3], [17], [90]]}
+GROUP_BASE_LRS = [1e-2, 3e-3, 5e-3]
+SKIP_CASES = {  # rule, 0-based step at which the bad gradient comes, ranks
+    "onebit-warmup": (lambda: OnebitAdamRule(freeze_step=4), 2, 3),
+    "onebit-compressed": (lambda: OnebitAdamRule(freeze_step=4), 6, 3),
+    "zero_one-full": (lambda: ZeroOneAdamRule(var_freeze_step=6, var_update_scaler=1), 2, 3),
+    "zero_one-onebit": (lambda: ZeroOneAdamRule(var_freeze_step=6, var_update_scaler=1), 3, 3),
+    "zero_one-sync": (lambda: ZeroOneAdamRule(var_freeze_step=3, local_step_scaler=100), 6, 3),
+    "binsgdm": (lambda: BinSGDMRule(), 3, 3),
+}
+GROUP_POSITIONS = [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)]  # (groups, the group with the bad value)
+GROUP_POSITION_IDS = [f"{g}groups-bad{b}" for g, b in GROUP_POSITIONS]
+# The oracle as is, and run like the torch optimizer (kept steps written in place by the
+# fused kernels, temporaries in kept buffers): the paths a shared verdict must hold back.
+GROUP_MODES = [(b, False) for b in BACKENDS] + (
+    [(kernels.NumpyKernelBackend(), True)] if kernels.enabled() else [])
+GROUP_MODE_IDS = BACKEND_IDS + (["kernels-in-place"] if kernels.enabled() else [])
+
+
+def group_inputs(groups, n, steps):
+    """Per rank and step, each group's dyadic gradient; per step, each group's learning rate."""
+    sizes = [sum(c) for c in GROUP_COUNTS[groups]]
+    grads = [[[dyadic(size, 1000 * r + 100 * g + s) for g, size in enumerate(sizes)] for s in range(steps)]
+             for r in range(n)]
+    lrs = [[GROUP_BASE_LRS[g] * (1.0 - s / 40) for g in range(groups)] for s in range(steps)]
+    return grads, lrs
+
+
+def run_groups(rule_factory, n, grads, lrs, backend=None, hps=None, count_collectives=False, in_place=False):
+    """Every rank's OracleParamGroups over ``grads[r][s][g]`` with ``lrs[s][g]``. Returns per
+    rank ``(opt, skipped, calls)``: whether each step was skipped, and (when asked) how
+    many collectives each step issued."""
+    groups = len(lrs[0])
+    counts = GROUP_COUNTS[groups]
+    x0 = [dyadic(sum(c), 7 + g) for g, c in enumerate(counts)]
+    hps = hps or [HP] * groups
+
+    def body(comm):
+        calls = counting(comm) if count_collectives else [0]
+        opt = OracleParamGroups(rule_factory(), x0, comm, hps, backend=backend, counts=counts,
+                                in_place=in_place)
+        skipped, per_step = [], []
+        for s, lr in enumerate(lrs):
+            before = calls[0]
+            opt.step(grads[comm.rank][s], lr)
+            skipped.append(opt.last_step_skipped)
+            per_step.append(calls[0] - before)
+        return opt, skipped, per_step
+
+    return ThreadWorld(n).run(body)
+
+
+def counting(comm):
+    """Count the collectives ``comm`` issues (a one-element list)."""
+    calls = [0]
+    for method in ("allreduce", "allgather", "alltoall", "sendrecv"):
+        inner = getattr(comm, method)
+
+        def counted(*args, _inner=inner, **kwargs):
+            calls[0] += 1
+            return _inner(*args, **kwargs)
+        setattr(comm, method, counted)
+    return calls
+
+
+def schedule(state):
+    """A group's counters (Γ aside: it follows the group's own learning rates)."""
+    return {k: v for k, v in state.scalars.items() if k != "lrs"}
+
+
+@pytest.mark.parametrize("backend,in_place", GROUP_MODES, ids=GROUP_MODE_IDS)
+@pytest.mark.parametrize("groups,bad_group", GROUP_POSITIONS, ids=GROUP_POSITION_IDS)
+@pytest.mark.parametrize("case", list(SKIP_CASES))
+def test_a_non_finite_group_skips_the_step_for_every_group(backend, in_place, groups, bad_group, case):
+    """inf in one group of one rank: every group on every rank skips the step (parameters,
+    slots, counters untouched; the smaller groups' 1-bit error buffers too, which the
+    fused kernels would update in place), every rank reports it (``last_step_skipped``,
+    one ``skipped`` per group), the groups' counters stay equal, and the run then
+    continues exactly like a run without that step."""
+    rule_factory, where, n = SKIP_CASES[case]
+    steps = 10
+    grads, lrs = group_inputs(groups, n, steps)
+    poisoned = [list(g) for g in grads]
+    for r in range(n):
+        extra = [g.copy() for g in grads[r][where]]
+        if r == 1:
+            extra[bad_group][5] = np.inf
+        poisoned[r].insert(where, extra)  # an extra step, bad on rank 1 in one group
+    clean = run_groups(rule_factory, n, grads, lrs, backend, in_place=in_place)
+    skipped = run_groups(rule_factory, n, poisoned, lrs[:where] + [lrs[where]] + lrs[where:], backend,
+                         in_place=in_place)
+    for (a, _, _), (b, flags, _) in zip(clean, skipped):
+        assert flags == [s == where for s in range(steps + 1)]
+        assert b.skipped_steps == 1
+        for ga, gb in zip(a.groups, b.groups):
+            np.testing.assert_array_equal(ga.x, gb.x)
+            assert gb.state.skipped == 1
+            assert ga.state.scalars == gb.state.scalars
+            for key, value in ga.state.slots.items():
+                np.testing.assert_array_equal(value, gb.state.slots[key], err_msg=key)
+        assert all(schedule(g.state) == schedule(b.groups[0].state) for g in b.groups)
+        assert all(g.state.kinds == b.groups[0].state.kinds for g in b.groups)
+
+
+@pytest.mark.parametrize("backend,in_place", GROUP_MODES, ids=GROUP_MODE_IDS)
+@pytest.mark.parametrize("groups,bad_group", GROUP_POSITIONS, ids=GROUP_POSITION_IDS)
+def test_zero_one_adam_local_step_skip_covers_every_group_of_that_rank(backend, in_place, groups, bad_group):
+    """A Phase-B local step has no collective: the rank whose gradient (in one group) is
+    not finite skips the step in every group (parameters, moments, accumulators and
+    error buffers stay), the other ranks step; every group's counters and Γ advance on
+    every rank alike, and the next sync is finite with the same momentum on every rank."""
+    n, steps, where = 3, 9, 6  # step 6 is local, step 7 a sync
+    make = lambda: ZeroOneAdamRule(var_freeze_step=3, var_update_scaler=1,  # noqa: E731
+                                   local_step_scaler=2, local_step_clipper=4)
+    grads, lrs = group_inputs(groups, n, steps)
+    bad = [list(g) for g in grads]
+    bad[1][where] = [g.copy() for g in grads[1][where]]
+    bad[1][where][bad_group][5] = np.inf
+    clean = run_groups(make, n, grads, lrs, backend, in_place=in_place)
+    assert clean[0][0].groups[0].state.kinds[where:where + 2] == ["local", "onebit"]
+
+    def body(comm):
+        counts = GROUP_COUNTS[groups]
+        opt = OracleParamGroups(make(), [dyadic(sum(c), 7 + g) for g, c in enumerate(counts)], comm,
+                                [HP] * groups, backend=backend, counts=counts, in_place=in_place)
+        history = []
+        for s in range(steps):
+            before = [(g.x.copy(), {k: v.copy() for k, v in g.state.slots.items()}) for g in opt.groups]
+            opt.step(bad[comm.rank][s], lrs[s])
+            after = [(g.x.copy(), {k: v.copy() for k, v in g.state.slots.items()}, dict(g.state.scalars))
+                     for g in opt.groups]
+            history.append((before, after, opt.last_step_skipped))
+        return opt, history
+
+    ranks = ThreadWorld(n).run(body)
+    for rank, (opt, history) in enumerate(ranks):
+        before, after, skipped = history[where]
+        assert skipped == (rank == 1) and opt.skipped_steps == int(rank == 1)
+        for g, ((x0, slots0), (x, slots, scalars)) in enumerate(zip(before, after)):
+            assert opt.groups[g].state.skipped == int(rank == 1)
+            if rank == 1:
+                np.testing.assert_array_equal(x, x0)
+                for key in slots0:
+                    np.testing.assert_array_equal(slots[key], slots0[key], err_msg=key)
+            else:
+                assert not np.array_equal(x, x0)
+            # Counters and Γ advance on every rank, as in the run without a bad gradient.
+            assert scalars == ranks[0][1][where][1][g][2]
+        assert [g.state.kinds for g in opt.groups] == [g.state.kinds for g in clean[0][0].groups]
+        assert [g.state.scalars for g in opt.groups] == [g.state.scalars for g in clean[rank][0].groups]
+    for g in range(groups):  # right after the sync: finite, one momentum on every rank
+        synced = [history[where + 1][1][g] for _, history in ranks]
+        for x, slots, scalars in synced:
+            assert np.isfinite(x).all() and scalars["lrs"] == 0.0
+            np.testing.assert_array_equal(slots["exp_avg"], synced[0][1]["exp_avg"])
+
+
+@pytest.mark.parametrize("backend,in_place", GROUP_MODES, ids=GROUP_MODE_IDS)
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "binsgdm"])
+def test_one_verdict_for_all_groups_costs_no_collective(backend, in_place, name):
+    """Three groups stepped together (one verdict) issue exactly the collectives and bytes
+    of the three groups stepped one by one on their own, and compute the same bits;
+    0/1 Adam's local steps issue none."""
+    n, steps = 3, 24
+    make = {"onebit_adam": lambda: OnebitAdamRule(freeze_step=5),
+            "zero_one_adam": lambda: ZeroOneAdamRule(**FINAL_OPTIONS),
+            "binsgdm": lambda: BinSGDMRule()}[name]
+    hp = HP if name != "binsgdm" else dict(HP, betas=(0.9,), eps=0.0)
+    grads, lrs = group_inputs(3, n, steps)
+    world = ThreadWorld(n)
+    together = world.run(lambda comm: _groups_body(comm, make, hp, grads, lrs, backend, in_place, False))
+    meters = [m.bytes_sent for m in world.meters]
+    world = ThreadWorld(n)
+    alone = world.run(lambda comm: _groups_body(comm, make, hp, grads, lrs, backend, in_place, True))
+    assert [m.bytes_sent for m in world.meters] == meters
+    for (xs, calls, kinds), (xs1, calls1, kinds1) in zip(together, alone):
+        assert calls == calls1
+        assert kinds == kinds1
+        for x, x1 in zip(xs, xs1):
+            np.testing.assert_array_equal(x, x1)
+        assert all(c == 0 for c, k in zip(calls, kinds[0]) if k == "local")
+    if name == "zero_one_adam":
+        assert "local" in together[0][2][0]
+
+
+def _groups_body(comm, make, hp, grads, lrs, backend, in_place, one_by_one):
+    """Three groups: one OracleParamGroups, or (``one_by_one``) one OracleOptimizer per
+    group stepped in turn. Returns the groups' parameters, collectives per step, kinds."""
+    calls = counting(comm)
+    counts = GROUP_COUNTS[3]
+    x0 = [dyadic(sum(c), 7 + g) for g, c in enumerate(counts)]
+    if one_by_one:
+        opts = [OracleOptimizer(make(), x0[g], comm, hp, backend=backend, name=f"opt.g{g}", counts=c,
+                                in_place=in_place) for g, c in enumerate(counts)]
+    else:
+        together = OracleParamGroups(make(), x0, comm, [hp] * 3, backend=backend, counts=counts,
+                                     in_place=in_place)
+        opts = together.groups
+    per_step = []
+    for s, lr in enumerate(lrs):
+        before = calls[0]
+        if one_by_one:
+            for g, opt in sorted(enumerate(opts), key=lambda item: item[1].x.size):  # the same order
+                opt.step(grads[comm.rank][s][g], lr[g])
+        else:
+            together.step(grads[comm.rank][s], lr)
+        per_step.append(calls[0] - before)
+    return [opt.x for opt in opts], per_step, [opt.state.kinds for opt in opts]
+
+
+@pytest.mark.parametrize("where", [2, 3])
+def test_onebit_adam_groups_keep_one_schedule_after_a_skip(where):
+    """Where per-group verdicts drifted: 2 ranks, 2 groups, freeze_step=3, inf in group 1 (rank 0)
+    at the third or fourth of 5 steps. Both groups skip that step: both end at step 4,
+    freeze on the same call, and the skip is reported once (a loss scaler backs off).
+    Before, group 0 ended at step 5 and group 1 at step 4 (a bad warm-up step made group 1
+    freeze one call after group 0), and the skip went unreported."""
+    n, steps = 2, 5
+    grads, lrs = group_inputs(2, n, steps)
+    grads[0][where] = [g.copy() for g in grads[0][where]]
+    grads[0][where][1][0] = np.inf
+    for opt, skipped, _ in run_groups(lambda: OnebitAdamRule(freeze_step=3), n, grads, lrs):
+        assert skipped == [s == where for s in range(steps)] and opt.skipped_steps == 1
+        assert [g.state.scalars for g in opt.groups] == [{"step": 4, "initialized": 1, "frozen": 1}] * 2
+        # The skipped step still sent its round: a warm-up round at the third call delays
+        # the freeze by one call in both groups, a 1-bit round at the fourth does not.
+        kinds = ["init", "full", "full"] + (["full", "onebit"] if where == 2 else ["onebit", "onebit"])
+        assert opt.groups[0].state.kinds == opt.groups[1].state.kinds == kinds
+
+
+# --- DeepSpeed's non_freeze param groups (1-bit Adam only) -----------------------------------------
+@pytest.mark.parametrize("backend,in_place", GROUP_MODES, ids=GROUP_MODE_IDS)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_onebit_adam_non_freeze_group_equals_deepspeed(backend, in_place, n):
+    """DeepSpeed's ``OnebitAdam.step`` (runtime/fp16/onebit/adam.py) for a group with
+    ``non_freeze=True``: Adam with an fp32 average at every step, the initialisation step
+    included (its moments take the averaged gradient; no update), the variance never
+    frozen, no ``exp_avg_mask``, no compression (the error buffers stay zero)."""
+    d, steps, freeze = 300, 12, 5
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    mask = (np.arange(d) % 7 != 0).astype(np.float32)  # ignored, as by DeepSpeed
+    hp = dict(HP, weight_decay=0.01, non_freeze=True)
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze), n, grads, [1e-2] * steps, hp,
+                        backend, mask, in_place=in_place)
+    ref = ds.OnebitAdam([x0] * n, 1e-2, freeze, non_freeze=True, weight_decay=0.01, mask=mask)
+    for s in range(steps):
+        ref.step([grads[r][s] for r in range(n)])
+    assert ref.kinds == ["full"] * steps
+    for rank, opt in enumerate(opts):
+        np.testing.assert_array_equal(opt.x, ref.x[rank])
+        np.testing.assert_array_equal(opt.state.slots["exp_avg"], ref.state[rank]["exp_avg"])
+        np.testing.assert_array_equal(opt.state.slots["exp_avg_sq"], ref.state[rank]["exp_avg_sq"])
+        assert not opt.state.slots["worker_error"].any() and not opt.state.slots["server_error"].any()
+        assert opt.state.kinds == ref.kinds
+        assert opt.state.scalars == {"step": steps, "initialized": 1, "frozen": 1}
+        assert opt.state.bytes_sent == pytest.approx(steps * OnebitAdamRule().wire_bytes("full", d, n))
+        np.testing.assert_array_equal(opt.x, opts[0].x)
+
+
+@pytest.mark.parametrize("backend,in_place", GROUP_MODES, ids=GROUP_MODE_IDS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_onebit_adam_non_freeze_beside_a_frozen_group(backend, in_place, n):
+    """Group 0 follows the freeze (1-bit momentum, frozen variance), group 1 is
+    ``non_freeze`` (fp32 Adam throughout); stepped together, each equals DeepSpeed's
+    transcription of its own group, and both keep one step counter."""
+    steps, freeze = 14, 5
+    grads, lrs = group_inputs(2, n, steps)
+    hps = [HP, dict(HP, non_freeze=True)]
+    results = run_groups(lambda: OnebitAdamRule(freeze_step=freeze, scales="group"), n, grads, lrs,
+                         backend, hps, in_place=in_place)
+    x0 = [dyadic(sum(c), 7 + g) for g, c in enumerate(GROUP_COUNTS[2])]
+    for g, non_freeze in enumerate([False, True]):
+        ref = ds.OnebitAdam([x0[g]] * n, lrs[0][g], freeze, non_freeze=non_freeze)
+        for s in range(steps):
+            ref.lr = lrs[s][g]
+            ref.step([grads[r][s][g] for r in range(n)])
+        for rank, (opt, skipped, _) in enumerate(results):
+            np.testing.assert_array_equal(opt.groups[g].x, ref.x[rank], err_msg=f"group {g}")
+            np.testing.assert_array_equal(opt.groups[g].state.slots["exp_avg_sq"],
+                                          ref.state[rank]["exp_avg_sq"])
+            assert opt.groups[g].state.kinds == ref.kinds
+            assert not any(skipped)
+    opt = results[0][0]
+    assert opt.groups[0].state.kinds[freeze:] == ["onebit"] * (steps - freeze)
+    assert opt.groups[1].state.kinds == ["full"] * steps
+    assert opt.groups[0].state.scalars == opt.groups[1].state.scalars
+
+
+def test_non_freeze_is_refused_where_deepspeed_has_none():
+    """Only DeepSpeed's OnebitAdam reads ``non_freeze``; 0/1 Adam and BinSGDM refuse the
+    flag (torch: at construction) rather than silently freezing the group."""
+    for rule in (OnebitAdamRule(), ZeroOneAdamRule(), BinSGDMRule()):
+        assert non_freeze_flag(rule, None) is False and non_freeze_flag(rule, False) is False
+    assert non_freeze_flag(OnebitAdamRule(), True) is True
+    with pytest.raises(ValueError, match="zoadam.py.*never reads"):
+        non_freeze_flag(ZeroOneAdamRule(), True, "param group 1")
+    with pytest.raises(ValueError, match="BinSGDM"):
+        non_freeze_flag(BinSGDMRule(), True)
+    with pytest.raises(ValueError, match="True or False"):
+        non_freeze_flag(OnebitAdamRule(), 1)  # DeepSpeed tests ``is True``: 1 would be ignored there

@@ -4,7 +4,8 @@ One horovodrun job per world size runs tests/mp/optim_worker.py; every rank's fi
 parameters must equal the oracle's (the same rules on simulated ranks, same inputs and
 seeds) bit for bit, local steps must issue no collective, checkpoints must restore
 bit-identically, and bad input must fail on every rank with a clear error. The same
-job covers param groups under an LR scheduler, ``exp_avg_mask`` and 0/1 Adam's
+job covers param groups under an LR scheduler, one verdict for all param groups (with
+``hq.GradScaler``), 1-bit Adam's ``non_freeze`` groups, ``exp_avg_mask`` and 0/1 Adam's
 ``final_sync``; the TensorFlow job (tests/mp/optim_worker_tf.py) the Keras twins.
 """
 
@@ -15,7 +16,7 @@ import pytest
 
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
-from hvd_quant.optimizers.oracle import OracleOptimizer
+from hvd_quant.optimizers.oracle import OracleOptimizer, OracleParamGroups
 
 from horovod_launch import HERE, load_rank_results, run_horovod
 
@@ -64,24 +65,35 @@ def oracle(name, n, k, drop_rank=None, mask=None, lrs=None, final_sync=False, **
     return ThreadWorld(n).run(body)
 
 
-def oracle_groups(name, n):
-    """cases.GROUPS as two param groups with their own learning rates (cases.group_lr), one
-    OracleOptimizer each on the same communicator, stepped in group order."""
+def group_parts(flat):
+    """``flat`` (all of cases.COUNTS) cut into cases.GROUPS' flat parts."""
     bounds = np.cumsum([0] + cases.COUNTS)
-    x0, rule = cases.initial_params(), {"onebit_adam": OnebitAdamRule, "zero_one_adam": ZeroOneAdamRule}[name]
+    return [np.concatenate([flat[bounds[i]:bounds[i + 1]] for i in idx]) for idx in cases.GROUPS]
+
+
+def oracle_groups(name, n, lr=None, steps=cases.STEPS, poison=None, non_freeze=False, **extra):
+    """cases.GROUPS as two param groups, stepped together with one verdict per step as the
+    torch optimizer does. ``lr(g, s)``: group ``g``'s learning rate at step ``s`` (default
+    cases.group_lr); ``poison``: ``(step, group)``, inf in that group's first element on
+    the last rank; ``non_freeze``: group 1 is 1-bit Adam's non_freeze group."""
+    rule = {"onebit_adam": OnebitAdamRule, "zero_one_adam": ZeroOneAdamRule}[name]
+    lr = lr or cases.group_lr
+    hps = [cases.HP, dict(cases.HP, non_freeze=True) if non_freeze else cases.HP]
 
     def body(comm):
-        opts, gammas = [], [[], []]
-        for g, idx in enumerate(cases.GROUPS):
-            part = np.concatenate([x0[bounds[i]:bounds[i + 1]] for i in idx])
-            opts.append(OracleOptimizer(rule(**cases.CONFIGS[name]), part, comm, cases.HP, name=f"opt.g{g}",
-                                        counts=[cases.COUNTS[i] for i in idx]))
-        for s in range(cases.STEPS):
-            grad = cases.grad(comm.rank, s)
-            for g, idx in enumerate(cases.GROUPS):
-                opts[g].step(np.concatenate([grad[bounds[i]:bounds[i + 1]] for i in idx]), cases.group_lr(g, s))
-                gammas[g].append(opts[g].state.scalars.get("lrs"))
-        return opts, gammas
+        counts = [[cases.COUNTS[i] for i in idx] for idx in cases.GROUPS]
+        opt = OracleParamGroups(rule(**dict(cases.CONFIGS[name], **extra)),
+                                group_parts(cases.initial_params()), comm, hps, counts=counts)
+        gammas, skipped = [[], []], []
+        for s in range(steps):
+            grads = group_parts(cases.grad(comm.rank, s))
+            if poison == (s, 1) and comm.rank == comm.size - 1:
+                grads[1][0] = np.inf
+            opt.step(grads, [lr(g, s) for g in range(2)])
+            skipped.append(opt.last_step_skipped)
+            for g, group in enumerate(opt.groups):
+                gammas[g].append(group.state.scalars.get("lrs"))
+        return opt.groups, gammas, skipped
 
     return ThreadWorld(n).run(body)
 
@@ -189,22 +201,76 @@ def test_param_groups_with_their_own_lr_under_lambda_lr(job):
         pytest.skip("checked in the flat jobs")
     name = "zero_one_adam"
     expected = oracle_groups(name, job["size"])
-    bounds = np.cumsum([0] + cases.COUNTS)
     for rank in job["ranks"]:
         got = _ok(rank[f"groups/{name}"])
-        opts, gammas = expected[rank["rank"]]
+        opts, gammas, _ = expected[rank["rank"]]
         assert got["lrs"] == [[cases.group_lr(g, s) for s in range(cases.STEPS)] for g in range(2)]
         assert got["lrs"][0] != got["lrs"][1]
-        x = np.float32(got["x"])
-        for g, idx in enumerate(cases.GROUPS):
-            part = np.concatenate([x[bounds[i]:bounds[i + 1]] for i in idx])
-            np.testing.assert_allclose(part, opts[g].x, rtol=1e-5, atol=1e-6)
+        for part, opt in zip(group_parts(np.float32(got["x"])), opts):
+            np.testing.assert_allclose(part, opt.x, rtol=1e-5, atol=1e-6)
         assert got["kinds"] == opts[0].state.kinds
         assert got["gammas"] == gammas
         assert "local" in got["kinds"] or job["size"] == 1
         assert max(gammas[1]) > 0 and gammas[1][-1] > 0  # ends between syncs
         ratio = [a / b for a, b in zip(gammas[0], gammas[1]) if b]
         assert ratio == pytest.approx([cases.GROUP_LRS[0] / cases.GROUP_LRS[1]] * len(ratio))
+
+
+def _constant_group_lr(g, s):
+    return cases.GROUP_LRS[g]
+
+
+@pytest.mark.parametrize("key,steps,where", [("groups/skip", 5, 3), ("groups/grad_scaler", 4, 2)])
+def test_a_bad_gradient_in_one_group_skips_the_step_in_every_group(job, key, steps, where):
+    """1-bit Adam, freeze_step=3, two param groups; inf in group 1 on the last rank only.
+    Every rank skips the step in both groups (before, only group 1 did, and its counters
+    fell one step behind group 0's): both groups end at the same step, every rank reports
+    one skipped step, and the parameters equal the oracle's (one verdict for all groups).
+    Under ``hq.GradScaler`` the loss scale backs off on every rank at that step."""
+    if job["k"]:
+        pytest.skip("checked in the flat jobs")
+    expected = oracle_groups("onebit_adam", job["size"], lr=_constant_group_lr, steps=steps,
+                             poison=(where, 1), freeze_step=3)
+    flags = [s == where for s in range(steps)]
+    for rank in job["ranks"]:
+        got = _ok(rank[key])
+        opts, _, skipped = expected[rank["rank"]]
+        assert skipped == flags and got["skipped"] == flags and got["skipped_steps"] == 1
+        assert got["counters"] == [g.state.scalars for g in opts]
+        assert got["counters"][0] == got["counters"][1] == {"step": steps - 1, "initialized": 1, "frozen": 1}
+        assert got["kinds"] == opts[0].state.kinds
+        for part, opt in zip(group_parts(np.float32(got["x"])), opts):
+            np.testing.assert_allclose(part, opt.x, rtol=1e-5, atol=1e-6)
+        if key == "groups/grad_scaler":
+            assert got["scales"] == [2.0 ** 10] * where + [2.0 ** 9] * (steps - where)
+    xs = [r[key]["x"] for r in job["ranks"]]
+    assert all(x == xs[0] for x in xs[1:])
+
+
+def test_non_freeze_group_is_fp32_adam_throughout(job):
+    """1-bit Adam with group 1 ``non_freeze`` (DeepSpeed's flag): equal to the oracle (which
+    equals DeepSpeed's transcription: tests/test_onebit_optimizers.py); group 0's steps
+    are 1-bit after the freeze, group 1's an fp32 round each. ZeroOneAdam and BinSGDM
+    refuse the flag at construction."""
+    if job["k"]:
+        pytest.skip("checked in the flat jobs")
+    n = job["size"]
+    expected = oracle_groups("onebit_adam", n, lr=_constant_group_lr, non_freeze=True)
+    for rank in job["ranks"]:
+        got = _ok(rank["groups/non_freeze"])
+        opts, _, skipped = expected[rank["rank"]]
+        assert not any(skipped)
+        for part, opt in zip(group_parts(np.float32(got["x"])), opts):
+            np.testing.assert_allclose(part, opt.x, rtol=1e-5, atol=1e-6)
+        assert got["kinds"] == opts[0].state.kinds  # the step's kind follows the frozen group
+        assert opts[1].state.kinds == ["full"] * cases.STEPS
+        assert got["bytes"] == pytest.approx(sum(o.state.bytes_sent for o in opts))
+        assert got["rounds"] == cases.STEPS  # the non_freeze group's fp32 round, every step
+        if n > 1:
+            assert all(c > 0 for c in got["calls"])
+        assert "zoadam.py" in got["refused"]["ZeroOneAdam"] and "non_freeze" in got["refused"]["BinSGDM"]
+    xs = [r["groups/non_freeze"]["x"] for r in job["ranks"]]
+    assert all(x == xs[0] for x in xs[1:])
 
 
 def test_load_state_dict_keeps_the_scripts_mask(job):

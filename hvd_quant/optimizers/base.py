@@ -24,7 +24,22 @@ finite changes nothing. Rules compute new values first and store them with one
 with the round's own collective (the fp32 average, the compressed allreduce's scale
 gather), so it costs nothing extra. Local steps have no collective; their flag is the
 rank's own, and only that rank's values stay put (counters advance on every rank, so
-the schedule stays in step).
+the schedule stays in step: :meth:`GroupState.advance`).
+
+One verdict per optimizer step, not per group: DeepSpeed's optimizers have one schedule
+for all their parameter groups, and a loss scaler must learn of an overflow in any of
+them. :func:`step_groups` runs every group's rule (every group issues its collectives,
+whatever another group's verdict), and the step is kept only if every group's flag says
+so; otherwise no group changes (parameters, slots, counters), and the groups' counters
+stay equal. The flags are those the groups' collectives already carry, so a shared
+verdict costs no collective; on a local step each rank combines its own groups' flags.
+Until the verdict is known a group's values are held back (:attr:`GroupState.deferred`):
+its commits wait, and nothing is written in place (the new parameters, 0/1 Adam's local
+moment and accumulator, and the 1-bit allreduce's error buffers go to buffers of their
+own, see :meth:`StepContext.into_x` and :meth:`StepContext.writable_slot`). Only the last
+group to run, once every group before it has kept the step, decides the verdict alone
+and takes the in-place path; the largest group runs last, so with one group (and with
+the usual large group plus small groups of biases and norms) the extra memory is small.
 
 A parameter without a gradient on a step (``p.grad is None`` in torch, a ``None``
 gradient in Keras) counts as zeros on that rank. DeepSpeed's per-tensor ``step()``
@@ -59,7 +74,16 @@ class GroupState:
     sums (Python numbers eagerly, ``tf.Variable`` s under TensorFlow). Rules read with
     :meth:`slot` / :meth:`scalar` and write with :meth:`set_slot` / :meth:`set_scalar`;
     writes may happen inside a ``B.cond`` branch.
+
+    Attributes
+    ----------
+    deferred : bool
+        True while this group's step waits for the verdict of the other groups of the
+        optimizer (:func:`step_groups`): commits are held back, and the rule must not
+        write the state or the parameters in place. Always False with one group.
     """
+
+    deferred = False
 
     def slot(self, name):
         raise NotImplementedError
@@ -77,6 +101,12 @@ class GroupState:
         """Store ``slots`` and ``scalars`` (dicts of new values) if ``ok`` holds, else keep
         the old ones and count a skipped step. ``ok`` is False when a gradient or an
         averaged value was not finite: the step then leaves no trace in the state."""
+        raise NotImplementedError
+
+    def advance(self, scalars):
+        """Store ``scalars`` whether or not the step is kept: 0/1 Adam's local steps
+        advance the schedule and Γ on every rank, finite or not, so that all ranks sync
+        on the same step."""
         raise NotImplementedError
 
     def count(self, kind, nbytes):
@@ -115,9 +145,10 @@ class StepContext:
         optimizer's flat view of a parameter) instead of a fresh buffer, on a step that
         updates them: :meth:`into_x` says where. The rule must still return them.
     scratch : callable or None
-        ``scratch(name, zero) -> tensor``: a float32 buffer of the group's size that the
-        adapter keeps from step to step for the temporary called ``name`` (zeros, never
-        to be written, when ``zero``). See :meth:`buffer`.
+        ``scratch(name, zero, numel=None) -> tensor``: a float32 buffer of ``numel``
+        elements (default: the group's size) that the adapter keeps from step to step
+        for the temporary called ``name`` (zeros, never to be written, when ``zero``).
+        See :meth:`buffer`.
     """
 
     def __init__(self, B, comm, state, g, x, lr, hp, name, rng=None, mask=None, counts=None,
@@ -129,7 +160,7 @@ class StepContext:
         self.x_writable = bool(x_writable)
         self._scratch = scratch
 
-    def buffer(self, name):
+    def buffer(self, name, numel=None):
         """Where a fused kernel may write the step's temporary ``name`` (one full-size
         value: a new moment, a preconditioned update...), or None (a fresh tensor).
 
@@ -137,7 +168,7 @@ class StepContext:
         (page faults, and huge-page compaction on a busy machine); the torch adapter
         therefore keeps one buffer per name and group. Its contents live until the next
         step: values to keep must be committed (which copies them into the state)."""
-        return self._scratch(name, False) if self._scratch is not None else None
+        return self._scratch(name, False, numel) if self._scratch is not None else None
 
     def zeros(self):
         """Zeros of the group's size (to commit as a reset slot): a kept buffer that is
@@ -147,10 +178,31 @@ class StepContext:
         return self.B.zeros(self.B.numel(self.x))
 
     def into_x(self, ok):
-        """Where a step whose verdict is ``ok`` may write its new parameters: ``x`` when
-        it is writable and the step is kept (a skipped step must leave ``x`` as it
-        was), else None (a fresh buffer)."""
-        return self.x if self.x_writable and bool(ok) else None
+        """Where a step whose verdict is ``ok`` may write its new parameters in place:
+        ``x`` when it is writable, the step is kept and the verdict is this group's alone
+        (not :attr:`GroupState.deferred`: a skip in another group must leave ``x`` as it
+        was), else None (a fresh buffer, see :meth:`x_buffer`)."""
+        return self.x if self.x_writable and not self.state.deferred and bool(ok) else None
+
+    def x_buffer(self):
+        """Where new parameters go when not into ``x``: while the verdict is open (several
+        groups), a kept buffer (the step's result is copied into ``x`` once every group
+        kept it), else None (a fresh tensor: one group's skipped step, or no scratch)."""
+        return self.buffer("x") if self.state.deferred else None
+
+    def writable_slot(self, name):
+        """The slot ``name`` to hand a kernel that updates it in place (the 1-bit
+        allreduce's error buffers); the rule still stores the result with ``commit``.
+
+        The slot itself when the verdict is this group's own (the allreduce leaves it
+        untouched on a non-finite round, and its flag is the round's verdict). While the
+        verdict is open (:attr:`GroupState.deferred`), a copy (into a kept buffer where
+        the adapter has one): another group's skip must leave this one's slot as it was.
+        """
+        value = self.state.slot(name)
+        if not self.state.deferred:
+            return value
+        return copy_tensor(value, self.buffer(f"{name}.copy", self.B.numel(value)))
 
     def collective_name(self, phase):
         return f"hvd_quant.{self.name}.{phase}"
@@ -170,11 +222,15 @@ class Rule:
         Slots whose values differ between ranks by design (error-feedback buffers,
         moments of local gradients). Never broadcast them from one rank; checkpoint
         them per rank.
+    non_freeze_refusal : str or None
+        Why the rule refuses DeepSpeed's ``non_freeze`` param groups (see
+        :func:`non_freeze_flag`), or None when it supports them (``ctx.hp["non_freeze"]``).
     """
 
     name = "abstract"
     param_slots = ()
     per_rank_slots = ()
+    non_freeze_refusal = "it has no freeze for a param group to opt out of"
 
     def __init__(self, **options):
         self._options = dict(options)
@@ -208,6 +264,24 @@ class Rule:
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options().items()))
         return f"{type(self).__name__}({opts})"
+
+
+def non_freeze_flag(rule, value, where="a param group"):
+    """The checked ``non_freeze`` flag of one param group (``value``; None: not given).
+
+    DeepSpeed's ``OnebitAdam.step`` (``runtime/fp16/onebit/adam.py``) reads
+    ``group['non_freeze'] is True`` and gives such a group full-precision Adam after the
+    freeze; its other 1-bit optimizers never read the flag. A flag the rule cannot honour
+    raises ``ValueError`` (at construction) instead of being silently dropped.
+    """
+    if value is None or value is False:
+        return False
+    if value is not True:
+        raise ValueError(f"non_freeze of {where} must be True or False, got {value!r}")
+    if rule.non_freeze_refusal is not None:
+        raise ValueError(f"{type(rule).__name__.removesuffix('Rule')} does not support non_freeze "
+                         f"param groups ({where}): {rule.non_freeze_refusal}")
+    return True
 
 
 def adam_hyperparameters(betas, eps, weight_decay):
@@ -252,6 +326,18 @@ def same_memory(a, b):
             and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride())
 
 
+def copy_tensor(value, into=None):
+    """A copy of the eager (numpy or torch) tensor ``value``, written into ``into`` when
+    given (a kept buffer of the same size)."""
+    if into is None:
+        return value.clone() if hasattr(value, "clone") else value.copy()
+    if hasattr(into, "copy_"):
+        into.copy_(value)
+    else:
+        into[...] = value
+    return into
+
+
 def keep_if(B, ok, new, old):
     """``new`` if ``ok`` else ``old`` (a tensor; eagerly a Python branch)."""
     return B.cond(ok, lambda: new, lambda: old)
@@ -292,14 +378,21 @@ class EagerGroupState(GroupState):
     """A :class:`GroupState` over plain dicts, for eager backends (numpy, torch).
 
     ``slots`` maps names to tensors; writes copy in place when ``in_place`` (torch: the
-    optimizer's per-parameter state tensors are views into these flat buffers), else
-    rebind. ``kinds``, ``bytes_sent`` and ``skipped`` record what each step did.
+    optimizer's per-parameter state tensors are views into these flat buffers; the
+    oracle's ``in_place`` mode), else rebind. ``kinds``, ``bytes_sent`` and ``skipped``
+    record what each step did.
+
+    Within :func:`step_groups`, :meth:`begin_step` and :meth:`end_step` frame each step:
+    ``vote`` is then the group's verdict so far, and a ``deferred`` group holds its
+    commits until :meth:`end_step` learns the verdict of all groups.
     """
 
     def __init__(self, slots, scalars, in_place=False):
         self.slots, self.scalars = slots, scalars
         self.in_place = in_place
         self.kinds, self.bytes_sent, self.skipped = [], 0.0, 0
+        self.deferred, self.vote = False, True
+        self._held = []  # (always, slots, scalars) of a deferred step, in commit order
 
     def slot(self, name):
         return self.slots[name]
@@ -308,7 +401,7 @@ class EagerGroupState(GroupState):
         current = self.slots[name]
         if self.in_place:
             if value is not current and not same_memory(value, current):
-                current.copy_(value)
+                copy_tensor(value, current)
         else:
             self.slots[name] = value
 
@@ -319,14 +412,102 @@ class EagerGroupState(GroupState):
         self.scalars[name] = value.item() if hasattr(value, "item") else value
 
     def commit(self, ok, slots=None, scalars=None):
-        if not bool(ok):
+        ok = bool(ok)
+        self.vote = self.vote and ok
+        if self.deferred:
+            if ok:  # a False one makes the whole step's verdict False
+                self._held.append((False, slots, scalars))
+        elif ok:
+            self._store(slots, scalars)
+        else:
             self.skipped += 1
+
+    def advance(self, scalars):
+        if self.deferred:
+            self._held.append((True, None, scalars))
+        else:
+            self._store(None, scalars)
+
+    def count(self, kind, nbytes):
+        self.kinds.append(kind)
+        self.bytes_sent += float(nbytes)
+
+    def begin_step(self, deferred):
+        """Start a step; ``deferred``: hold commits until :meth:`end_step`."""
+        self.deferred, self.vote, self._held = bool(deferred), True, []
+
+    def end_step(self, kept):
+        """Close the step. A deferred group stores what it held if ``kept`` (the verdict of
+        every group), else counts one skipped step; :meth:`advance` values are stored
+        either way. (A group that was not deferred stored or skipped as it went.)"""
+        held, deferred = self._held, self.deferred
+        self.deferred, self._held = False, []
+        if not deferred:
             return
+        if not kept:
+            self.skipped += 1
+        for always, slots, scalars in held:
+            if always or kept:
+                self._store(slots, scalars)
+
+    def abandon_step(self):
+        """Drop a deferred step's held values (the step raised)."""
+        self.deferred, self._held = False, []
+
+    def _store(self, slots, scalars):
         for name, value in (slots or {}).items():
             self.set_slot(name, value)
         for name, value in (scalars or {}).items():
             self.set_scalar(name, value)
 
-    def count(self, kind, nbytes):
-        self.kinds.append(kind)
-        self.bytes_sent += float(nbytes)
+
+def step_groups(rule, context_of, sizes):
+    """One optimizer step of ``rule`` over every parameter group, kept or skipped as a
+    whole (eager: :class:`EagerGroupState` groups; see the module docstring).
+
+    Every group runs its rule, so every rank issues every group's collectives whatever
+    the verdicts. The step is kept when every group's verdict is (each one shared by all
+    ranks on a collective step, this rank's own on a 0/1 Adam local step); otherwise no
+    group's parameters, slots or counters change (except what :meth:`GroupState.advance`
+    stores on a local step), and every group counts one skipped step.
+
+    Groups run from the smallest to the largest (the same order on every rank: the sizes
+    are). All but the last are ``deferred``: their commits wait for the verdict and their
+    results go to buffers of their own (:meth:`StepContext.into_x`,
+    :meth:`StepContext.writable_slot`). The last group, when every group before it kept
+    the step, settles the verdict itself and runs as a lone group does, in place. With
+    one group this is exactly that group's own step.
+
+    Parameters
+    ----------
+    rule : Rule
+    context_of : callable
+        ``context_of(i)``: the :class:`StepContext` of group ``i``, called once per group
+        when its turn comes (so that only one group's flat gradient exists at a time).
+    sizes : list of int
+        The groups' numbers of elements (identical on every rank).
+
+    Returns
+    -------
+    new_xs : list
+        Each group's new flat parameters (in group order; meaningful when kept).
+    kept : bool
+    """
+    order = sorted(range(len(sizes)), key=lambda i: (sizes[i], i))
+    new_xs, held, kept = [None] * len(sizes), [], True
+    try:
+        for position, i in enumerate(order):
+            ctx = context_of(i)
+            st = ctx.state
+            st.begin_step(deferred=not (kept and position == len(order) - 1))
+            if st.deferred:
+                held.append(st)
+            new_xs[i] = rule.step(ctx)
+            kept = kept and st.vote
+    except BaseException:
+        for st in held:
+            st.abandon_step()
+        raise
+    for st in held:
+        st.end_step(kept)
+    return new_xs, kept

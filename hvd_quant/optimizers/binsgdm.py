@@ -23,8 +23,10 @@ weight decay), as with sign methods, so learning rates are Adam-like.
 
 Randomness comes from this rank's counter-based stream (``seed + 1_000_003 * rank``); its
 position (``draws``) is part of the optimizer state, so a restored run draws the same
-numbers. A step on which any rank's gradient is not finite changes nothing on any rank
-(the flag rides in the allreduce's own messages).
+numbers. A step on which any rank's gradient is not finite, in any param group, changes
+nothing in any group on any rank (the flag rides in the allreduce's own messages; one
+verdict per step, see :mod:`hvd_quant.optimizers.base`). DeepSpeed's ``non_freeze``
+param groups (a 1-bit Adam flag) are refused: there is no freeze here to opt out of.
 """
 
 from ..core.hierarchical import hierarchical_bytes, node_layout, sign_mean
@@ -72,6 +74,8 @@ class BinSGDMRule(Rule):
     name = "binsgdm"
     param_slots = ("exp_avg", "exp_avg_abs")
     per_rank_slots = ("exp_avg", "exp_avg_abs")  # moments of each rank's own gradients
+    non_freeze_refusal = ("BinSGDM has no warm-up and no frozen variance for a group to opt out "
+                          "of (non_freeze is DeepSpeed's OnebitAdam flag, runtime/fp16/onebit/adam.py)")
 
     def __init__(self, ranks_per_node=None, seed=0):
         if ranks_per_node is not None and (isinstance(ranks_per_node, bool)
@@ -118,5 +122,5 @@ class BinSGDMRule(Rule):
                   {"step": st.scalar("step") + 1, "draws": calls + 2})
         # x - lr * (q_bar + weight_decay * x), into the parameters where the adapter allows
         return keep_if(B, ok, descend(B, ctx.x, q_bar, ctx.lr, ctx.hp["weight_decay"],
-                                      into=ctx.into_x(ok)), ctx.x)
+                                      into=ctx.into_x(ok), out=ctx.x_buffer()), ctx.x)
 

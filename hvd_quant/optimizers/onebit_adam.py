@@ -20,19 +20,38 @@ Per parameter group, ``step`` counting every call including the first::
     x      = x - lr * update
     frozen = True once step >= freeze_step (checked at the end of the step)
 
-A step whose averaged gradient (warm-up) or compressed momentum is not finite on any rank
-changes nothing, on every rank (see :mod:`hvd_quant.optimizers.base`); so does a warm-up
-step whose ``g_avg**2`` overflows float32 (``|g| > ~1.8e19``: plain Adam would store an
-infinite ``v`` and never move those elements again).
+A param group with DeepSpeed's ``non_freeze=True`` never freezes. DeepSpeed's ``step()``
+gives it a branch of its own wherever the others are compressed (``adam_freeze_key``,
+which is also set on DeepSpeed's initialisation step): ``dist.all_reduce(grad)``,
+``grad.mul_(1 / dist.get_world_size())``, both moments updated as in the warm-up, no
+``exp_avg_mask``. So on the initialisation step its moments take the averaged gradient
+(the parameters do not move), and every later step is the warm-up's fp32 Adam. Here
+(``ctx.hp["non_freeze"]``): an fp32 round every step (step kind ``full``), counters
+identical to the other groups'; the group's error buffers are allocated and stay zero,
+as in DeepSpeed. One difference: on its initialisation step DeepSpeed averages a
+gradient that its engine has averaged already; here it is averaged once (equal bits in
+``tests/test_onebit_optimizers.py`` for 1 to 5 ranks, rounding apart in general).
+
+A step whose averaged gradient (warm-up) or compressed momentum is not finite on any rank,
+in any param group, changes nothing in any group, on every rank (one verdict per
+optimizer step, see :mod:`hvd_quant.optimizers.base`); so does a warm-up step whose
+``g_avg**2`` overflows float32 (``|g| > ~1.8e19``: plain Adam would store an infinite
+``v`` and never move those elements again).
 
 So steps ``2 .. freeze_step`` are Adam on averaged gradients and every later step sends
 1 bit per element (:mod:`hvd_quant.core.onebit`).
 
 Deliberate departures from DeepSpeed, and why:
 
-* Error buffers survive ``load_state_dict`` (DeepSpeed resets them on load, because it
-  saves rank 0's only); our checkpoints are per rank, so a restored run continues
-  bit-identically.
+* ``load_state_dict`` restores everything. DeepSpeed's (``OnebitAdam.load_state_dict``)
+  drops both error buffers (they restart at zero; it saves rank 0's only) and keeps
+  ``step``, ``exp_avg`` and ``exp_avg_sq``. In a new process its next ``step()`` is the
+  initialisation step again (``initialize`` is not saved): the gradient is not used, the
+  parameters do not move, the loaded momentum is replaced by its compressed average; and
+  when the checkpoint was past ``freeze_step``, the step after that takes the warm-up
+  branch once on each rank's own gradient (the engine's allreduce is off), updating the
+  variance with it, before compression resumes. Here checkpoints are per rank and a
+  restored run continues bit-identically, as if never stopped.
 * The warm-up's fp32 average is our own ring allreduce (identical bits on every rank)
   rather than the engine's allreduce.
 """
@@ -62,6 +81,7 @@ class OnebitAdamRule(Rule):
     name = "onebit_adam"
     param_slots = ("exp_avg", "exp_avg_sq")
     per_rank_slots = ("worker_error", "server_error")
+    non_freeze_refusal = None  # DeepSpeed's OnebitAdam.step reads group['non_freeze']
 
     def __init__(self, freeze_step=100000, scales="tensor"):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
@@ -89,10 +109,11 @@ class OnebitAdamRule(Rule):
         n = comm.size
         beta1, beta2 = ctx.hp["betas"]
         step = st.scalar("step") + 1
+        non_freeze = ctx.hp.get("non_freeze", False)  # a Python bool (checked by the adapter)
 
         def compress(value, into=None):
             out, worker, server, finite = compressed_allreduce(
-                B, comm, value, st.slot("worker_error"), st.slot("server_error"),
+                B, comm, value, ctx.writable_slot("worker_error"), ctx.writable_slot("server_error"),
                 ctx.collective_name("momentum"), compressed_counts(self.scales, ctx.counts), out=into)
             # The error buffers are already left untouched on a non-finite step.
             st.commit(True, {"worker_error": worker, "server_error": server})
@@ -110,12 +131,20 @@ class OnebitAdamRule(Rule):
             st.commit(True, {"exp_avg": masked(m)}, {"step": step, "initialized": 1})
             return ctx.x
 
+        def non_freeze_initialisation():
+            # DeepSpeed's first step takes a non_freeze group through its fp32 branch:
+            # both moments absorb the averaged gradient; no update.
+            m, v, ok = full_precision_moments()
+            st.commit(ok, {"exp_avg": m, "exp_avg_sq": v}, {"step": step, "initialized": 1})
+            return ctx.x
+
         def apply(m, v, ok):
             # Into the parameters themselves where the adapter allows and the step is kept.
+            into = ctx.into_x(ok)
             return adam_descend(B, ctx.x, m, v, ctx.lr, ctx.hp["eps"], ctx.hp["weight_decay"],
-                                into=ctx.into_x(ok))
+                                into=into if into is not None else ctx.x_buffer())
 
-        def warm_up():
+        def full_precision_moments():
             g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
             st.count("full", self.wire_bytes("full", ctx.counts, n))
             m = ema(B, st.slot("exp_avg"), g, beta1, out=ctx.buffer("m"))
@@ -123,7 +152,12 @@ class OnebitAdamRule(Rule):
             # v is finite iff g is and g**2 did not overflow float32 (|g| > ~1.8e19, where
             # plain Adam stores an infinite v): either way the step is skipped. v is the
             # same on every rank (from the bit-identical average), so is the verdict.
-            ok = B.all_finite(v)
+            return m, v, B.all_finite(v)
+
+        def warm_up():
+            # Also every step of a non_freeze group: DeepSpeed's frozen branch gives it
+            # an fp32 average and keeps its variance updating (no exp_avg_mask).
+            m, v, ok = full_precision_moments()
             # Compression starts after the step at which step >= freeze_step.
             st.commit(ok, {"exp_avg": m, "exp_avg_sq": v},
                       {"step": step, "frozen": B.select(step >= self.freeze_step, 1, 0)})
@@ -140,6 +174,9 @@ class OnebitAdamRule(Rule):
             m = masked(m)
             st.commit(ok, {"exp_avg": m}, {"step": step})
             return keep_if(B, ok, apply(m, st.slot("exp_avg_sq"), ok), ctx.x)
+
+        if non_freeze:
+            return B.cond(st.scalar("initialized") > 0, warm_up, non_freeze_initialisation)
 
         def train_step():
             return B.cond(st.scalar("frozen") > 0, compressed, warm_up)

@@ -39,11 +39,16 @@ Per parameter group, ``step`` counting every call including the first::
 
 No bias correction; weight decay enters the update as above (so it also enters u).
 
-A round whose averaged values are not finite on any rank (a full round's ``v`` included:
-``g_avg**2`` overflows float32 for ``|g| > ~1.8e19``) changes nothing on any rank; a local
-step whose gradient is not finite changes nothing on that rank but its counters and
-``lrs``, which advance on every rank so that all ranks sync on the same step with the same
-Γ (see :mod:`hvd_quant.optimizers.base`).
+A round whose averaged values are not finite on any rank, in any param group (a full
+round's ``v`` included: ``g_avg**2`` overflows float32 for ``|g| > ~1.8e19``), changes
+nothing in any group on any rank; a local step whose gradient is not finite (in any
+group) changes nothing on that rank, in every group, but the counters and ``lrs``, which
+advance on every rank so that all ranks sync on the same step with the same Γ (see
+:mod:`hvd_quant.optimizers.base`).
+
+DeepSpeed's ``non_freeze`` param groups are refused (``ValueError``): ``ZeroOneAdam.step``
+never reads the flag (only 1-bit Adam's does, ``onebit/adam.py``), so DeepSpeed freezes
+such a group like any other.
 
 Deliberate departures from DeepSpeed, and why:
 
@@ -51,9 +56,22 @@ Deliberate departures from DeepSpeed, and why:
   is one rank (the update sits inside its ``size > 1`` branch). Here the momentum is
   updated with the local gradient, so one rank is plain local Adam with the same
   schedule, as a user would expect.
-* ``load_state_dict`` keeps the error buffers and the accumulator (DeepSpeed drops them,
-  which discards local updates not yet synchronised); checkpoints are per rank, and a
-  restored run continues bit-identically.
+* ``load_state_dict`` restores everything; checkpoints are per rank, and a restored run
+  continues bit-identically. DeepSpeed's ``ZeroOneAdam.load_state_dict`` drops
+  ``worker_error``, ``server_error`` and ``momentum_accumulator`` (and re-arms the one-off
+  zeroing of the error buffers, ``reinitial_error_buffer = False``); finding
+  ``worker_error`` missing, its next ``step()`` re-runs its state initialisation:
+  ``var_interval = 1``, ``var_counter = 0``, ``local_step_interval = 1``,
+  ``local_step_counter = 0``, ``lrs = 0``, zero error buffers and accumulator; only
+  ``step``, ``exp_avg`` and ``exp_avg_sq`` survive. So the variance schedule (Phase A) or
+  the local-step schedule (Phase B) starts over, and the local updates since the last
+  sync stay in the loaded parameters unaveraged (the next sync subtracts only the
+  accumulator built after loading). In a new process DeepSpeed's first ``step()`` after
+  loading is moreover its initialisation step again (gradient unused, parameters
+  unmoved), and past ``var_freeze_step`` the step after it takes the Phase-A branch once
+  (``freeze_key`` is reset; ``load_state_dict`` sets a ``var_freeze_key`` that ``step()``
+  never reads) with the engine's allreduce off, so each rank updates the variance with
+  its own gradient before freezing again.
 * Phase A's fp32 average is our ring allreduce (identical bits on every rank) instead of
   the engine's allreduce.
 * :meth:`ZeroOneAdamRule.final_sync` is ours (DeepSpeed has no such call): a sync of
@@ -130,6 +148,10 @@ class ZeroOneAdamRule(Rule):
     param_slots = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
     # Momentum and accumulator follow each rank's gradients between syncs.
     per_rank_slots = ("exp_avg", "momentum_accumulator", "worker_error", "server_error")
+    non_freeze_refusal = (
+        "DeepSpeed's ZeroOneAdam.step (runtime/fp16/onebit/zoadam.py) never reads the flag "
+        "(only OnebitAdam.step in onebit/adam.py does), so such a group would be frozen like any "
+        "other; drop the flag, or use OnebitAdam")
 
     def __init__(self, var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False, scales="tensor"):
@@ -207,7 +229,9 @@ class ZeroOneAdamRule(Rule):
             g, v, ok = B.cond(var_step, full_round, onebit_round)
             m = ema(B, st.slot("exp_avg"), g, beta1, out=ctx.buffer("m"))
             # DeepSpeed's step: x - lr * (m / (sqrt(v) + eps) + weight_decay * x)
-            x = adam_descend(B, ctx.x, m, v, ctx.lr, eps, wd, into=ctx.into_x(ok))
+            into = ctx.into_x(ok)
+            x = adam_descend(B, ctx.x, m, v, ctx.lr, eps, wd,
+                             into=into if into is not None else ctx.x_buffer())
             # Variance schedule: kappa full rounds per interval, then the interval doubles.
             count = B.select(var_step, st.scalar("var_counter") + 1, st.scalar("var_counter"))
             doubled = count == self.var_update_scaler
@@ -235,7 +259,7 @@ class ZeroOneAdamRule(Rule):
                 """The same step as Phase A's; the accumulator collects it (u -= delta).
                 ``in_place``: a local step that is kept writes m, x and u over the old
                 ones (no 100 MB temporaries), where the adapter allows it."""
-                into = ctx.into_x(in_place)
+                into = ctx.into_x(in_place)  # None while the verdict is open (several groups)
                 acc = st.slot("momentum_accumulator")
                 if into is not None:
                     m = ema(B, st.slot("exp_avg"), ctx.g, beta1, in_place=True)
@@ -261,7 +285,7 @@ class ZeroOneAdamRule(Rule):
                 # Gamma advances with the schedule on every rank: the sync divides the
                 # ranks' average by it, so all ranks keep the same momentum afterwards (a
                 # skipped local step counts as a zero update from that rank).
-                st.commit(True, None, dict(schedule, step=step, lrs=lrs))
+                st.advance(dict(schedule, step=step, lrs=lrs))
                 st.commit(ok, {"exp_avg": m, "momentum_accumulator": u})
                 return keep_if(B, ok, x, ctx.x)
 
@@ -285,7 +309,7 @@ class ZeroOneAdamRule(Rule):
         (decoded into ``into`` where possible), then ``exp_avg_mask``: ``(average, finite)``."""
         B, st = ctx.B, ctx.state
         out, worker, server, finite = compressed_allreduce(
-            B, ctx.comm, value, st.slot("worker_error"), st.slot("server_error"),
+            B, ctx.comm, value, ctx.writable_slot("worker_error"), ctx.writable_slot("server_error"),
             ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts), out=into)
         # The error buffers are already left untouched on a non-finite step.
         st.commit(True, {"worker_error": worker, "server_error": server})

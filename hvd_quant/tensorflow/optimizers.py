@@ -11,6 +11,12 @@ distributed tape is needed (or wanted) around them::
     model.fit(x, y, callbacks=[hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0)])
 
 All trainable variables form one flat float32 group, in the order Keras passes them.
+There are no param groups here (a Keras optimizer has one list of variables, and a call
+on a subset counts the others' gradients as zeros), so two things the torch optimizers
+do across groups do not arise: a skipped step is this one group's verdict, which is the
+whole step's (the torch optimizers combine their groups' verdicts, see
+:func:`hvd_quant.optimizers.base.step_groups`), and DeepSpeed's ``non_freeze`` param
+groups (1-bit Adam) cannot be expressed (use the torch ``OnebitAdam`` for them).
 Variables without a gradient count as zeros (DeepSpeed skips them; see
 :mod:`hvd_quant.optimizers.base` for why we do not). Variables that are not float32 are
 updated through a float32 master copy. Every piece of state (moments, error buffers,
@@ -91,6 +97,11 @@ class _VariableGroupState(GroupState):
             store()
         else:
             self.B.cond(ok, store, skip)
+
+    def advance(self, scalars):
+        # One group: nothing waits for another group's verdict (GroupState.deferred).
+        for name, value in scalars.items():
+            self.set_scalar(name, value)
 
     def count(self, kind, nbytes):
         meters = self.opt._hq_meters

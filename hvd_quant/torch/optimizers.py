@@ -40,10 +40,24 @@ one the training script set on the optimizer, never the checkpoint's (a run may 
 it between stages, e.g. BERT's sequence length 128 then 512): a checkpoint's mask is
 replaced by the optimizer's, or dropped when the optimizer has none.
 
+Param groups: each group has its own learning rate and hyper-parameters, but a step is
+kept or skipped as a whole: if any group's values are not finite (on any rank, or, on a
+0/1 Adam local step, on this rank), no group changes and ``last_step_skipped`` is True,
+so the groups keep one schedule, as DeepSpeed's optimizers have one
+(:func:`hvd_quant.optimizers.base.step_groups`; no extra collective). The price, with
+several groups, is memory for every group but the largest: see ``reuse_buffers``.
+DeepSpeed's ``non_freeze`` group flag is honoured by :class:`OnebitAdam` (fp32 Adam for
+that group throughout, as in DeepSpeed's ``onebit/adam.py``) and refused with a
+``ValueError`` by :class:`ZeroOneAdam` and :class:`BinSGDM` (DeepSpeed's ``zoadam.py``
+never reads it), at construction and in ``add_param_group``.
+
 State: ``state_dict()["state"]`` holds one entry per group, ``"hvd_quant.group{i}"``:
 flat tensors (moments, error buffers, master weights) and the counters, all of this
 rank's own (error buffers and, on local steps, moments differ between ranks): save one
-file per rank. A run restored from it continues bit-identically.
+file per rank. A run restored from it continues bit-identically. (DeepSpeed's
+``load_state_dict`` drops the error buffers, and 0/1 Adam's accumulator with its
+schedule counters; see :mod:`hvd_quant.optimizers.onebit_adam` and
+:mod:`hvd_quant.optimizers.zero_one_adam` for exactly what.)
 
 ``bytes_sent``, ``comm_rounds``, ``step_kinds`` (``"init"``, ``"full"``, ``"onebit"``,
 ``"local"`` per step) and ``skipped_steps`` (steps left out because some rank's values
@@ -51,10 +65,10 @@ were not finite) show what each step did.
 
 Loss scaling: the optimizers accept ``torch.amp.GradScaler`` (``scaler.step(opt)``): they
 unscale the gradients themselves and skip a step whose gradients overflowed on any rank,
-on every rank at once. The stock GradScaler's ``update()`` sees only this rank's overflow,
-so the ranks' loss scales drift apart after such a step; :class:`GradScaler` (a drop-in
-subclass) hands ``update()`` the optimizer's global verdict instead and keeps the scales
-identical on every rank.
+in any param group, on every rank at once. The stock GradScaler's ``update()`` sees only
+this rank's overflow, so the ranks' loss scales drift apart after such a step;
+:class:`GradScaler` (a drop-in subclass) hands ``update()`` the optimizer's global
+verdict instead and keeps the scales identical on every rank.
 """
 
 import torch
@@ -64,9 +78,9 @@ from ..core.runner import RankDisagreement, check_agreement, digest63
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..core.hierarchical import ranks_per_node_of
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
-                               same_memory)
+                               non_freeze_flag, same_memory, step_groups)
 from ..optimizers.binsgdm import single_beta
-from .backend import TorchBackend
+from .backend import TorchBackend, prepare_kernels
 from .comm import HorovodTorchComm
 
 _STATE_KEY = "hvd_quant.group{}"
@@ -116,16 +130,26 @@ class RuleOptimizer(torch.optim.Optimizer):
     #: (page faults; huge-page compaction on a busy machine). The price is memory: float32
     #: buffers the size of each param group, held between steps (0/1 Adam up to eight:
     #: moments, local step and accumulator, the sync's three results, zeros; 1-bit Adam
-    #: two, BinSGDM two). Set ``opt.reuse_buffers = False`` to
-    #: allocate per step instead. Results are the same bits either way.
+    #: two, BinSGDM two). With several param groups, each group but the largest (which
+    #: runs last and writes in place, unless an earlier group already voted to skip)
+    #: computes its step before the step's shared verdict is known (see ``step``), so
+    #: nothing of it may be written in place: it keeps, besides, a buffer for its new
+    #: parameters (1-bit Adam and BinSGDM; 0/1 Adam has one already) and, for the 1-bit
+    #: Adam family, copies of its two error buffers (``1 + 1/n`` times the group, padded,
+    #: for ``n`` ranks): about ``2 + 1/n`` group sizes more for 1-bit Adam, ``1 + 1/n``
+    #: for 0/1 Adam, one for BinSGDM. Set ``opt.reuse_buffers = False`` to allocate per
+    #: step instead. Results are the same bits either way.
     reuse_buffers = True
 
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0):
         super().__init__(params, defaults)  # add_param_group refuses non-CPU parameters
         self._rule = rule
+        for gi, group in enumerate(self.param_groups):
+            _hyper(group, rule, gi)  # refuse what the rule cannot do (non_freeze)
         self._comm = HorovodTorchComm(process_set if process_set is not None else hvd.global_process_set)
         self._rule.validate(self._comm.size)
         self._B = TorchBackend()
+        prepare_kernels()  # loaded at set-up, not in the first step
         self._seed = int(seed)
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._groups = {}
@@ -135,13 +159,14 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False  # the verdict of every rank together (see GradScaler)
         self._scratch = {}  # (group, name) -> kept temporary (reuse_buffers)
 
-    def _scratch_of(self, gi, numel):
+    def _scratch_of(self, gi, group_numel):
         """``StepContext``'s scratch provider for group ``gi`` (see ``reuse_buffers``)."""
         if not self.reuse_buffers:
             self._scratch.clear()
             return None
 
-        def get(name, zero):
+        def get(name, zero, numel=None):
+            numel = group_numel if numel is None else numel
             buf = self._scratch.get((gi, name))
             if buf is None or buf.numel() != numel:
                 buf = torch.zeros(numel) if zero else torch.empty(numel)
@@ -171,6 +196,8 @@ class RuleOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         _refuse_non_cpu(self.param_groups[-1]["params"], type(self).__name__)
+        if hasattr(self, "_rule"):  # else __init__ checks, once the rule is set
+            _hyper(self.param_groups[-1], self._rule, len(self.param_groups) - 1)
 
     def load_state_dict(self, state_dict):
         # DeepSpeed's OnebitAdam/ZeroOneAdam.load_state_dict: exp_avg_mask is the training
@@ -194,6 +221,14 @@ class RuleOptimizer(torch.optim.Optimizer):
     # --- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        """One step of every param group, kept or skipped as a whole.
+
+        Every group runs its rule (and its collectives); the step is kept only if every
+        group's values were finite (:func:`~hvd_quant.optimizers.base.step_groups`), else
+        no group changes, on every rank (on 0/1 Adam's local steps, on the ranks whose own
+        gradients were not finite), and ``last_step_skipped`` says so (GradScaler reads
+        it). The groups thus keep one schedule, as DeepSpeed's optimizers have.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -202,31 +237,37 @@ class RuleOptimizer(torch.optim.Optimizer):
             self._check_ranks()
         scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
         inv_scale = None if scale is None else 1.0 / float(scale)
-        kinds, nbytes = [], 0.0
-        for gi, group in enumerate(self.param_groups):
-            st = self._group_state(gi, group)
-            before_kinds, before_bytes, before_skips = len(st.kinds), st.bytes_sent, st.skipped
-            g = _flat_grads(group["params"], inv_scale)
-            x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
-            # x is the parameter's own memory (one float32 tensor), the master copy, or a
-            # concatenation of ours: the rule may write a kept step's result into it.
-            ctx = StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group),
-                              f"opt.g{gi}", mask=_group_mask(group, gi),
-                              counts=[p.numel() for p in group["params"]], x_writable=True,
-                              scratch=self._scratch_of(gi, x.numel()))
-            new_x = self._rule.step(ctx)
-            if "master" in st.slots:
-                st.set_slot("master", new_x)
-            _write_back(group["params"], new_x)
-            kinds.append(st.kinds[-1] if len(st.kinds) > before_kinds else "local")
-            nbytes += st.bytes_sent - before_bytes
-            if gi == 0:  # every group shares the verdict: one non-finite flag per step
-                self.last_step_skipped = st.skipped > before_skips
-                self.skipped_steps += int(self.last_step_skipped)
-        self.step_kinds.append(kinds[0] if kinds else "local")
-        self.bytes_sent += nbytes
-        self.comm_rounds += int(bool(kinds) and kinds[0] != "local")
+        groups = self.param_groups
+        states = [self._group_state(gi, group) for gi, group in enumerate(groups)]
+        before = [(len(st.kinds), st.bytes_sent) for st in states]
+        new_xs, kept = step_groups(self._rule, lambda gi: self._step_context(gi, inv_scale),
+                                   [sum(p.numel() for p in group["params"]) for group in groups])
+        if kept:
+            for st, group, new_x in zip(states, groups, new_xs):
+                if "master" in st.slots:
+                    st.set_slot("master", new_x)
+                _write_back(group["params"], new_x)
+        kinds = [st.kinds[-1] if len(st.kinds) > n else "local" for st, (n, _) in zip(states, before)]
+        self.step_kinds.append(_step_kind(kinds, groups))
+        self.bytes_sent += sum(st.bytes_sent - sent for st, (_, sent) in zip(states, before))
+        self.comm_rounds += int(any(kind != "local" for kind in kinds))
+        self.last_step_skipped = not kept  # the verdict of every rank together (see GradScaler)
+        self.skipped_steps += int(not kept)
         return loss
+
+    def _step_context(self, gi, inv_scale):
+        """Group ``gi``'s ``StepContext`` for this step (made when the group's turn comes)."""
+        group = self.param_groups[gi]
+        st = self._group_state(gi, group)
+        g = _flat_grads(group["params"], inv_scale)
+        x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
+        # x is the parameter's own memory (one float32 tensor), the master copy, or a
+        # concatenation of ours: the rule may write a kept step's result into it (unless
+        # the group waits for the other groups' verdict: StepContext.into_x).
+        return StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group, self._rule, gi),
+                           f"opt.g{gi}", mask=_group_mask(group, gi),
+                           counts=[p.numel() for p in group["params"]], x_writable=True,
+                           scratch=self._scratch_of(gi, x.numel()))
 
     def _check_ranks(self):
         """First step: every rank must use the same method, options, hyper-parameters,
@@ -415,8 +456,9 @@ class ZeroOneAdam(RuleOptimizer):
                 continue
             counts = [p.numel() for p in group["params"]]
             x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
-            ctx = StepContext(self._B, self._comm, st, None, x, group["lr"], _hyper(group),
-                              f"opt.g{gi}", mask=_group_mask(group, gi), counts=counts)
+            ctx = StepContext(self._B, self._comm, st, None, x, group["lr"],
+                              _hyper(group, self._rule, gi), f"opt.g{gi}", mask=_group_mask(group, gi),
+                              counts=counts)
             new_x = self._rule.final_sync(ctx)
             if "master" in st.slots:
                 st.set_slot("master", new_x)
@@ -509,9 +551,20 @@ def _defaults(lr, betas, eps, weight_decay, bias_correction):
     return dict(lr=lr, bias_correction=bias_correction, **adam_hyperparameters(betas, eps, weight_decay))
 
 
-def _hyper(group):
+def _hyper(group, rule, gi):
+    """The rule's hyper-parameters of param group ``gi``; DeepSpeed's ``non_freeze`` flag
+    is checked against the rule (``ValueError`` where it is not supported)."""
     return {"betas": tuple(group["betas"]), "eps": group.get("eps", 0.0),
-            "weight_decay": group.get("weight_decay", 0.0)}
+            "weight_decay": group.get("weight_decay", 0.0),
+            "non_freeze": non_freeze_flag(rule, group.get("non_freeze"), f"param group {gi}")}
+
+
+def _step_kind(kinds, groups):
+    """The kind of a step from its groups' kinds: the first group's that follows the
+    schedule (a 1-bit Adam ``non_freeze`` group has fp32 rounds throughout), else the
+    first group's."""
+    scheduled = [kind for kind, group in zip(kinds, groups) if group.get("non_freeze") is not True]
+    return (scheduled or kinds or ["local"])[0]
 
 
 def _parameter_names(groups, named_parameters):

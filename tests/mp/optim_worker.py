@@ -4,8 +4,10 @@
 optimizers on the gradients of tests/mp/optim_cases.py and writes ``OUTDIR/rank{r}.json``:
 final parameters, step kinds, bytes, the number of collectives each step issued, a
 checkpoint round trip (in Phase A and between syncs in Phase B), two param groups under
-``LambdaLR``, ``exp_avg_mask`` (and what ``load_state_dict`` does with it), 0/1 Adam's
-``final_sync``, and the errors and warnings bad input raised.
+``LambdaLR``, one verdict for all groups (a bad gradient in one group skips the step in
+every group, ``hq.GradScaler`` backs off), DeepSpeed's ``non_freeze`` groups,
+``exp_avg_mask`` (and what ``load_state_dict`` does with it), 0/1 Adam's ``final_sync``,
+and the errors and warnings bad input raised.
 """
 
 import io
@@ -169,6 +171,67 @@ def groups_under_lambda_lr(name):
     return {"x": flat_params(params), "lrs": seen, "gammas": gammas, "kinds": opt.step_kinds}
 
 
+def poison_group(params, group):
+    """inf in the first element of ``group``'s first parameter's gradient."""
+    with torch.no_grad():
+        params[cases.GROUPS[group][0]].grad.view(-1)[0] = float("inf")
+
+
+def group_skip(scaled=False, steps=5, where=3):
+    """Where per-group verdicts drifted: 1-bit Adam with freeze_step=3 over two param groups
+    (cases.GROUPS); at step ``where`` group 1's gradient holds inf on the last rank only.
+    Every rank must skip the step in both groups (one schedule). ``scaled``: under
+    ``hq.GradScaler`` (gradients scaled by its scale), which must back off everywhere."""
+    params = make_params()
+    opt = make_optimizer("onebit_adam", params, groups=cases.GROUPS, freeze_step=3)
+    scaler = hq.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000) if scaled else None
+    skipped, scales = [], []
+    for s in range(steps):
+        set_grads(params, s)
+        if scaler is not None:
+            scaler.scale(torch.ones(()))  # GradScaler makes its scale on first use
+            with torch.no_grad():
+                for p in params:
+                    p.grad.mul_(scaler.get_scale())
+        if s == where and RANK == SIZE - 1:
+            poison_group(params, 1)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        skipped.append(opt.last_step_skipped)
+    return {"x": flat_params(params), "skipped": skipped, "skipped_steps": opt.skipped_steps,
+            "scales": scales, "kinds": opt.step_kinds,
+            "counters": [opt.state[f"hvd_quant.group{g}"]["scalars"] for g in range(2)]}
+
+
+def non_freeze_groups():
+    """1-bit Adam over cases.GROUPS with group 1 ``non_freeze`` (DeepSpeed's flag): fp32
+    Adam for that group throughout; and the optimizers that refuse the flag."""
+    params = make_params()
+    opt = make_optimizer("onebit_adam", params, groups=cases.GROUPS)
+    opt.param_groups[1]["non_freeze"] = True
+    calls = count_collectives(opt)
+    per_step = []
+    for s in range(cases.STEPS):
+        set_grads(params, s)
+        before = calls[0]
+        opt.step()
+        per_step.append(calls[0] - before)
+    refused = {}
+    for cls in (hq.ZeroOneAdam, hq.BinSGDM):
+        fresh = make_params()
+        try:
+            cls([{"params": fresh[:2]}, {"params": fresh[2:], "non_freeze": True}], lr=1e-3)
+            refused[cls.__name__] = "no error"
+        except ValueError as exc:
+            refused[cls.__name__] = str(exc)
+    return {"x": flat_params(params), "kinds": opt.step_kinds, "bytes": opt.bytes_sent,
+            "rounds": opt.comm_rounds, "calls": per_step, "refused": refused}
+
+
 def mask_and_load_state_dict(at=5):
     """Checkpoint with a mask of ones at step ``at``; restore into an optimizer with the
     script's mask (DeepSpeed: that one stays) and into one without (the checkpoint's is
@@ -266,6 +329,9 @@ if RANKS_PER_NODE is None:
     record("schedule_disagreement", schedule_disagreement)
     record("sparse", sparse_gradients)
     record("groups/zero_one_adam", lambda: groups_under_lambda_lr("zero_one_adam"))
+    record("groups/skip", group_skip)
+    record("groups/grad_scaler", lambda: group_skip(scaled=True, steps=4, where=2))
+    record("groups/non_freeze", non_freeze_groups)
     record("mask_checkpoint", mask_and_load_state_dict)
     record("final_sync", final_sync)
     record("deepspeed_arguments", deepspeed_arguments)
