@@ -1,35 +1,48 @@
 """Side-by-side benchmark of gradient reduction on an emulated cluster (needs root, iproute2).
 
     sudo .venv/bin/python benchmarks/bench_cluster.py                  # the full matrix
-    sudo .venv/bin/python benchmarks/bench_cluster.py --rates 1gbit --hosts 2 \\
+    sudo .venv/bin/python benchmarks/bench_cluster.py --cases model --rates 1gbit,10gbit \
+        --hosts 2 --slots 1,2                                          # the LM, as users run it
+    sudo .venv/bin/python benchmarks/bench_cluster.py --rates 1gbit --hosts 2 \
         --numel 4000000 --repeats 3 --cases buffer --methods horovod_fp32,ef_sign,marsit
 
-For every host count, one :class:`hvd_quant.cluster.EmulatedCluster` is built (one rank
-per host by default); for every link rate its links are reshaped, and for every case one
-Horovod job runs ``benchmarks/cluster_worker.py``, which times every method (Horovod
-fp32/fp16 allreduce, torch DDP over Gloo with no hook, ``fp16_compress_hook`` and
-PowerSGD, every hvd_quant compressor, the 1-bit compressed allreduce and the 1-bit
-optimizers) interleaved within each repeat. See that file for the cases, the timing
-protocol and the cost models.
+For every host count and ranks per host, one :class:`hvd_quant.cluster.EmulatedCluster`
+is built (each host pinned to its own share of the machine's CPUs); for every link rate
+its links are reshaped, and for every case one Horovod job runs
+``benchmarks/cluster_worker.py``, which times every method (Horovod fp32/fp16 allreduce,
+torch DDP over Gloo with no hook, ``fp16_compress_hook`` and PowerSGD, every hvd_quant
+compressor, the 1-bit compressed allreduce and the 1-bit optimizers), each paired with the
+fp32 baseline and the compute floor measured interleaved with it. See that file for the
+cases, the timing protocol and the cost models.
+
+Settings are a user's defaults: only public entry points, no environment the user would
+not set. The one setting the worker makes, torch's intra-op threads per rank, is the
+README's recommendation (usable cores / ranks on this host, as in Horovod's examples);
+``--threads`` and ``--thp`` (the README's transparent-huge-pages tip) change that, and
+every table prints the settings in effect, hvd_quant's kernel thread choice included.
 
 Output (in ``--out-dir``):
 
-* a markdown table per (rate, hosts, case), printed and saved in ``report.md``: median
-  ms over repeats (a repeat counts as long as its slowest rank), speed-up against Horovod
-  fp32 and against DDP + PowerSGD in the same job, MB sent per rank per step, the
-  roofline bound and the bound as a percentage of the measured time;
+* a markdown table per (rate, hosts, ranks per host, case), printed and saved in
+  ``report.md``: median ms over repeats (a repeat counts as long as its slowest rank),
+  speed-up against Horovod fp32 (the paired baseline) and against DDP + PowerSGD, MB sent
+  per rank per step, the ideal time and the share of the ideal saving reached, and the
+  roofline as a percentage of the measured time;
 * ``results.json``: configuration, every raw time (per rank, per repeat), the derived
   numbers, failed jobs;
 * ``speedup.png``: speed-up against Horovod fp32 versus link rate, one line per method,
-  one panel per (case, host count).
+  one panel per (case, host count, ranks per host).
 
-Roofline per method (a lower bound on its time)::
+Ideal and roofline per method (see :func:`summarize`)::
 
-    bound = bytes one rank sends / link rate  +  bytes touched / copy bandwidth
-            (+ the measured step without communication, "local", in the model case)
+    ideal    = compute floor + bytes one rank sends / link rate          (model case)
+             = bytes one rank sends / link rate + bytes touched / copy bandwidth  (buffer)
+    % of ideal = (baseline - measured) / (baseline - ideal)
+    roofline = link term + bytes touched / copy bandwidth (+ compute floor)
+    % of roofline = roofline / measured
 
 with the copy bandwidth measured in the same job (``dst.copy_(src)`` of a buffer of the
-same size, bytes read + written per second), and ``% of roofline = bound / measured``.
+same size, bytes read + written per second).
 """
 
 import argparse
@@ -59,24 +72,56 @@ def slowest_per_repeat(times_by_rank):
 
 
 def summarize(raw, rate_bps):
-    """Derived numbers of one job's raw results: ``{method: {...}}`` plus copy bandwidth."""
+    """Derived numbers of one job's raw results: ``{method: {...}}`` plus copy bandwidth.
+
+    Each method is compared with the baseline (and, in the model case, the compute floor)
+    measured *interleaved with it* (``paired_s``, see cluster_worker's "Timing"); raw
+    results of the older all-interleaved protocol, which have no pairs, use the job's
+    single baseline and floor. Per method:
+
+    * ``speedup_vs_horovod_fp32``: its paired baseline's median over its own median;
+    * ``ideal_s``: the time it would take if only its unavoidable costs remained: the
+      paired compute floor plus its own wire time (bytes sent / link rate) in the model
+      case; wire time plus its memory passes at the measured copy bandwidth in the buffer
+      case (nothing else is timed there);
+    * ``pct_of_ideal``: the share of the ideal saving reached, ``(baseline - t) /
+      (baseline - ideal)`` in percent (100: as fast as the ideal; 0: no faster than fp32);
+    * ``roofline_s`` / ``pct_of_roofline``: wire + memory passes (+ floor), over the
+      measured time.
+    """
     copy_s = statistics.median(slowest_per_repeat(raw["copy_s"]))
     copy_bw = 2 * raw["copy_bytes"] / copy_s if copy_s > 0 else float("inf")  # read + write
     methods = raw["methods"]
+    model = raw["config"]["case"] == "model"
     medians = {name: statistics.median(slowest_per_repeat(m["times_s"])) for name, m in methods.items()}
-    floor = medians.get("local", 0.0) if raw["config"]["case"] == "model" else 0.0
+
+    def paired(name, kept):
+        pairs = methods[name].get("paired_s") or {}
+        if kept in pairs:
+            return statistics.median(slowest_per_repeat(pairs[kept]))
+        return medians.get(kept)
+
+    floor = medians.get("local", 0.0) if model else 0.0
     rows = {}
     for name, m in methods.items():
         measured = medians[name]
+        base = paired(name, BASELINE)
+        own_floor = (paired(name, "local") or 0.0) if model else 0.0
         link_s = m["sent_bytes"] * 8 / rate_bps if rate_bps else 0.0
         memory_s = (m["touched_bytes"] or 0.0) / copy_bw
-        bound = link_s + memory_s + (floor if name != "local" else measured)
+        bound = link_s + memory_s + (own_floor if name != "local" else measured)
+        ideal = own_floor + link_s if model else link_s + memory_s
+        comparable = base is not None and name not in (BASELINE, "local") and base > ideal
         rows[name] = {
             "median_s": measured,
-            "speedup_vs_horovod_fp32": medians[BASELINE] / measured if BASELINE in medians else None,
+            "baseline_s": base,
+            "floor_s": own_floor if model else None,
+            "speedup_vs_horovod_fp32": base / measured if base is not None else None,
             "speedup_vs_ddp_powersgd": medians[POWERSGD] / measured if POWERSGD in medians else None,
             "sent_mb": m["sent_bytes"] / 1e6,
             "touched_mb": (m["touched_bytes"] or 0.0) / 1e6,
+            "ideal_s": ideal,
+            "pct_of_ideal": 100.0 * (base - measured) / (base - ideal) if comparable else None,
             "roofline_s": bound,
             "link_s": link_s,
             "memory_s": memory_s,
@@ -91,38 +136,47 @@ def markdown_table(run):
     s, cfg = run["summary"], run["raw"]["config"]
     what = (f"{cfg['numel']:,} floats" if run["case"] == "buffer" else
             f"model step, {cfg['numel']:,} parameters, batch {cfg['batch']}")
+    settings = [f"torch {cfg['threads']} intra-op thread(s) per rank" if cfg.get("threads") else None,
+                cfg.get("kernel_threads"), "THP_MEM_ALLOC_ENABLE=1" if cfg.get("thp") else None,
+                f"CPUs per host {cfg['cpus']}" if cfg.get("cpus") else None]
     lines = [f"### {run['rate']}, {run['hosts']} hosts x {run['slots']} rank(s), {run['case']} ({what})", "",
              f"median of {cfg['repeats']} repeats (slowest rank per repeat); copy bandwidth "
              f"{s['copy_gbps']:.1f} GB/s (read + write)"
              + (f"; step without communication (`local`) {1e3 * s['compute_floor_s']:.0f} ms"
-                if run["case"] == "model" else ""), "",
-             "| method | median ms | vs horovod_fp32 | vs DDP+PowerSGD | MB sent/rank | roofline ms | % of roofline |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+                if run["case"] == "model" else "")
+             + (f". Settings: {'; '.join(x for x in settings if x)}" if any(settings) else ""), "",
+             "| method | median ms | vs horovod_fp32 | vs DDP+PowerSGD | MB sent/rank | ideal ms | % of ideal | "
+             "% of roofline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
 
     def x(v):
         return f"{v:.2f}x" if v is not None else "–"
+
+    def pct(v):
+        return f"{v:.0f}%" if v is not None else "–"
     for name, r in s["methods"].items():
         kinds = f" ({'/'.join(r['kinds'])})" if r["kinds"] else ""
         lines.append(f"| {name}{kinds} | {1e3 * r['median_s']:.1f} | {x(r['speedup_vs_horovod_fp32'])} | "
-                     f"{x(r['speedup_vs_ddp_powersgd'])} | {r['sent_mb']:.2f} | {1e3 * r['roofline_s']:.1f} | "
-                     f"{r['pct_of_roofline']:.0f}% |")
+                     f"{x(r['speedup_vs_ddp_powersgd'])} | {r['sent_mb']:.2f} | {1e3 * r['ideal_s']:.1f} | "
+                     f"{pct(r['pct_of_ideal'])} | {pct(r['pct_of_roofline'])} |")
     return "\n".join(lines) + "\n"
 
 
 # --- the plot -------------------------------------------------------------------------------------
 def plot(runs, path):
-    """Speed-up vs Horovod fp32 against link rate; one panel per (case, hosts)."""
+    """Speed-up vs Horovod fp32 against link rate; one panel per (case, hosts, ranks per host)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401  (used as matplotlib.ticker below)
 
-    panels = sorted({(r["case"], r["hosts"]) for r in runs})
+    panels = sorted({(r["case"], r["hosts"], r.get("slots", 1)) for r in runs})
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.8), squeeze=False)
-    for ax, (case, hosts) in zip(axes[0], panels):
-        mine = sorted((r for r in runs if r["case"] == case and r["hosts"] == hosts), key=lambda r: r["rate_bps"])
+    for ax, (case, hosts, slots) in zip(axes[0], panels):
+        mine = sorted((r for r in runs if r["case"] == case and r["hosts"] == hosts and r.get("slots", 1) == slots),
+                      key=lambda r: r["rate_bps"])
         names = []
         for r in mine:
             names += [n for n in r["summary"]["methods"] if n not in names and n != "local"]
@@ -146,7 +200,7 @@ def plot(runs, path):
             ax.set_xlim(rates[0] / 3, rates[0] * 3)
         ax.set_xlabel("link rate per host (bit/s)")
         ax.set_ylabel("speed-up vs Horovod fp32 allreduce")
-        ax.set_title(f"{case}, {hosts} hosts")
+        ax.set_title(f"{case}, {hosts} hosts x {slots} rank{'s' * (slots > 1)}")
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     for ax in axes[0][1:]:  # one legend for all panels: methods missing from panel 0 too
@@ -164,14 +218,16 @@ def plot(runs, path):
 
 
 # --- running the matrix ---------------------------------------------------------------------------
-def estimate_job_s(case, numel, hosts, rate_bps, repeats, n_methods):
-    """Rough seconds for one job: bytes moved by all methods over the link, plus compute
-    (measured orders of magnitude on a 2-core machine), plus start-up."""
-    n = hosts
-    fp32_bytes = (2 * (n - 1) / n * 4 * numel) if case == "buffer" else 2 * (n - 1) / n * 4 * 7.4e6
-    link = 5.5 * fp32_bytes * 8 / rate_bps if rate_bps else 0.0  # fp32 x3, fp16 x3, 8-bit x3, ...
-    compute = n_methods * (0.04 * numel / 1e6 * max(1, n / 2) if case == "buffer" else 0.8 * n / 2)
-    return 60 + (repeats + 2.5) * (link + compute)
+def estimate_job_s(case, numel, hosts, slots, rate_bps, repeats, n_methods):
+    """Rough seconds for one job (orders of magnitude measured on a 2-core machine): every
+    method runs its warm-up and repeats paired with the fp32 baseline (and the compute
+    floor in the model case), plus start-up."""
+    n = hosts * slots
+    d = numel if case == "buffer" else 31.7e6
+    fp32_link = slots * 2 * (n - 1) / n * 4 * d * 8 / rate_bps if rate_bps else 0.0
+    compute = (0.04 * d / 1e6 if case == "buffer" else 0.6) * max(1.0, n / 2)
+    per_repeat = (fp32_link + compute) + (fp32_link / 8 + 1.5 * compute) + (compute if case == "model" else 0)
+    return 60 + n_methods * (repeats + 3) * per_repeat
 
 
 def parse_list(text, kind=str):
@@ -183,16 +239,18 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default=DEFAULT_RATES, help=f"link rates (default {DEFAULT_RATES})")
     p.add_argument("--hosts", default="2,3", help="host counts (default 2,3)")
-    p.add_argument("--slots", type=int, default=1, help="ranks per host (default 1)")
+    p.add_argument("--slots", default="1", help="ranks per host, one or several (e.g. 1,2; default 1)")
     p.add_argument("--delay", default=None, help="one-way delay, e.g. 0.1ms (needs tc netem)")
     p.add_argument("--cases", default="buffer,model", help="buffer and/or model (default both)")
     p.add_argument("--numel", type=int, default=25_000_000, help="buffer case size in floats (default 25M)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--methods", default="", help="comma-separated (default: all; see cluster_worker.py --list)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--no-thp", action="store_true",
-                   help="leave THP_MEM_ALLOC_ENABLE unset (default: set to 1 for every rank, so that "
-                        "torch backs large tensors with transparent huge pages; see README, Speed)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads per rank (default 0: the README's recommendation, the "
+                        "usable cores / ranks on this host)")
+    p.add_argument("--thp", action="store_true",
+                   help="set THP_MEM_ALLOC_ENABLE=1 for every rank (the README's tip: torch backs large "
+                        "tensors with transparent huge pages); off by default, as for a user")
     p.add_argument("--job-timeout", type=float, default=0, help="seconds per job (default: from an estimate)")
     p.add_argument("--out-dir", default="", help="default benchmarks/results/cluster-<date-time>")
     p.add_argument("--worker-arg", action="append", default=[],
@@ -206,79 +264,30 @@ def main(argv=None):
     if any(r is None for r in rates):
         p.error("--rates: every rate must be a real rate (the speed-up plot needs it)")
     hosts_list = parse_list(args.hosts, int)
+    slots_list = parse_list(args.slots, int)
     cases = parse_list(args.cases)
     if not set(cases) <= {"buffer", "model"} or not cases:
         p.error("--cases: buffer and/or model")
-    if args.repeats < 1 or min(hosts_list) < 1:
-        p.error("--repeats and --hosts must be >= 1")
+    if args.repeats < 1 or min(hosts_list) < 1 or not slots_list or min(slots_list) < 1:
+        p.error("--repeats, --hosts and --slots must be >= 1")
     out_dir = Path(args.out_dir or HERE / "results" / f"cluster-{datetime.now():%Y%m%d-%H%M%S}")
     (out_dir / "raw").mkdir(parents=True, exist_ok=True)
-    n_methods = len(parse_list(args.methods)) or 18
-    jobs = [(h, r, c) for h in hosts_list for r in rates for c in cases]
-    estimates = {j: estimate_job_s(j[2], args.numel, j[0] * args.slots, j[1], args.repeats, n_methods)
+    n_methods = len(parse_list(args.methods)) or 12
+    jobs = [(h, k, r, c) for h in hosts_list for k in slots_list for r in rates for c in cases]
+    estimates = {j: estimate_job_s(j[3], args.numel, j[0], j[1], j[2], args.repeats, n_methods)
                  for j in jobs}
     total_est = sum(estimates.values())
-    log(f"{len(jobs)} jobs ({', '.join(format_rate(r) for r in rates)}; hosts {hosts_list}; {', '.join(cases)}); "
-        f"rough estimate {total_est / 60:.0f} min; results in {out_dir}")
+    log(f"{len(jobs)} jobs ({', '.join(format_rate(r) for r in rates)}; hosts {hosts_list}; ranks per host "
+        f"{slots_list}; {', '.join(cases)}); rough estimate {total_est / 60:.0f} min; results in {out_dir}")
 
     runs, failures = [], []
     start = time.monotonic()
     done = 0
     for hosts in hosts_list:
-        try:
-            cluster = EmulatedCluster(hosts=hosts, slots=args.slots, rate=rates[0], delay=args.delay,
-                                      log=lambda m: log(f"cluster: {m}"))
-            cluster.start()
-        except ClusterUnavailable as exc:
-            log(f"error: {exc}")
-            return 3
-        with cluster:
-            for rate in rates:
-                cluster.set_link(rate, args.delay)
-                for case in cases:
-                    done += 1
-                    job = (hosts, rate, case)
-                    label = f"{format_rate(rate)} {hosts}h {case}"
-                    timeout = args.job_timeout or max(900.0, 3 * estimates[job])
-                    raw_path = out_dir / "raw" / f"{format_rate(rate)}_{hosts}h_{case}.json"
-                    earlier = reusable(raw_path, args, hosts, rate, case) if args.resume else None
-                    if earlier is not None:
-                        log(f"job {done}/{len(jobs)}: {label}: reusing {raw_path}")
-                        runs.append({"rate": format_rate(rate), "rate_bps": rate, "hosts": hosts,
-                                     "slots": args.slots, "case": case, "elapsed_s": None, "raw": earlier,
-                                     "summary": summarize(earlier, rate)})
-                        continue
-                    log(f"job {done}/{len(jobs)}: {label} (estimate {estimates[job] / 60:.1f} min, "
-                        f"limit {timeout / 60:.0f} min; {(time.monotonic() - start) / 60:.1f} min elapsed)")
-                    cmd = [sys.executable, str(HERE / "cluster_worker.py"), "--case", case,
-                           "--numel", str(args.numel), "--repeats", str(args.repeats),
-                           "--threads", str(args.threads), "--label", label, "--out", str(raw_path),
-                           *(["--methods", args.methods] if args.methods else []), *args.worker_arg]
-                    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "HOROVOD_GLOO_TIMEOUT_SECONDS": "600",
-                           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-                    if not args.no_thp:  # every method of the job runs with it alike
-                        env["THP_MEM_ALLOC_ENABLE"] = "1"
-                    try:
-                        result = cluster.run_horovod(cmd, timeout=timeout, env=env, stream=ProgressFilter())
-                    except JobTimeout as exc:
-                        failures.append({"rate": format_rate(rate), "hosts": hosts, "case": case,
-                                         "error": str(exc)})
-                        log(f"job {label} timed out after {timeout:.0f} s; going on")
-                        continue
-                    if result.returncode != 0 or not raw_path.exists():
-                        failures.append({"rate": format_rate(rate), "hosts": hosts, "case": case,
-                                         "error": f"exit {result.returncode}\n{result.tail(40)}"})
-                        log(f"job {label} failed (rank {result.failed_rank}, exit {result.returncode}):\n"
-                            + result.tail(25))
-                        continue
-                    raw = json.loads(raw_path.read_text())
-                    run = {"rate": format_rate(rate), "rate_bps": rate, "hosts": hosts, "slots": args.slots,
-                           "case": case, "elapsed_s": result.elapsed, "raw": raw,
-                           "summary": summarize(raw, rate)}
-                    runs.append(run)
-                    table = markdown_table(run)
-                    print("\n" + table, flush=True)
-                    write_outputs(out_dir, args, runs, failures, start)
+        for slots in slots_list:
+            status = run_layout(args, hosts, slots, rates, cases, estimates, jobs, out_dir, runs, failures, start)
+            if status:
+                return status
 
     write_outputs(out_dir, args, runs, failures, start)
     png = out_dir / "speedup.png"
@@ -289,9 +298,69 @@ def main(argv=None):
     return 1 if failures else 0
 
 
-def reusable(raw_path, args, hosts, rate, case):
+def run_layout(args, hosts, slots, rates, cases, estimates, jobs, out_dir, runs, failures, start):
+    """Every (rate, case) job on one cluster of ``hosts`` x ``slots``; appends to ``runs``
+    and ``failures``. Returns 3 when the cluster cannot run here."""
+    try:
+        cluster = EmulatedCluster(hosts=hosts, slots=slots, rate=rates[0], delay=args.delay,
+                                  log=lambda m: log(f"cluster: {m}"))
+        cluster.start()
+    except ClusterUnavailable as exc:
+        log(f"error: {exc}")
+        return 3
+    with cluster:
+        for rate in rates:
+            cluster.set_link(rate, args.delay)
+            for case in cases:
+                job = (hosts, slots, rate, case)
+                done = jobs.index(job) + 1
+                label = f"{format_rate(rate)} {hosts}h x {slots} {case}"
+                timeout = args.job_timeout or max(900.0, 3 * estimates[job])
+                raw_path = out_dir / "raw" / f"{format_rate(rate)}_{hosts}h{slots}s_{case}.json"
+                earlier = reusable(raw_path, args, hosts, slots, rate, case) if args.resume else None
+                if earlier is not None:
+                    log(f"job {done}/{len(jobs)}: {label}: reusing {raw_path}")
+                    runs.append({"rate": format_rate(rate), "rate_bps": rate, "hosts": hosts, "slots": slots,
+                                 "case": case, "elapsed_s": None, "raw": earlier,
+                                 "summary": summarize(earlier, rate)})
+                    continue
+                log(f"job {done}/{len(jobs)}: {label} (estimate {estimates[job] / 60:.1f} min, "
+                    f"limit {timeout / 60:.0f} min; {(time.monotonic() - start) / 60:.1f} min elapsed)")
+                cmd = [sys.executable, str(HERE / "cluster_worker.py"), "--case", case,
+                       "--numel", str(args.numel), "--repeats", str(args.repeats),
+                       "--threads", str(args.threads), "--label", label, "--out", str(raw_path),
+                       *(["--methods", args.methods] if args.methods else []), *args.worker_arg]
+                env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "HOROVOD_GLOO_TIMEOUT_SECONDS": "600",
+                       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+                if args.thp:  # every method of the job runs with it alike
+                    env["THP_MEM_ALLOC_ENABLE"] = "1"
+                try:
+                    result = cluster.run_horovod(cmd, timeout=timeout, env=env, stream=ProgressFilter())
+                except JobTimeout as exc:
+                    failures.append({"rate": format_rate(rate), "hosts": hosts, "slots": slots, "case": case,
+                                     "error": str(exc)})
+                    log(f"job {label} timed out after {timeout:.0f} s; going on")
+                    continue
+                if result.returncode != 0 or not raw_path.exists():
+                    failures.append({"rate": format_rate(rate), "hosts": hosts, "slots": slots, "case": case,
+                                     "error": f"exit {result.returncode}\n{result.tail(40)}"})
+                    log(f"job {label} failed (rank {result.failed_rank}, exit {result.returncode}):\n"
+                        + result.tail(25))
+                    continue
+                raw = json.loads(raw_path.read_text())
+                run = {"rate": format_rate(rate), "rate_bps": rate, "hosts": hosts, "slots": slots,
+                       "case": case, "elapsed_s": result.elapsed, "raw": raw,
+                       "summary": summarize(raw, rate)}
+                runs.append(run)
+                print("\n" + markdown_table(run), flush=True)
+                write_outputs(out_dir, args, runs, failures, start)
+    return 0
+
+
+def reusable(raw_path, args, hosts, slots, rate, case):
     """The raw results at ``raw_path`` if an earlier run left them for this very job
-    (same case, size, repeats, threads, hosts, ranks per host, link rate and methods)."""
+    (same case, size, repeats, thread setting, THP, hosts, ranks per host, link rate,
+    timing protocol and methods)."""
     if not raw_path.exists() or args.worker_arg:  # worker arguments change the job: run it again
         return None
     try:
@@ -299,8 +368,8 @@ def reusable(raw_path, args, hosts, rate, case):
         cfg = raw["config"]
     except (ValueError, KeyError):
         return None
-    wanted = {"case": case, "repeats": args.repeats, "threads": args.threads, "hosts": hosts,
-              "slots": args.slots, "rate_bps": rate}
+    wanted = {"case": case, "repeats": args.repeats, "threads_arg": args.threads, "hosts": hosts,
+              "slots": slots, "rate_bps": rate, "thp": bool(args.thp), "protocol": "paired"}
     if case == "buffer":
         wanted["numel"] = args.numel
     if any(cfg.get(k) != v for k, v in wanted.items()):
@@ -319,7 +388,7 @@ def write_outputs(out_dir, args, runs, failures, start):
     report = ["# Emulated-cluster benchmark", "", f"`{' '.join(sys.argv)}`", ""]
     report += [markdown_table(r) for r in runs]
     if failures:
-        report += ["## Failed jobs", ""] + [f"- {f['rate']} {f['hosts']} hosts {f['case']}: "
+        report += ["## Failed jobs", ""] + [f"- {f['rate']} {f['hosts']} hosts x {f.get('slots', 1)} {f['case']}: "
                                             f"{f['error'].splitlines()[0]}" for f in failures]
     (out_dir / "report.md").write_text("\n".join(report) + "\n")
 

@@ -118,7 +118,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, default=25_000_000, help="floats in the buffer")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1, help="torch and numba threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch and kernel threads (hvd_quant.kernels.set_threads; 1 runs the serial twins)")
     p.add_argument("--generic", action="store_true", help="also time the generic (unfused) path")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
@@ -127,6 +128,7 @@ def main():
     args = p.parse_args()
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
+    kernels.set_threads(args.threads)  # a kernel microbenchmark: its own count (1: the serial twins)
     if not kernels.enabled():
         sys.exit(f"the kernels are off: {kernels.why_disabled()}")
     compile_s = kernels.warm_up()

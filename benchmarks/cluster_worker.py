@@ -18,23 +18,36 @@ Cases
     updates it get a copy of their own (0/1 Adam's local steps, for one, leave the ranks'
     parameters a few ulps apart, which would fail the next method's agreement check).
 ``model``
-    A full training step (forward, backward, reduction, optimizer update) of a small
-    GPT-style language model built from ``torch.nn`` (:class:`TinyLM`, about 7.4M
-    parameters by default) on a fixed random batch per rank. Each method trains its own
-    replica, all starting from the same seed. The ``local`` row is the same step without
-    any communication: the compute floor of the model's roofline (always measured).
+    A full training step (forward, backward, reduction, optimizer update) of a GPT-style
+    language model built from ``torch.nn`` (:class:`TinyLM`: 31.7M parameters in 53
+    tensors by default, a 32000-token vocabulary, width 384, 4 layers) on a fixed random
+    batch per rank (4 sequences of 32 tokens), trained with Adam: Horovod's
+    ``hvd.DistributedOptimizer(torch.optim.Adam)``, DDP with Adam, hvd_quant's compressors
+    in ``hq.DistributedOptimizer(torch.optim.Adam)``, and the 1-bit optimizers in its
+    place. Each method trains its own replica, all starting from the same seed. The
+    ``local`` row is the same Adam step without any communication: the compute floor.
 
 Timing
 ------
-All methods first run their warm-up calls (untimed: state creation, first-step
-agreement checks, DDP's bucket rebuild, PowerSGD's uncompressed start-up iterations,
-the 1-bit optimizers' full-precision phase). Then, for each repeat, every method runs
-once, in an order rotated by one per repeat; each call is preceded by its untimed
-``prepare`` and a barrier (``hvd.barrier()``), and timed on every rank with
-``time.perf_counter``. A repeat's time is the slowest rank's (the step is done when the
-last rank is). A copy (``dst.copy_(src)`` of a buffer of the same size into a
-preallocated one) is timed three times in each repeat too: the copy bandwidth of the
-roofline.
+Methods are measured one after another, each *paired* with the baseline (Horovod fp32)
+and, in the model case, the compute floor (``local``), which stay alive for the whole
+job: a method is set up and warmed up (untimed: state creation, first-step agreement
+checks, DDP's bucket rebuild, PowerSGD's uncompressed start-up iterations, the 1-bit
+optimizers' full-precision phase), then each repeat runs the method, the baseline and
+the floor once, in an order rotated by one per repeat, and the method is freed before
+the next one is built. So every speed-up and every share of the ideal compares runs
+interleaved within the same minutes (the machine's speed drifts by more than the
+communication at 10 Gbit/s), and memory holds one method at a time besides the two
+kept ones (2 ranks per host on one machine would not hold every replica at once).
+Each call is preceded by its untimed ``prepare`` and a barrier (``hvd.barrier()``), and
+timed on every rank with ``time.perf_counter``; a repeat's time is the slowest rank's.
+A copy (``dst.copy_(src)`` of a buffer of the same size into a preallocated one) is
+timed three times per repeat: the copy bandwidth of the buffer case's roofline.
+
+Settings are the user's defaults: the only one the worker sets is torch's intra-op
+threads, to what the README recommends (``--threads 0``: the usable cores divided by
+the ranks on this host, as Horovod's examples do); hvd_quant's kernels follow their own
+thread policy, and both choices are printed.
 
 Adding a method
 ---------------
@@ -66,6 +79,7 @@ Network copies (socket buffers) belong to the link term, not here.
 
 import argparse
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -88,6 +102,9 @@ import hvd_quant.torch as hq  # noqa: E402
 from hvd_quant.core.onebit import compressed_allreduce, padded_size  # noqa: E402
 from hvd_quant.torch.backend import TorchBackend  # noqa: E402
 from hvd_quant.torch.comm import HorovodTorchComm  # noqa: E402
+
+
+BASELINE = "horovod_fp32"
 
 
 # --- the registry -----------------------------------------------------------------------------
@@ -135,11 +152,12 @@ def register(name, setup, cases=("buffer", "model"), doc=""):
 class TinyLM(nn.Module):
     """A GPT-style decoder (pre-norm Transformer with a causal mask), built from ``torch.nn``.
 
-    Default size (vocab 8192, width 256, 4 layers, 4 heads, MLP 1024, context 32): 7.4M
-    parameters, most of them in the embedding and the output projection, as in small LMs.
+    Default size (vocab 32000, width 384, 4 layers, 6 heads, MLP 1536, context 32): 31.7M
+    parameters in 53 tensors, most of them in the embedding and the output projection, as
+    in small LMs; at batch 4 its step is communication-bound on a 1 Gbit/s link.
     """
 
-    def __init__(self, vocab=8192, dim=256, layers=4, heads=4, ff=1024, seq=32):
+    def __init__(self, vocab=32000, dim=384, layers=4, heads=6, ff=1536, seq=32):
         super().__init__()
         self.vocab = vocab
         self.embed = nn.Embedding(vocab, dim)
@@ -325,8 +343,9 @@ def optimizer_step(ctx, make_optimizer, warmup=1, touched=touched_sgd_step, buff
                 kind=(lambda: kinds[-1] if kinds else "") if kinds is not None else None)
 
 
-def sgd(params, args):
-    return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+def adam(params, args):
+    """The base optimizer of every fp32 and compressor row (the 1-bit optimizers replace it)."""
+    return torch.optim.Adam(params, lr=args.lr)
 
 
 # --- Horovod's own allreduce ------------------------------------------------------------------
@@ -349,7 +368,7 @@ def horovod_setup(fp16):
         else:
             model = ctx.replica()
             opt = hvd.DistributedOptimizer(
-                sgd(model.parameters(), ctx.args), named_parameters=model.named_parameters(),
+                adam(model.parameters(), ctx.args), named_parameters=model.named_parameters(),
                 compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
             run = lambda: ctx.train_step(model, ctx.batch, opt.step)  # noqa: E731
             prepare = None
@@ -411,7 +430,7 @@ def ddp_setup(hook):
             run = lambda: model.reducer._run_comm_hook(bucket).wait()  # noqa: E731
             shapes = [tuple(ctx.weight.shape)]
         else:
-            opt = sgd(model.parameters(), ctx.args)
+            opt = adam(model.parameters(), ctx.args)
             prepare = None
             run = lambda: ctx.train_step(model, ctx.batch, opt.step)  # noqa: E731
             shapes = [tuple(p.shape) for p in model.parameters()]
@@ -463,7 +482,7 @@ def compressor_setup(config, chunk_mb=None):
 
     def setup(ctx):
         def make(params, named):
-            return hq.DistributedOptimizer(sgd(params, ctx.args), named_parameters=named,
+            return hq.DistributedOptimizer(adam(params, ctx.args), named_parameters=named,
                                            compression=hq.Compression.get(name, **options),
                                            pipeline_chunk_mb=chunk_mb)
         step = optimizer_step(ctx, make, warmup=1, buffer_call="synchronize")
@@ -530,11 +549,13 @@ def onebit_adam_setup(ctx):
 
 
 def zero_one_adam_setup(ctx):
-    # Variance frozen after step 1 and a sync at every step (local_step_clipper=1): each
-    # timed step is 0/1 Adam's communicating step (1-bit sync of the accumulated update).
+    # Variance frozen after step 1; then the default local-step policy (DeepSpeed's:
+    # the interval starts at 1 and doubles every local_step_scaler=32678 steps), so each
+    # timed step is 0/1 Adam's communicating step (1-bit sync of the accumulated update)
+    # as in the first 32678 steps after the freeze.
     return optimizer_step(ctx, lambda params, named: hq.ZeroOneAdam(
-        params, lr=1e-4, named_parameters=named, var_freeze_step=1, local_step_scaler=1,
-        local_step_clipper=1), warmup=4, touched=touched_zero_one_adam)
+        params, lr=1e-4, named_parameters=named, var_freeze_step=1), warmup=4,
+        touched=touched_zero_one_adam)
 
 
 def binsgdm_setup(ctx):
@@ -544,15 +565,15 @@ def binsgdm_setup(ctx):
 
 register("onebit_adam", onebit_adam_setup, doc="hvd_quant.torch.OnebitAdam after freeze_step (1-bit steps)")
 register("zero_one_adam", zero_one_adam_setup,
-         doc="hvd_quant.torch.ZeroOneAdam, frozen variance, 1-bit sync every step")
+         doc="hvd_quant.torch.ZeroOneAdam after var_freeze_step, default local-step policy")
 register("binsgdm", binsgdm_setup, doc="hvd_quant.torch.BinSGDM (1-bit every step)")
 
 
 # --- reference rows -----------------------------------------------------------------------------
 def local_setup(ctx):
-    """The model step without communication (plain SGD): the compute floor."""
+    """The model step without communication (plain Adam): the compute floor."""
     model = ctx.replica()
-    opt = sgd(model.parameters(), ctx.args)
+    opt = adam(model.parameters(), ctx.args)
     return Step(run=lambda: ctx.train_step(model, ctx.batch, opt.step), sent_bytes=0.0, touched_bytes=0.0)
 
 
@@ -589,16 +610,29 @@ def build_context(args, rank, size):
     return ctx
 
 
+#: What the model case runs unless --methods says otherwise: the fp32 baselines a user
+#: would otherwise run (Horovod, DDP), DDP's own compression (PowerSGD), every 1-bit
+#: compressor, Global-QSGD and the 1-bit optimizers.
+MODEL_DEFAULT = ("horovod_fp32", "ddp_fp32", "ddp_powersgd", "ef_sign", "marsit", "global_qsgd",
+                 "onebit", "onebit_adam", "zero_one_adam", "binsgdm")
+
+
 def select_methods(args):
-    names = [m for m in args.methods.split(",") if m] if args.methods else \
-        [m for m, spec in METHODS.items() if args.case in spec.cases]
+    if args.methods:
+        names = [m for m in args.methods.split(",") if m]
+    elif args.case == "model":
+        names = list(MODEL_DEFAULT)
+    else:
+        names = [m for m, spec in METHODS.items() if args.case in spec.cases]
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; registered: {', '.join(METHODS)}")
     skipped = [m for m in names if args.case not in METHODS[m].cases]
     names = [m for m in names if m not in skipped]
+    if BASELINE not in names:
+        names.insert(0, BASELINE)  # every method is paired with it
     if args.case == "model" and "local" not in names:
-        names.append("local")  # the model roofline's compute floor
+        names.append("local")  # the model's compute floor, paired with every method
     return names, skipped
 
 
@@ -621,77 +655,114 @@ def init_torch_distributed(rank, size, timeout_s):
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def recommended_torch_threads():
+    """What the README recommends per rank: the usable cores (affinity, cgroup quota)
+    divided by the ranks on this host, at least one."""
+    from hvd_quant.kernels import threads
+
+    cores, _ = threads.usable_cores()
+    return max(1, cores // max(1, hvd.local_size()))
+
+
+def timed_call(ctx, step):
+    """One call of ``step``, after its prepare and a barrier: seconds on this rank."""
+    if step.prepare:
+        step.prepare()
+    barrier()
+    t = time.perf_counter()
+    step.run()
+    return time.perf_counter() - t
+
+
 def measure(args):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     if not dist.is_initialized():
         init_torch_distributed(rank, size, args.gloo_timeout)
-    torch.set_num_threads(args.threads)
+    threads = args.threads or recommended_torch_threads()
+    torch.set_num_threads(threads)
     ctx = build_context(args, rank, size)
     names, skipped = select_methods(args)
-    log(ctx, f"{size} ranks, case {args.case}, {ctx.numel:,} floats, {len(names)} methods, "
-             f"{args.repeats} repeats, {args.threads} torch thread(s) per rank"
+    kept = [BASELINE] + (["local"] if "local" in names else [])
+    paired = [n for n in names if n not in kept]
+    from hvd_quant.kernels import threads as kernel_threads
+
+    log(ctx, f"{size} ranks ({hvd.local_size()} on this host), case {args.case}, {ctx.numel:,} floats, "
+             f"{len(names)} methods, {args.repeats} repeats; torch: {threads} intra-op thread(s) per rank "
+             f"({'--threads' if args.threads else 'README recommendation: usable cores / ranks on this host'}); "
+             f"{kernel_threads.describe()}"
              + (f"; not in this case: {', '.join(skipped)}" if skipped else ""))
 
-    steps = {}
-    for name in names:
+    def build(name):
         t0 = time.perf_counter()
         step = METHODS[name].setup(ctx)
-        for i in range(step.warmup):
-            if step.prepare:
-                step.prepare()
-            barrier()
+        for _ in range(step.warmup):
             before = step.bytes_counter() if step.bytes_counter else 0.0
-            step.run()
+            timed_call(ctx, step)
             if step.bytes_counter:
                 step.sent_bytes = step.bytes_counter() - before
         if step.touched_bytes is None:  # integer methods: wire bytes per element from the meter
             per_element = step.sent_bytes / max(1.0, ring_bytes(ctx.numel, size))
             step.touched_bytes = touched_integer(per_element)(ctx.numel, size)
-        steps[name] = step
         log(ctx, f"set up + {step.warmup} warm-up call(s): {name} ({time.perf_counter() - t0:.1f} s)")
+        cost[name] = {"sent": step.sent_bytes, "touched": step.touched_bytes}
+        return step
 
+    cost = {}  # name -> the cost model's bytes, kept after the method is freed
+    steps = {name: build(name) for name in kept}
     src = torch.randn(ctx.numel)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = {name: [] for name in names}
+    times = {name: [] for name in names}         # the method's own repeats
+    pairs = {name: {k: [] for k in kept} for name in paired}  # the kept ones, interleaved with it
     kinds = {name: [] for name in names}
     sent = {name: [] for name in names}
     copy_times = []
-    for rep in range(args.repeats):
-        order = names[rep % len(names):] + names[:rep % len(names)] if names else []
-        for _ in range(COPIES_PER_REPEAT):
-            barrier()
-            t = time.perf_counter()
-            dst.copy_(src)
-            copy_times.append(time.perf_counter() - t)
-        for name in order:
-            step = steps[name]
-            if step.prepare:
-                step.prepare()
-            before = step.bytes_counter() if step.bytes_counter else 0.0
-            barrier()
-            t = time.perf_counter()
-            step.run()
-            elapsed = time.perf_counter() - t
-            times[name].append(elapsed)
-            if step.bytes_counter:
-                sent[name].append(step.bytes_counter() - before)
-            if step.kind:
-                kinds[name].append(step.kind())
-            log(ctx, f"repeat {rep + 1}/{args.repeats} {name:22s} {1e3 * elapsed:9.1f} ms (rank 0)")
+
+    def run(name, step, rep, label):
+        before = step.bytes_counter() if step.bytes_counter else 0.0
+        elapsed = timed_call(ctx, step)
+        if step.bytes_counter:
+            sent[name].append(step.bytes_counter() - before)
+        if step.kind:
+            kinds[name].append(step.kind())
+        log(ctx, f"repeat {rep + 1}/{args.repeats} {label:34s} {1e3 * elapsed:9.1f} ms (rank 0)")
+        return elapsed
+
+    for name in paired or [None]:  # with nothing to pair, the kept ones still run once
+        if name is not None:
+            steps[name] = build(name)
+        group = [n for n in [name] + kept if n is not None]
+        for rep in range(args.repeats):
+            for _ in range(COPIES_PER_REPEAT):
+                barrier()
+                t = time.perf_counter()
+                dst.copy_(src)
+                copy_times.append(time.perf_counter() - t)
+            for n in group[rep % len(group):] + group[:rep % len(group)]:
+                elapsed = run(n, steps[n], rep, n if n == name or name is None else f"{n} (with {name})")
+                (times[n] if n == name or name is None else pairs[name][n]).append(elapsed)
+        if name is not None:
+            del steps[name]  # free its replica and state before the next method is built
+            gc.collect()
 
     # Every rank's times, so a repeat counts as long as its slowest rank.
     def gather(values):
         t = hvd.allgather(torch.tensor(values, dtype=torch.float64).reshape(1, -1), name=f"gather.{len(values)}")
         return t.tolist()
 
+    for k in kept:  # the kept methods' own series: all their paired runs, in order
+        times[k] = [t for name in paired for t in pairs[name][k]] or times[k]
     result = {
-        "config": {"case": args.case, "ranks": size, "numel": ctx.numel, "repeats": args.repeats,
-                   "threads": args.threads, "seed": args.seed,
+        "config": {"case": args.case, "ranks": size, "local_size": hvd.local_size(), "numel": ctx.numel,
+                   "repeats": args.repeats, "threads": threads, "threads_arg": args.threads,
+                   "kernel_threads": kernel_threads.describe(), "seed": args.seed,
+                   "protocol": "paired",
                    "hosts": int(os.environ.get("HVDQ_CLUSTER_HOSTS", 0)) or None,
                    "slots": int(os.environ.get("HVDQ_CLUSTER_SLOTS", 0)) or None,
                    "rate_bps": float(os.environ.get("HVDQ_CLUSTER_RATE_BPS", 0)) or None,
+                   "cpus": os.environ.get("HVDQ_CLUSTER_CPUS") or None,
+                   "thp": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
                    "shape": list(ctx.weight.shape) if ctx.weight is not None else None,
                    "model": model_config(args) if args.case == "model" else None,
                    "batch": args.batch if args.case == "model" else None},
@@ -701,12 +772,12 @@ def measure(args):
         "skipped": skipped,
     }
     for name in names:
-        step = steps[name]
-        per_call = statistics.median(sent[name]) if sent[name] else step.sent_bytes
+        step_sent = sent[name]
         result["methods"][name] = {
             "times_s": gather(times[name]),          # [rank][repeat]
-            "sent_bytes": per_call,
-            "touched_bytes": step.touched_bytes,
+            "paired_s": {k: gather(v) for k, v in pairs[name].items()} if name in pairs else None,
+            "sent_bytes": statistics.median(step_sent) if step_sent else cost[name]["sent"],
+            "touched_bytes": cost[name]["touched"],
             "kinds": sorted(set(kinds[name])),
             "doc": METHODS[name].doc,
         }
@@ -721,15 +792,17 @@ def main(argv=None):
     p.add_argument("--numel", type=int, default=25_000_000, help="buffer case: floats (default 25M)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--methods", default="", help="comma-separated names (default: all for the case)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (ranks share the cores)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads per rank (default 0: the README's recommendation, usable "
+                        "cores / ranks on this host)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dim", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ff", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--ff", type=int, default=1536)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=4, help="model case: sequences per rank per step")
     p.add_argument("--gloo-timeout", type=float, default=600)

@@ -59,6 +59,29 @@ def test_summary_uses_the_slowest_rank_and_the_roofline_terms():
     assert "| ef_sign | 300.0 | 8.33x | 1.67x |" in table
 
 
+def test_paired_baseline_floor_and_share_of_the_ideal():
+    """Each method is compared with the baseline and floor timed interleaved with it; the
+    ideal is its paired floor plus its own wire time; % of ideal is the saving reached."""
+    raw = raw_result(case="model", methods={
+        "horovod_fp32": ([[2.0] * 3, [2.0] * 3], 1e8, 0.0),
+        "local": ([[0.5] * 3, [0.5] * 3], 0.0, 0.0),
+        "ef_sign": ([[0.8] * 3, [0.9] * 3], 1e6, 0.0),
+    })
+    raw["methods"]["ef_sign"]["paired_s"] = {"horovod_fp32": [[2.4] * 3, [2.5] * 3],
+                                             "local": [[0.6] * 3, [0.7] * 3]}
+    s = bench_cluster.summarize(raw, rate_bps=1e8)
+    ef = s["methods"]["ef_sign"]
+    assert ef["baseline_s"] == pytest.approx(2.5) and ef["floor_s"] == pytest.approx(0.7)
+    assert ef["speedup_vs_horovod_fp32"] == pytest.approx(2.5 / 0.9)
+    assert ef["ideal_s"] == pytest.approx(0.7 + 1e6 * 8 / 1e8)
+    assert ef["pct_of_ideal"] == pytest.approx(100 * (2.5 - 0.9) / (2.5 - 0.78))
+    assert s["methods"]["horovod_fp32"]["pct_of_ideal"] is None  # the baseline itself
+    table = bench_cluster.markdown_table({"summary": s, "raw": raw, "rate": "100mbit", "hosts": 2,
+                                          "slots": 2, "case": "model"})
+    assert "| ef_sign | 900.0 | 2.78x | – | 1.00 | 780.0 | 93% |" in table
+    assert "2 hosts x 2 rank(s)" in table
+
+
 def test_model_roofline_adds_the_measured_compute_floor():
     raw = raw_result(case="model", methods={
         "horovod_fp32": ([[2.0] * 3, [2.0] * 3], 1e6, 0.0),
@@ -105,9 +128,15 @@ def test_cluster_benchmark_end_to_end(can_run, tmp_path):
     rows = run["summary"]["methods"]
     assert sorted(rows) == sorted(methods)
     for name, row in rows.items():
-        times = run["raw"]["methods"][name]["times_s"]
-        assert len(times) == 2 and all(len(t) == 1 and t[0] > 0 for t in times), name
+        raw = run["raw"]["methods"][name]
+        # The baseline runs once per repeat with every other method (paired); the others once.
+        calls = len(methods) - 1 if name == "horovod_fp32" else 1
+        assert len(raw["times_s"]) == 2 and all(len(t) == calls and min(t) > 0 for t in raw["times_s"]), name
         assert row["roofline_s"] > 0 and row["speedup_vs_horovod_fp32"] > 0, name
+        if name != "horovod_fp32":
+            pair = raw["paired_s"]["horovod_fp32"]  # [rank][repeat]
+            assert len(pair) == 2 and all(len(t) == 1 for t in pair), name
+            assert row["baseline_s"] > 0 and "pct_of_ideal" in row, name
     fp32 = numel * 4  # 2 ranks: a ring allreduce sends the buffer's size once
     assert rows["horovod_fp32"]["sent_mb"] * 1e6 == pytest.approx(fp32)
     for name in ("ef_sign", "ef_sign+pipelined"):  # signs + one scale, allgather to 1 peer
@@ -135,22 +164,29 @@ def test_cluster_benchmark_end_to_end(can_run, tmp_path):
 
 def test_resume_reuses_only_the_same_job(tmp_path):
     args = argparse.Namespace(
-        repeats=3, threads=1, slots=1, numel=1000, methods="", worker_arg=[])
+        repeats=3, threads=0, thp=False, numel=1000, methods="", worker_arg=[])
     raw = raw_result()
-    raw["config"].update({"threads": 1, "hosts": 2, "slots": 1, "rate_bps": 1e9})
-    path = tmp_path / "1gbit_2h_buffer.json"
-    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") is None  # nothing there yet
+    raw["config"].update({"threads_arg": 0, "thp": False, "hosts": 2, "slots": 1, "rate_bps": 1e9,
+                          "protocol": "paired"})
+    path = tmp_path / "1gbit_2h1s_buffer.json"
+    assert bench_cluster.reusable(path, args, 2, 1, 1e9, "buffer") is None  # nothing there yet
     path.write_text(json.dumps(raw))
-    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") == raw
-    assert bench_cluster.reusable(path, args, 3, 1e9, "buffer") is None  # other hosts
-    assert bench_cluster.reusable(path, args, 2, 1e8, "buffer") is None  # other rate
+    assert bench_cluster.reusable(path, args, 2, 1, 1e9, "buffer") == raw
+    assert bench_cluster.reusable(path, args, 3, 1, 1e9, "buffer") is None  # other hosts
+    assert bench_cluster.reusable(path, args, 2, 2, 1e9, "buffer") is None  # other ranks per host
+    assert bench_cluster.reusable(path, args, 2, 1, 1e8, "buffer") is None  # other rate
     args.repeats = 5
-    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") is None  # other repeats
-    args.repeats, args.worker_arg = 3, ["--batch=8"]
-    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") is None  # other worker arguments
-    path.write_text("{not json")
+    assert bench_cluster.reusable(path, args, 2, 1, 1e9, "buffer") is None  # other repeats
+    args.repeats, args.thp = 3, True
+    assert bench_cluster.reusable(path, args, 2, 1, 1e9, "buffer") is None  # other settings
+    args.thp, args.worker_arg = False, ["--batch=8"]
+    assert bench_cluster.reusable(path, args, 2, 1, 1e9, "buffer") is None  # other worker arguments
     args.worker_arg = []
-    assert bench_cluster.reusable(path, args, 2, 1e9, "buffer") is None
+    raw["config"]["protocol"] = None  # an older run: all methods interleaved, no pairs
+    path.write_text(json.dumps(raw))
+    assert bench_cluster.reusable(path, args, 2, 1, 1e9, "buffer") is None
+    path.write_text("{not json")
+    assert bench_cluster.reusable(path, args, 2, 1, 1e9, "buffer") is None
 
 
 @pytest.mark.timeout(300)

@@ -74,7 +74,7 @@ verdict instead and keeps the scales identical on every rank.
 import torch
 import horovod.torch as hvd
 
-from ..core.runner import RankDisagreement, check_agreement, digest63
+from ..core.runner import RankDisagreement, check_agreement, digest63, values_digest63
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..core.hierarchical import ranks_per_node_of
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
@@ -279,8 +279,8 @@ class RuleOptimizer(torch.optim.Optimizer):
         fingerprint = digest63(repr(self._rule), repr(sorted(self._rule.options().items())),
                                repr([sorted(h.items()) for h in hyper]))
         structure = digest63(*(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._named_params()))
-        values = 0 if self._restored else digest63(
-            *(p.detach().cpu().contiguous().numpy().tobytes() for _, p in self._named_params()))
+        values = 0 if self._restored else values_digest63(
+            p.detach().cpu().contiguous().numpy() for _, p in self._named_params())
         row = torch.tensor([fingerprint, structure, values], dtype=torch.int64)
         gathered = self._comm.allgather(row, "hvd_quant.optimizer.check").numpy()
         check_agreement(
