@@ -13,8 +13,9 @@ def parse_args(description):
                    help="hvd_quant compressor name (see hvd_quant.available())")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="compressor option, e.g. --option norm=l2 (repeatable)")
-    p.add_argument("--path", choices=["ours", "stock"], default="ours",
-                   help="hvd_quant's fused optimizer/tape, or Horovod's stock one")
+    p.add_argument("--path", choices=["ours", "stock", "ddp", "ddp_powersgd"], default="ours",
+                   help="hvd_quant's fused optimizer/tape, Horovod's stock one, or (torch only) "
+                        "torch DDP over Gloo with an fp32 allreduce or PowerSGD (no --compression)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgdm",
                    help="sgdm/adam: wrapped in a DistributedOptimizer with --compression; "
                         "onebit_adam/zero_one_adam/binsgdm: hvd_quant's 1-bit optimizers "
@@ -33,6 +34,8 @@ def parse_args(description):
     args = p.parse_args()
     if args.optimizer in ONE_BIT and args.compression != "none":
         p.error(f"--optimizer {args.optimizer} communicates by itself; leave --compression at none")
+    if args.path.startswith("ddp") and (args.compression != "none" or args.optimizer in ONE_BIT):
+        p.error(f"--path {args.path} is torch DDP's own reduction: no --compression or 1-bit optimizer")
     if args.lr is None:
         args.lr = 0.05 if args.optimizer == "sgdm" else 1e-3
     return args
@@ -82,6 +85,26 @@ def digits_split(rank, size, seed=0):
     mean, std = x[:cut].mean(0), x[:cut].std(0) + 1e-3
     x = (x - mean) / std
     return (x[:cut][rank::size], y[:cut][rank::size]), (x[cut:], y[cut:])
+
+
+def powersgd_bytes(shapes, rank, n, min_compression_rate=2):
+    """Bytes one rank sends per PowerSGD step (torch's ``powerSGD_hook``): a ring
+    allreduce of the uncompressed tensors (1-D ones, and matrices PowerSGD finds not worth
+    compressing: its ``_should_compress`` rule) and of the P (rows x r) and Q (cols x r)
+    factors of the others."""
+    floats = 0
+    for shape in shapes:
+        if len(shape) <= 1:
+            floats += max(1, shape[0] if shape else 1)
+            continue
+        rows = shape[0]
+        cols = 1
+        for s in shape[1:]:
+            cols *= s
+        r = min(rows, cols, rank)
+        compressed = (rows + cols) * r
+        floats += compressed if compressed * min_compression_rate < rows * cols else rows * cols
+    return 2.0 * (n - 1) / n * 4 * floats
 
 
 def describe(compression, world_size):

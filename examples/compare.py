@@ -6,7 +6,8 @@
 
 Each config is a compressor, ``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE`` (SGD with momentum in
 our DistributedOptimizer), ``horovod`` (plain Horovod: its own ``hvd.DistributedOptimizer``,
-fp32 allreduce, SGD with momentum), or an optimizer, ``opt=NAME`` (``adam`` with an fp32
+fp32 allreduce, SGD with momentum), ``ddp`` / ``ddp_powersgd`` (torch's DDP with an fp32
+allreduce or PowerSGD, SGD with momentum; torch only), or an optimizer, ``opt=NAME`` (``adam`` with an fp32
 allreduce, or one of hvd_quant's 1-bit optimizers ``onebit_adam``, ``zero_one_adam``,
 ``binsgdm``). Every run uses the same seed, data and epochs. ``--plot FILE.png`` draws
 test accuracy against training time, one line per config.
@@ -56,7 +57,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for i, config in enumerate(args.configs):
             out = Path(tmp) / f"{i}.json"
-            path = "stock" if config == "horovod" else args.path
+            path = "stock" if config == "horovod" else config if config in ("ddp", "ddp_powersgd") else args.path
             script = [str(HERE / SCRIPTS[args.framework]), *config_args(config), "--epochs", str(args.epochs),
                       "--seed", str(args.seed), "--path", path, "--hidden", str(args.hidden),
                       "--target-accuracy", str(args.target_accuracy), "--json", str(out)]
@@ -101,6 +102,8 @@ def config_args(config):
     """Command-line arguments of the example for one config."""
     if config == "horovod":
         return ["--compression", "none"]  # with --path stock
+    if config in ("ddp", "ddp_powersgd"):
+        return []  # with --path ddp / ddp_powersgd
     if config.startswith("opt="):
         return ["--optimizer", config[len("opt="):]]
     name, _, opts = config.partition(":")
@@ -179,7 +182,8 @@ def print_table(args, results, where):
 
 def label(r):
     names = {"horovod": "Horovod fp32 (stock, SGDM)", "none": "hvd_quant fp32 (SGDM)",
-             "opt=adam": "Adam, fp32 allreduce"}
+             "opt=adam": "Adam, fp32 allreduce", "ddp": "torch DDP fp32 (SGDM)",
+             "ddp_powersgd": "torch DDP PowerSGD (SGDM)"}
     config = r["config"]
     if config in names:
         return names[config]

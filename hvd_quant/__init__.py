@@ -16,9 +16,10 @@ package imports without torch, TensorFlow or Horovod.
 """
 
 from .core.compressor import Compressor
+from .kernels.threads import threads_per_rank
 from .process_sets import node_process_sets, torus_process_sets
 from .registry import available, get, register
 
 __version__ = "0.1.0"
-__all__ = ["Compressor", "available", "get", "node_process_sets", "register", "torus_process_sets",
-           "__version__"]
+__all__ = ["Compressor", "available", "get", "node_process_sets", "register", "threads_per_rank",
+           "torus_process_sets", "__version__"]

@@ -320,3 +320,16 @@ def warn_oversubscribed(framework, intra_op_threads, advice):
                     "down. Call %s in each rank before training (as Horovod's examples do).",
                     framework, intra_op_threads, c.local_size, c.cores, advice.format(share=share))
     return True
+
+
+def threads_per_rank():
+    """What each rank's framework should use for its own intra-op threads: the usable
+    cores divided by the ranks on this host (at least 1), the same share the kernels get.
+
+    ``torch.set_num_threads(hvd_quant.threads_per_rank())`` after ``hvd.init()``, or
+    ``tf.config.threading.set_intra_op_parallelism_threads(...)`` before TensorFlow runs
+    anything, as Horovod's examples set one thread per rank on a CPU host.
+    """
+    cores, _ = usable_cores()
+    local, _ = local_ranks()
+    return max(1, cores // max(1, local))
