@@ -2,7 +2,10 @@
 
 At ``step()`` (or an explicit ``synchronize()``) every gradient is flattened into one
 float32 buffer per group (one group by default), the compressor averages that buffer over
-ranks with whatever collectives it needs, and the result is written back into ``.grad``.
+ranks with whatever collectives it needs, and the mean goes back into ``.grad``: a
+float32 gradient becomes a view of the reduced buffer, which is kept and refilled at the
+next reduction (as DDP's ``gradient_as_bucket_view``; keep a ``.clone()`` of a gradient
+that must outlive the next step), other dtypes get a copy.
 Fusing gives one scale/allgather/ring per step instead of one per tensor, which is what
 makes 1-bit methods pay off on small tensors.
 
@@ -194,24 +197,38 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return mean
 
     def _fuse(self, gi, grads):
-        """Group ``gi``'s gradients concatenated into a float32 buffer kept from step to
-        step: a fresh 127 MB ``torch.cat`` cost 49 ms of page faults per step, a copy into
-        kept memory about a third of that. The buffer is free again once ``_write_back``
-        has copied the mean out of it."""
+        """Group ``gi``'s gradients in one float32 buffer kept from step to step (a fresh
+        127 MB ``torch.cat`` cost 49 ms of page faults per step, a copy into kept memory
+        about a third of that). A gradient that already is its slice of the buffer (the
+        view ``_write_back`` left in ``.grad``, accumulated into by a later backward) is
+        not copied."""
         numel = sum(g.numel() for g in grads)
         buf = self._fused.get(gi)
         if buf is None or buf.numel() != numel:
             buf = self._fused[gi] = torch.empty(numel, dtype=torch.float32)
-        return torch.cat(grads, out=buf)
+        offset = 0
+        for g in grads:
+            piece = buf[offset:offset + g.numel()]
+            if not same_memory(piece, g):
+                piece.copy_(g)
+            offset += g.numel()
+        return buf
 
     def _write_back(self, gi, mean):
+        """The mean into ``.grad``: a float32 gradient becomes a view of the reduced buffer
+        (no copy; the buffer is refilled at the next reduction, as DDP's
+        ``gradient_as_bucket_view`` gradients are), others get a copy in their dtype."""
         offset = 0
         for p in self._groups[gi]:
             n = p.numel()
-            value = mean[offset:offset + n].view_as(p).to(p.dtype)
-            if p.grad is None or p.grad.is_sparse:
-                p.grad = value.clone()
-            elif not same_memory(value, p.grad):  # else reduced in place already
+            value = mean[offset:offset + n].view_as(p)
+            if p.grad is not None and same_memory(value, p.grad):
+                pass  # reduced in place already
+            elif value.dtype == p.dtype:
+                p.grad = value
+            elif p.grad is None or p.grad.is_sparse:
+                p.grad = value.to(p.dtype)
+            else:
                 p.grad.copy_(value)
             offset += n
 
