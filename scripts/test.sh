@@ -1,11 +1,32 @@
 #!/usr/bin/env bash
-# Set up everything (first run builds Horovod), then run the whole test suite: unit tests
-# against the numpy oracle and multi-process tests under horovodrun --gloo (2, 3, 4 ranks).
-# Extra arguments go to pytest (e.g. -m "not multiprocess" for the fast part only).
+# Set up everything (the first run builds Horovod), then run the tests.
+#
+#   ./scripts/test.sh            the quick tier: every single-process unit and oracle test, plus
+#                                the multi-process runs of every compressor and 1-bit optimizer in
+#                                both frameworks at 2 and 3 ranks, one emulated-cluster test and
+#                                one container test where an engine exists (tests marked "quick")
+#   ./scripts/test.sh --full     everything (what CI runs: .ci/run)
+#
+# Other arguments go to pytest (e.g. -k marsit, -x, or -m "not multiprocess" for the
+# single-process part only; a -m of yours replaces the tier's).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+tier=quick
+args=()
+for a in "$@"; do
+    case "$a" in
+        --full) tier=full ;;
+        --quick) tier=quick ;;
+        *) args+=("$a") ;;
+    esac
+done
 "$root/scripts/bootstrap.sh"
 "$root/.venv/bin/horovodrun" --check-build 2>/dev/null | grep -E '\[X\] (TensorFlow|PyTorch|Gloo)'
 cd "$root"
 export TF_CPP_MIN_LOG_LEVEL=3
-exec "$root/.venv/bin/python" -m pytest "$@"
+if [ "$tier" = quick ]; then
+    echo "[test] quick tier (./scripts/test.sh --full runs everything)"
+    exec "$root/.venv/bin/python" -m pytest -m "quick or not (multiprocess or cluster or slow)" "${args[@]}"
+fi
+echo "[test] full tier"
+exec "$root/.venv/bin/python" -m pytest "${args[@]}"

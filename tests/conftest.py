@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -19,3 +20,13 @@ def can_run():
         if os.environ.get("HVD_QUANT_REQUIRE_CLUSTER") == "1":
             pytest.fail(message)
         pytest.skip(message)
+
+
+def pytest_runtest_logreport(report):
+    """With ``HVD_QUANT_TIMING=<file>``, every phase of every test as a JSON line (the
+    suite's timing table: ``python tests/suite_timing.py <file>``)."""
+    path = os.environ.get("HVD_QUANT_TIMING")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": report.nodeid, "when": report.when,
+                                "seconds": round(report.duration, 3), "outcome": report.outcome}) + "\n")

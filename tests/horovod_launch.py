@@ -59,10 +59,23 @@ def run_horovod(script, np_, args=(), timeout=300, env=None, check=True):
             pass
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
     result.elapsed = time.monotonic() - start
+    log_job(f"horovodrun -np {np_} {Path(script).name}", result.elapsed, args)
     if check and proc.returncode != 0:
         raise AssertionError(f"horovodrun job failed (exit {proc.returncode}): {' '.join(cmd)}\n"
                              + _tail(out))
     return result
+
+
+def log_job(label, seconds, args=()):
+    """Record one launched job (``HVD_QUANT_TIMING``: a JSON-lines file; see
+    tests/suite_timing.py): what ran, for how long, under which test."""
+    path = os.environ.get("HVD_QUANT_TIMING")
+    if not path:
+        return
+    row = {"job": label, "args": [str(a) for a in args if not str(a).startswith("/")][:6],
+           "seconds": round(seconds, 3), "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _tail(out, lines=60):

@@ -17,6 +17,7 @@ import pytest
 
 from hvd_quant.cluster import (ClusterUnavailable, EmulatedCluster, JobFailed, JobTimeout, netns,
                                parse_delay, parse_rate, requirement_problems)
+from hvd_quant.cluster.emulated import host_cpu_sets, resolve_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -50,6 +51,7 @@ def quiet(msg):
 
 
 # --- no root needed ------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_rates_and_delays_parse():
     assert parse_rate("100mbit") == 1e8
     assert parse_rate("1gbit") == 1e9
@@ -68,6 +70,7 @@ def test_rates_and_delays_parse():
         EmulatedCluster(hosts=0)
 
 
+@pytest.mark.quick
 @pytest.mark.timeout(60)
 def test_refuses_clearly_without_ip_and_tc(tmp_path, monkeypatch):
     """A PATH without ip/tc: a ClusterUnavailable naming them, and the CLI exits 3."""
@@ -84,13 +87,55 @@ def test_refuses_clearly_without_ip_and_tc(tmp_path, monkeypatch):
         assert "'ip' not found" in proc.stderr, proc.stderr
 
 
+@pytest.mark.quick
 def test_refuses_clearly_when_not_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(ClusterUnavailable, match="not root"):
         EmulatedCluster(hosts=2, log=quiet).start()
 
 
+@pytest.mark.quick
+def test_hosts_get_their_own_cpus_and_python_means_this_interpreter(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert host_cpu_sets(2) == [[0, 1], [2, 3]]  # equal contiguous shares; CPU 4 left idle
+    assert host_cpu_sets(5) == [[0], [1], [2], [3], [4]]
+    assert host_cpu_sets(7) == [[0], [1], [2], [3], [4], [0], [1]]  # more hosts than CPUs: shared
+    assert host_cpu_sets(3, "shared") is None
+    assert host_cpu_sets(2, [[3], [1, 0]]) == [[3], [0, 1]]
+    with pytest.raises(ValueError, match="one non-empty CPU list per host"):
+        host_cpu_sets(2, [[0]])
+    assert resolve_interpreter(["python", "x.py"]) == [sys.executable, "x.py"]
+    assert resolve_interpreter(["python3", "-c", "pass"]) == [sys.executable, "-c", "pass"]
+    assert resolve_interpreter(["/usr/bin/python3", "x.py"]) == ["/usr/bin/python3", "x.py"]
+    assert resolve_interpreter(["bash", "-c", "python"]) == ["bash", "-c", "python"]
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(120)
+def test_cli_runs_python_as_typed_with_each_host_on_its_cpus(can_run):
+    """The README's command shape, typed as a user would: a bare ``python`` after ``--``
+    runs this interpreter (under sudo PATH would find the system's), every rank is pinned
+    to its host's CPU share, and a missing module is reported with the interpreter."""
+    script = ("import os, hvd_quant; print('cpus', sorted(os.sched_getaffinity(0)), os.environ['HVDQ_CLUSTER_CPUS'], "
+              "'threads', hvd_quant.threads_per_rank())")
+    proc = subprocess.run([PY, "-m", "hvd_quant.cluster", "run", "--hosts", "2", "--slots", "2", "--rate", "1gbit",
+                           "--", "python", "-c", script], capture_output=True, text=True, timeout=110,
+                          env={**os.environ, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})  # sudo's: no venv
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"python -> {sys.executable}" in proc.stderr
+    shares = host_cpu_sets(2)
+    for rank in range(4):
+        cpus = shares[rank // 2]
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(f"[r{rank}@"))
+        assert f"cpus {cpus} {','.join(map(str, cpus))} threads {max(1, len(cpus) // 2)}" in line, proc.stdout
+    missing = subprocess.run([PY, "-m", "hvd_quant.cluster", "run", "--hosts", "2", "--", PY, "-c",
+                              "import hvd_quant_no_such_module"], capture_output=True, text=True, timeout=110)
+    assert missing.returncode != 0
+    assert f"the ranks ran {PY}, which has no module 'hvd_quant_no_such_module'" in missing.stderr, missing.stderr
+
+
 # --- clean-up on every exit path ------------------------------------------------------------------
+@pytest.mark.quick
 @pytest.mark.timeout(60)
 def test_success_leaves_nothing_and_each_rank_sees_its_host(can_run):
     script = ("import os, socket; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], "

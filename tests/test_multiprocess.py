@@ -27,7 +27,11 @@ import cases  # noqa: E402
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 WORKER = HERE / "mp" / "worker.py"
 
-JOBS = [("torch", 2, {}), ("torch", 3, {}), ("tf", 2, {}), ("tf", 3, {}),
+# The quick tier (./scripts/test.sh) runs every compressor in both frameworks at 2 and 3
+# ranks; tf-keras (Keras 2) only in the full tier.
+QUICK = pytest.mark.quick
+JOBS = [pytest.param(("torch", 2, {}), marks=QUICK), pytest.param(("torch", 3, {}), marks=QUICK),
+        pytest.param(("tf", 2, {}), marks=QUICK), pytest.param(("tf", 3, {}), marks=QUICK),
         ("tf", 2, {"TF_USE_LEGACY_KERAS": "1"})]
 JOB_IDS = ["torch-2", "torch-3", "tf-2", "tf-3", "tf_keras2-2"]
 

@@ -27,10 +27,14 @@ import optim_cases as cases  # noqa: E402
 # first test that uses them: the limit must exceed the job's own, not pyproject's 300 s.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 WORKER = HERE / "mp" / "optim_worker.py"
+# The quick tier (./scripts/test.sh) runs every optimizer in both frameworks at 2 and 3
+# ranks; 4 ranks as 2 nodes x 2 and the 1-rank world only in the full tier.
 JOBS = [(2, None), (3, None), (4, 2), (1, None)]
+QUICK_JOBS = {(2, None), (3, None)}
 
 
-@pytest.fixture(scope="module", params=JOBS, ids=[f"np{n}-k{k}" for n, k in JOBS])
+@pytest.fixture(scope="module", params=[pytest.param(j, marks=pytest.mark.quick) if j in QUICK_JOBS else j
+                                        for j in JOBS], ids=[f"np{n}-k{k}" for n, k in JOBS])
 def job(request, tmp_path_factory):
     n, k = request.param
     out = tmp_path_factory.mktemp(f"optim{n}")
@@ -314,7 +318,8 @@ def test_final_sync_ends_with_one_model(job):
 TF_WORKER = HERE / "mp" / "optim_worker_tf.py"
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["tf-np2", "tf-np3"])
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.quick),
+                                        pytest.param(3, marks=pytest.mark.quick)], ids=["tf-np2", "tf-np3"])
 def tf_job(request, tmp_path_factory):
     n = request.param
     out = tmp_path_factory.mktemp(f"optimtf{n}")
