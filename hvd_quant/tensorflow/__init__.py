@@ -11,6 +11,10 @@ or tape with our ``Compression``.
 >>> model.fit(x, y, callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0)])  # doctest: +SKIP
 """
 
+from .._requirements import check as _check_requirements
+
+_check_requirements("tensorflow")  # versions and Horovod's tensorflow ops: one clear ImportError
+
 from .backend import TFBackend
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor

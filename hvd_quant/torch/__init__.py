@@ -5,6 +5,10 @@
 ...                               compression=hq.Compression.ef_sign)   # doctest: +SKIP
 """
 
+from .._requirements import check as _check_requirements
+
+_check_requirements("torch")  # versions and Horovod's torch ops: one clear ImportError
+
 from .backend import TorchBackend
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
