@@ -17,8 +17,9 @@ cases, the timing protocol and the cost models.
 
 Settings are a user's defaults: only public entry points, no environment the user would
 not set. The one setting the worker makes, torch's intra-op threads per rank, is the
-README's recommendation (usable cores / ranks on this host, as in Horovod's examples);
-``--threads`` and ``--thp`` (the README's transparent-huge-pages tip) change that, and
+docs' recommendation (usable cores / ranks on this host, as in Horovod's examples;
+docs/guide/tuning.md); ``--threads`` and ``--thp`` (the docs' transparent-huge-pages tip)
+change that, and
 every table prints the settings in effect, hvd_quant's kernel thread choice included.
 
 Output (in ``--out-dir``):

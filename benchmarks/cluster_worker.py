@@ -45,7 +45,7 @@ A copy (``dst.copy_(src)`` of a buffer of the same size into a preallocated one)
 timed three times per repeat: the copy bandwidth of the buffer case's roofline.
 
 Settings are the user's defaults: the only one the worker sets is torch's intra-op
-threads, to what the README recommends (``--threads 0``: the usable cores divided by
+threads, to what the docs recommend (``--threads 0``: the usable cores divided by
 the ranks on this host, as Horovod's examples do); hvd_quant's kernels follow their own
 thread policy, and both choices are printed.
 
@@ -656,7 +656,7 @@ def init_torch_distributed(rank, size, timeout_s):
 
 
 def recommended_torch_threads():
-    """What the README recommends per rank: the usable cores (affinity, cgroup quota)
+    """What the docs recommend per rank: the usable cores (affinity, cgroup quota)
     divided by the ranks on this host, at least one."""
     from hvd_quant.kernels import threads
 

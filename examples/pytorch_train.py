@@ -8,7 +8,7 @@
 the same processes (an fp32 allreduce, or PowerSGD as PyTorch's documentation sets it up:
 rank 1, 10 uncompressed warm-up steps), for comparison. Each rank uses
 ``hvd_quant.threads_per_rank()`` intra-op threads: the cores divided by the ranks on
-this host, as the README recommends.
+this host, as the docs recommend (docs/guide/tuning.md).
 ``--optimizer sgdm|adam`` is wrapped in a DistributedOptimizer with ``--compression``;
 ``onebit_adam``, ``zero_one_adam`` and ``binsgdm`` are hvd_quant's 1-bit optimizers, which
 communicate by themselves (options by ``--opt-option KEY=VALUE``; defaults below scale

@@ -3,6 +3,9 @@
 # torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, tf-keras, numpy, numba (fused CPU kernels),
 # pytest, hypothesis, scikit-learn (the examples' bundled data), matplotlib (benchmark plots)
 # and Horovod 0.28.1 built from source with Gloo.
+# These exact pins are the project's tested environment. The library itself accepts ranges
+# (pyproject.toml: numpy, numba; hvd_quant/_requirements.py: the frameworks and Horovod,
+# checked at import).
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -13,6 +16,10 @@ TORCH=torch==2.13.0          # always pinned: an unpinned torch pulls the CUDA b
 TF=tensorflow-cpu==2.21.0
 TFK=tf-keras==2.21.0
 NUMBA=numba==0.68.1          # the fused CPU kernels (hvd_quant/kernels); llvmlite comes with it
+# The docs site (mkdocs.yml, docs/; tests/test_docs.py runs its strict build): pinned, so that
+# the build warns the same everywhere.
+DOCS=(mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
+      griffelib==2.4.1 pymdown-extensions==13.1.2)
 
 if [ ! -x "$py" ]; then
     echo "[bootstrap] creating $venv"
@@ -33,8 +40,9 @@ for req in sys.argv[1:]:
 PYEOF
 }
 
+# build: tests/test_packaging.py builds the wheel and sdist (python -m build).
 deps=("$TORCH" "$TF" "$TFK" "$NUMBA" numpy pytest pytest-timeout hypothesis scikit-learn matplotlib \
-      setuptools wheel psutil pyyaml cloudpickle packaging cffi)
+      setuptools wheel psutil pyyaml cloudpickle packaging cffi build "${DOCS[@]}")
 if ! have "${deps[@]}"; then
     echo "[bootstrap] installing torch, TensorFlow and test dependencies (a few minutes on a new machine)"
     # pip's local find-links config warns about every package it cannot find there.

@@ -8,7 +8,7 @@
 # of the CPUs); where that cannot be made (not root, no ip/tc) it runs on loopback and says so.
 #
 # Every run uses the library's defaults: no thread or environment settings (each rank sets
-# torch's threads to hvd_quant.threads_per_rank(), as the README recommends).
+# torch's threads to hvd_quant.threads_per_rank(), as docs/guide/tuning.md recommends).
 #
 # About 2.5 minutes on 2 cores after set-up. Progress goes to the terminal; the table
 # (markdown), a plot and the raw results go to benchmarks/results/demo.{md,png,json} (and

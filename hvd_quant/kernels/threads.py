@@ -35,8 +35,9 @@ once per process by the ``hvd_quant`` logger (rank 0 at INFO, other ranks at DEB
 :func:`describe` returns the same line.
 
 What it does not do: set torch's or TensorFlow's intra-op threads. Those are the user's,
-as in Horovod; the README says what they should be per rank (the same share), and the
-adapters log a warning once when they oversubscribe the host.
+as in Horovod; the documentation (docs/guide/tuning.md, "Threads per rank") says what
+they should be per rank (the same share, :func:`threads_per_rank`), and the adapters log a
+warning once when they oversubscribe the host.
 """
 
 import logging
