@@ -121,6 +121,45 @@ def test_each_owner_gets_its_own_runner():
     assert handle() is not handle and handle().config() == handle.config()
 
 
+def test_equal_configurations_share_their_owners_state():
+    """``Compression.marsit`` makes a new handle on every access, as a tf.function step
+    does on every trace: the same owner must find the same state through any equal one."""
+    owner = Owner()
+    first = NumpyHandle("marsit", seed=1)
+    assert NumpyHandle("marsit", seed=1).owned(owner) is first.owned(owner)
+    assert first().owned(owner) is first.owned(owner)
+    assert NumpyHandle("marsit", seed=2).owned(owner) is not first.owned(owner)
+    assert NumpyHandle("marsit", seed=1, compensation=False).owned(owner) is not first.owned(owner)
+    assert NumpyHandle("ef_sign", seed=1).owned(owner) is not first.owned(owner)
+
+
+def test_tf_tape_built_inside_a_tf_function_keeps_its_state_across_traces():
+    """The documented custom loop: the tape and its compression object are made inside
+    the traced step (a failure here: 'tf.function only supports singleton tf.Variables')."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    import horovod.tensorflow as hvd
+    import hvd_quant.tensorflow as hq
+
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    x, y = np.ones((8, 4), np.float32), np.zeros((8, 3), np.float32)
+    opt = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        tape = hq.DistributedGradientTape(tape, compression=hq.Compression.marsit)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = [float(step(x, y)) for _ in range(3)]
+    assert losses[2] < losses[0]
+
+
 def test_dead_owners_take_their_state_with_them():
     handle = NumpyHandle("ef_sign")
     owner = Owner()

@@ -21,6 +21,13 @@ whoever *uses* the handle, each in its own :class:`~hvd_quant.core.runner.Compre
 The last two are kept here, in a table held weakly by owner (:meth:`owned`), so that a
 dead optimizer or model takes its state with it. Within an owner, state is named by
 parameter name. :meth:`state_dict` / :meth:`load_state_dict` take the owner.
+
+Handles with equal configurations (framework, name, options, seed) share that table:
+``hq.Compression.marsit`` makes a new handle on every access, as code inside a
+``tf.function`` step does on every trace (``DistributedGradientTape(tape,
+compression=hq.Compression.marsit)``), and the second trace must find the state the first
+one created (TensorFlow refuses to create variables again). Configuration is what a handle
+is: two equal ones used by the same owner are the same reduction.
 """
 
 import itertools
@@ -35,6 +42,10 @@ _owner_numbers = itertools.count()
 
 #: Random-stream positions in a flat state dict: ``"hvd_quant.rng/<rank>/calls"``.
 RNG_PREFIX = "hvd_quant.rng/"
+
+
+#: The owner tables of the stock path and the TF tapes, one per handle configuration.
+_OWNER_TABLES = {}
 
 
 def new_scope():
@@ -71,7 +82,9 @@ class CompressorHandle:
         self.name = name
         self.seed = seed
         self._options = dict(options)
-        self._owners = {}        # owner key -> (weak refs, Owned)
+        # owner key -> (weak refs, Owned); shared by every handle of this configuration
+        self._owners = _OWNER_TABLES.setdefault(
+            (type(self).__qualname__, name, repr(sorted(self._options.items())), seed), {})
         self._anonymous = None   # Owned for calls with no owner (stateless compressors)
 
     def make_backend(self):
