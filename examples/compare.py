@@ -34,7 +34,10 @@ SCRIPTS = {"torch": "pytorch_train.py", "tf": "tensorflow2_train.py"}
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("configs", nargs="+")
+    p.add_argument("configs", nargs="*")
+    p.add_argument("--configs", dest="only", default=None, metavar="A,B,...",
+                   help="comma-separated configs that replace the ones given as arguments "
+                        "(e.g. a short run of scripts/demo.sh: --configs horovod,ef_sign)")
     p.add_argument("--framework", choices=sorted(SCRIPTS), default="torch")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--epochs", type=int, default=30)
@@ -49,6 +52,10 @@ def main():
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="test accuracy against training time, one line per config")
     args = p.parse_args()
+    if args.only:
+        args.configs = [c for c in args.only.split(",") if c]
+    if not args.configs:
+        p.error("give at least one config")
     cluster, where = start_cluster(args)
 
     bindir = Path(sys.executable).parent

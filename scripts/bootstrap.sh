@@ -54,7 +54,9 @@ if ! "$py" -c "import horovod.torch, horovod.tensorflow" >/dev/null 2>&1; then
 fi
 
 # Checked from / so that the checkout itself does not shadow a missing install.
-if ! (cd / && "$py" -c "import hvd_quant, sys; sys.exit(0 if hvd_quant.__file__.startswith('$root/') else 1)") >/dev/null 2>&1; then
+# Real paths: a checkout reached through a symlink (scripts/check_docs.py links the package)
+# is the same install.
+if ! (cd / && "$py" -c "import hvd_quant, os, sys; sys.exit(0 if os.path.realpath(hvd_quant.__file__) == os.path.realpath('$root/hvd_quant/__init__.py') else 1)") >/dev/null 2>&1; then
     echo "[bootstrap] installing hvd_quant (editable)"
     "$py" -m pip install --quiet --no-deps --no-build-isolation -e "$root"
 fi

@@ -21,9 +21,15 @@ command cannot slip in unchecked)::
     take minutes; the command text itself is never edited. Python blocks run as one
     script (after the named ``prelude`` from :data:`PRELUDES`, which defines what a
     fragment assumes, such as a model), under ``horovodrun -np N --gloo`` when ``np`` is
-    given. ``expect``: a text the output must contain (repeatable, ``|``-separated).
+    given. Python blocks without ``np`` share one interpreter (imports are paid once), each
+    in fresh globals; ``fresh`` gives a block its own process (e.g. one that sets
+    TensorFlow's threads, which only works before TensorFlow runs anything). ``expect``: a
+    text the output must contain (repeatable, ``|``-separated).
 ``skip``
     Not run; the reason is printed with ``--list`` and in the test's report.
+
+A command shown on several pages (with the same appended ``args``) runs once; each block
+still checks its own ``expect`` against that output.
 
 Commands that show ``sudo`` run as written where ``sudo`` exists; where it does not and
 the check runs as root (the CI machines), ``sudo`` is dropped, which is what it would
@@ -32,6 +38,7 @@ prints the block's file and line, the command, and the output's tail.
 """
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -50,32 +57,45 @@ CHECKED_LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "
                      "py": "python"}
 
 #: What a Python fragment of the docs assumes exists, by name (``prelude=NAME``).
-PRELUDES = {
-    "torch_model": """
+_TORCH = """
 import torch
 import horovod.torch as hvd
+import hvd_quant
+import hvd_quant.torch as hq
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-base_opt = opt
+base_opt = opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
 loss_fn = torch.nn.CrossEntropyLoss()
-""",
-    "keras_model": """
+"""
+_KERAS = """
 import numpy as np
 import keras
 import tensorflow as tf
 import horovod.tensorflow as hvd
+import hvd_quant
+import hvd_quant.tensorflow as hq
 hvd.init()
 keras.utils.set_random_seed(0)
-model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
+model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(4, activation="softmax")])
 x = np.random.default_rng(hvd.rank()).standard_normal((64, 16)).astype("float32")
 y = np.random.default_rng(hvd.rank()).integers(0, 4, 64)
-loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+loss_fn = keras.losses.SparseCategoricalCrossentropy()
 opt = keras.optimizers.SGD(0.05)
-""",
+"""
+
+#: What a Python fragment of the docs assumes exists, by name (``prelude=NAME``): the
+#: imports a page's earlier blocks made (``hvd``, ``hq``, ...), a small model with data
+#: (``model``, ``x``, ``y``, ``loss_fn``), and an optimizer to wrap (``opt``, ``base_opt``).
+PRELUDES = {
+    "torch_model": _TORCH,
+    "keras_model": _KERAS,
+    # A page that shows both frameworks: torch's names, plus hq_tf and tf.
+    "both": _TORCH + "import tensorflow as tf\nimport hvd_quant.tensorflow as hq_tf\n",
 }
 
 
@@ -108,6 +128,9 @@ def parse_marker(text):
     options = {}
     for w in words[1:]:
         key, sep, value = w.partition("=")
+        if w == "fresh":  # a Python block that needs a process of its own
+            options["fresh"] = "1"
+            continue
         if not sep or key not in ("timeout", "expect", "args", "np", "prelude", "cwd"):
             raise ValueError(f"unknown check option {w!r}")
         options[key] = value
@@ -177,6 +200,15 @@ def as_run_here(command):
     return command
 
 
+def with_args(command, args):
+    """``command`` with ``args`` appended before any trailing ``# comment`` (which would
+    otherwise swallow them)."""
+    if not args:
+        return command
+    words = shlex.split(command, comments=True)
+    return shlex.join(words) + " " + args
+
+
 def make_tree(venv):
     """A temporary copy of the tracked files (as they are in the working tree) with
     ``.venv`` linked in: what a fresh clone holds, plus the environment. The package
@@ -196,8 +228,11 @@ def make_tree(venv):
     return tree
 
 
-def run_block(block, tree, default_timeout=120.0):
-    """Run one marked block in ``tree``; return ``(ok, seconds, message)``."""
+def run_block(block, tree, default_timeout=120.0, cache=None):
+    """Run one marked block in ``tree``; return ``(ok, seconds, message)``. ``cache``
+    maps a command (with its appended ``args``) that already passed to its output: a
+    command shown on several pages runs once."""
+    cache = {} if cache is None else cache
     timeout = float(block.options.get("timeout", default_timeout))
     expect = [e for e in block.options.get("expect", "").split("|") if e]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
@@ -206,8 +241,7 @@ def run_block(block, tree, default_timeout=120.0):
     start = time.monotonic()
     output = []
     if block.language == "bash":
-        runs = [as_run_here(c) + (" " + block.options["args"] if block.options.get("args") else "")
-                for c in commands(block.text)]
+        runs = [with_args(as_run_here(c), block.options.get("args", "")) for c in commands(block.text)]
     else:
         script = tree / f".doc_snippet_{block.line}.py"
         script.write_text(PRELUDES.get(block.options.get("prelude"), "") + "\n" + block.text + "\n")
@@ -215,6 +249,9 @@ def run_block(block, tree, default_timeout=120.0):
         runs = [f"{tree}/.venv/bin/horovodrun -np {np_} -H localhost:{np_} --gloo {tree}/.venv/bin/python {script}"
                 if np_ else f"{tree}/.venv/bin/python {script}"]
     for command in runs:
+        if command in cache:
+            output.append(cache[command])
+            continue
         left = timeout - (time.monotonic() - start)
         if left <= 0:
             return False, time.monotonic() - start, f"time limit {timeout:g} s reached before: {command}"
@@ -229,11 +266,64 @@ def run_block(block, tree, default_timeout=120.0):
         if proc.returncode != 0:
             return False, time.monotonic() - start, (f"exit {proc.returncode}: {command}\n"
                                                     + _tail(proc.stdout + proc.stderr))
+        if block.language == "bash":
+            cache[command] = output[-1]
     text = "\n".join(output)
     missing = [e for e in expect if e not in text]
     if missing:
         return False, time.monotonic() - start, f"output lacks {missing}: {runs}\n{_tail(text)}"
     return True, time.monotonic() - start, ""
+
+
+BATCH_RUNNER = r"""
+import contextlib, io, json, sys, time, traceback
+results = []
+for path, name in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    start = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = compile(open(path).read(), name, "exec")
+            exec(code, {"__name__": "__main__", "__file__": path})
+        ok = True
+    except BaseException:
+        ok = False
+        out.write(traceback.format_exc())
+    results.append({"name": name, "ok": ok, "seconds": time.monotonic() - start, "output": out.getvalue()})
+    print("@@CHECK@@" + json.dumps(results[-1]), flush=True)
+"""
+
+
+def run_shared(batch, tree, timeout=300.0):
+    """Run Python blocks (no ``np``, not ``fresh``) in one interpreter, each in fresh
+    globals, in order; return ``{block: (ok, seconds, message)}``."""
+    scripts = []
+    for b in batch:
+        script = tree / f".doc_snippet_{len(scripts)}.py"
+        script.write_text(PRELUDES.get(b.options.get("prelude"), "") + "\n" + b.text + "\n")
+        scripts.append((str(script), b.where))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)
+    try:
+        proc = subprocess.run([str(tree / ".venv" / "bin" / "python"), "-c", BATCH_RUNNER, json.dumps(scripts)],
+                              cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        text = proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    rows = {json.loads(line[len("@@CHECK@@"):])["name"]: json.loads(line[len("@@CHECK@@"):])
+            for line in text.splitlines() if line.startswith("@@CHECK@@")}
+    out = {}
+    for b in batch:
+        row = rows.get(b.where)
+        if row is None:
+            out[b.where] = (False, 0.0, f"not reached: the shared interpreter ended first\n{_tail(text)}")
+            continue
+        expect = [e for e in b.options.get("expect", "").split("|") if e]
+        missing = [e for e in expect if e not in row["output"]]
+        message = "" if row["ok"] and not missing else (
+            (f"output lacks {missing}\n" if missing else "") + _tail(row["output"]))
+        out[b.where] = (row["ok"] and not missing, row["seconds"], message)
+    return out
 
 
 def _tail(text, lines=25):
@@ -271,20 +361,30 @@ def main(argv=None):
         return 1 if errors else 0
     tree = make_tree(Path(args.venv).resolve())
     failed = 0
+    start = time.monotonic()
+
+    def report(where, ok, seconds, message):
+        nonlocal failed
+        print(f"[check] {'ok  ' if ok else 'FAIL'} {where} ({seconds:.0f} s)", flush=True)
+        if not ok:
+            failed += 1
+            print(message, flush=True)
     try:
+        shared = [b for b in found if b.directive == "run" and b.language == "python"
+                  and "np" not in b.options and "fresh" not in b.options]
+        if shared:
+            for where, result in run_shared(shared, tree).items():
+                report(where, *result)
+        cache = {}  # a command shown on several pages runs once
         for b in found:
             if b.directive == "skip":
                 print(f"[check] skip {b.where}: {b.reason}", flush=True)
-                continue
-            if b.directive != "run":
-                continue
-            ok, seconds, message = run_block(b, tree)
-            print(f"[check] {'ok  ' if ok else 'FAIL'} {b.where} ({seconds:.0f} s)", flush=True)
-            if not ok:
-                failed += 1
-                print(message, flush=True)
+            elif b.directive == "run" and b not in shared:
+                report(b.where, *run_block(b, tree, cache=cache))
     finally:
         shutil.rmtree(tree, ignore_errors=True)
+    print(f"[check] {len(found)} blocks, {failed} failed, {len(errors)} errors, "
+          f"{time.monotonic() - start:.0f} s", flush=True)
     for e in errors:
         print(f"[check] ERROR {e}", flush=True)
     return 1 if failed or errors else 0
