@@ -1,11 +1,14 @@
 """How many threads the fused kernels use: the usable cores divided by the ranks on this host.
 
 The usual layout puts several ranks on one host (one per GPU, socket or core group). If
-every rank's kernels took every core, ranks that share a host would oversubscribe it: on
-a 2-core machine with 2 ranks, each rank's numba pool of 2 OpenMP threads made a
-per-tensor scale sum and sign pass 40x slower than one thread per rank
-(``benchmarks/bench_threads.py``), and a real training step slower than plain Horovod.
-So, by default, each rank gets
+every rank's kernels took every core, ranks that share a host would oversubscribe it:
+``benchmarks/bench_threads.py``, 2 processes at once on this project's 2-core machine,
+the kernel work of one step of a 31.7M-parameter LM (52 tensors): 77-87 ms with one
+serial thread per rank, 151-268 ms with each rank's numba pool on both cores on an
+otherwise quiet machine, 1326 ms while other work ran too (OpenMP threads spin while they
+wait for a core another process holds). A real training step was slower than plain
+Horovod that way (ef_sign's LM step on 2 ranks: 3384 ms, against 478 ms with this
+policy). So, by default, each rank gets
 
     threads = max(1, usable cores // ranks on this host)
 
@@ -22,9 +25,10 @@ So, by default, each rank gets
 
 **One thread means serial kernels.** With one thread per rank, the kernels run compiled
 without a parallel region at all (the same loop bodies compiled with ``parallel=False``):
-measured here, a parallel kernel run on one thread is 1.2-1.9x slower than its serial twin
-(``benchmarks/bench_threads.py``), because numba's parallel loops pay a scheduling call
-and lose some vectorisation. With more threads the parallel kernels run on numba's pool,
+measured with ``benchmarks/bench_threads.py``, the parallel twins on a pool of one thread
+took 1.3-1.4x the serial twins' time in total (2 processes at once, quiet machine), most of
+it in Global-QSGD's stochastic rounding (62 ms against 21), whose parallel compilation
+vectorises worse; the other kernels were within noise of their serial twins. With more threads the parallel kernels run on numba's pool,
 which is sized to the chosen count (``NUMBA_NUM_THREADS`` is set before numba is first
 imported, so the pool never holds more threads than the rank's share).
 
