@@ -72,7 +72,7 @@ def log_job(label, seconds, args=()):
     path = os.environ.get("HVD_QUANT_TIMING")
     if not path:
         return
-    row = {"job": label, "args": [str(a) for a in args if not str(a).startswith("/")][:6],
+    row = {"job": label, "args": [str(a)[:40] for a in args if not str(a).startswith(("/", "[["))][:6],
            "seconds": round(seconds, 3), "test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
