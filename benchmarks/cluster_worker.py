@@ -96,6 +96,8 @@ import torch.nn as nn
 import horovod.torch as hvd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hvd_quant from this checkout
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "examples"))
+from common import powersgd_bytes  # noqa: E402  (PowerSGD's byte model, shared with the examples)
 
 import hvd_quant  # noqa: E402
 import hvd_quant.torch as hq  # noqa: E402
@@ -443,25 +445,6 @@ def ddp_setup(hook):
             sent, touched = ring_bytes(4 * d, n), touched_ring_fp32(d, n)
         return Step(run=run, prepare=prepare, warmup=warmup, sent_bytes=sent, touched_bytes=touched)
     return setup
-
-
-def powersgd_bytes(shapes, rank, n, min_compression_rate=2):
-    """Bytes one rank sends per PowerSGD step: ring allreduce of the uncompressed tensors
-    (1-D ones, and matrices PowerSGD finds not worth compressing: its ``_should_compress``
-    rule) and of the P (rows x r) and Q (cols x r) factors of the others."""
-    floats = 0
-    for shape in shapes:
-        if len(shape) <= 1:
-            floats += max(1, shape[0] if shape else 1)
-            continue
-        rows = shape[0]
-        cols = 1
-        for s in shape[1:]:
-            cols *= s
-        r = min(rows, cols, rank)
-        compressed = (rows + cols) * r
-        floats += compressed if compressed * min_compression_rate < rows * cols else rows * cols
-    return ring_bytes(4 * floats, n)
 
 
 register("ddp_fp32", ddp_setup(None), doc="torch DDP over Gloo, no hook (fp32 allreduce)")
