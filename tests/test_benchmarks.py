@@ -214,3 +214,35 @@ def test_kernel_benchmark_covers_every_kernel(tmp_path):
     for words in ("sign + pack", "unpack", "residual", "marsit", "quantize", "exponential", "binsgdm",
                   "uniform", "finite", "adam", "0/1 adam"):
         assert words in text, words
+
+
+def test_keras_benchmark_speed_up_and_share_of_the_ideal(tmp_path):
+    """bench_keras.py's bookkeeping on made-up raw results: the slowest rank per batch,
+    the fp32 and floor times of the method's own rounds, ideal = floor + own wire time,
+    % of ideal = (fp32 - t) / (fp32 - ideal), targets; table and plot written."""
+    pytest.importorskip("matplotlib")
+    import bench_keras
+
+    def method(times, fp32, floor, sent):
+        return {"times_s": times, "fp32_s": fp32, "floor_s": floor, "sent_bytes": sent, "kinds": []}
+    # 1 Gbit/s: 12.5 MB is 100 ms on the wire.
+    rank0 = {"ef_sign": method([0.30, 0.40, 0.35], [2.0, 2.2, 2.1], [0.2, 0.2, 0.2], 12.5e6),
+             "fp16": method([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.2, 0.2, 0.2], 0.0)}
+    rank1 = {"ef_sign": method([0.50, 0.30, 0.30], [2.0, 2.0, 2.0], [0.3, 0.1, 0.3], 12.5e6),
+             "fp16": method([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.2, 0.2, 0.2], 0.0)}
+    raw = {"config": {"ranks": 2, "hosts": 2, "rate_bps": 1e9, "batch": 4, "seq": 16, "chunk": 3, "repeats": 1,
+                      "parameters": 1000, "fp32_sent_bytes": 4000.0, "new_kernel_signatures_while_timing": 0,
+                      "threads": {"tf_intra_op": 1, "tf_inter_op": 1, "kernels": "1 thread"}},
+           "per_rank": [rank0, rank1]}
+    s = bench_keras.summarize(raw)
+    ef = s["methods"]["ef_sign"]
+    assert ef["median_s"] == pytest.approx(0.40)          # slowest ranks: 0.5, 0.4, 0.35
+    assert ef["fp32_s"] == pytest.approx(2.1) and ef["floor_s"] == pytest.approx(0.3)
+    assert ef["wire_s"] == pytest.approx(0.1) and ef["ideal_s"] == pytest.approx(0.4)
+    assert ef["speedup"] == pytest.approx(2.1 / 0.4) and ef["pct_of_ideal"] == pytest.approx(100.0)
+    assert ef["target"] == 3.5 and ef["meets_target"]
+    assert s["methods"]["fp16"]["target"] is None and s["methods"]["fp16"]["meets_target"] is None
+    assert bench_keras.target_of("tape:global_qsgd") == 2.0
+    table = bench_keras.write_outputs(tmp_path, raw, ["bench_keras.py"])
+    assert "| ef_sign | 400 | 2100 | 300 | 12.50 | 100 | 400 | 5.25x | 5.25x | 100% | 3.5x, 85%: met |" in table
+    assert (tmp_path / "speedup.png").stat().st_size > 0 and (tmp_path / "results.json").exists()

@@ -172,6 +172,21 @@ def test_jit_compile_with_the_callback_trains_like_the_plain_step(keras_job):
 
 
 @pytest.mark.multiprocess
+def test_embeddings_train_with_compressors_and_one_bit_optimizers(keras_job):
+    """An Embedding's sparse gradient is reduced dense by default (sparse_as_dense):
+    model.fit trains with a compressor and with every 1-bit optimizer, every rank ends
+    with the same weights; sparse_as_dense=False refuses it with the reason."""
+    if keras_job["size"] != 2:
+        pytest.skip("checked at 2 ranks")
+    ranks = [_ok(r["embedding"]) for r in keras_job["ranks"]]
+    for name in ("ef_sign", "onebit_adam", "zero_one_adam", "binsgdm"):
+        assert ranks[0][name]["digest"] == ranks[1][name]["digest"], name
+        loss = ranks[0][name]["loss"]
+        assert loss[-1] < loss[0], (name, loss)
+    assert "sparse_as_dense=False" in ranks[0]["refused"] and "Embedding" in ranks[0]["refused"]
+
+
+@pytest.mark.multiprocess
 def test_loss_scale_optimizer_outside_is_refused_on_every_rank(keras_job):
     if keras_job["size"] != 2:
         pytest.skip("checked at 2 ranks")

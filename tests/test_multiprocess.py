@@ -107,6 +107,20 @@ def test_reduction_matches_numpy_oracle(job, label, name, options):
                 assert np.max(np.abs(value - truth)) <= bound
 
 
+def test_tensorflow_graphs_reduce_as_eagerly_bit_for_bit(job):
+    """The fused kernels inside tf.function (numpy_function ops, state adopting kept
+    buffers): the eager run's values exactly, which test_reduction_matches_numpy_oracle
+    compares with the oracle."""
+    if job["framework"] != "tf":
+        pytest.skip("TensorFlow only")
+    for rank in job["ranks"]:
+        graph, eager = _ok(rank["reduce_graph"]), _ok(rank["reduce"])
+        assert graph
+        for label, per_size in graph.items():
+            for d, values in per_size.items():
+                assert values == eager[label]["values"][d], (label, d)
+
+
 def check_exact_cases(results, size):
     """Global-QSGD worst cases under real Horovod: no overflow, exact where on the grid."""
     for key, got in results.items():

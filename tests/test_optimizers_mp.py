@@ -178,7 +178,9 @@ def test_bad_input_fails_clearly_on_every_rank(job):
         else:
             assert rank["schedule_disagreement"] == "no error"
         err = rank["sparse"]
-        assert err["error"] == "RuntimeError" and "sparse" in err["message"]
+        assert err["error"] == "RuntimeError" and "sparse_as_dense=False" in err["message"], err
+        runs = _ok(rank["sparse_as_dense"])  # by default: the dense embedding's very results
+        assert runs and all(run["sparse"] == run["dense"] for run in runs.values()), runs
         err = rank["meta_parameters"]
         assert err["error"] == "ValueError" and "CPU only" in err["message"] and "meta" in err["message"], err
 
@@ -437,4 +439,13 @@ def test_keras_bad_input_fails_clearly_on_every_rank(tf_job):
         assert err["error"] == "RankDisagreement" and "options" in err["message"], err
         assert "var_freeze_step=8" in err["message"] or "var_freeze_step=9" in err["message"], err
         err = rank["sparse"]
-        assert err["error"] == "ValueError" and "sparse" in err["message"], err
+        assert err["error"] == "ValueError" and "sparse_as_dense=False" in err["message"], err
+
+
+@pytest.mark.parametrize("mode", ["eager", "fn"])
+def test_keras_optimizers_make_sparse_gradients_dense_by_default(tf_job, mode):
+    """An embedding-like IndexedSlices gradient gives the same bits as the same gradient
+    given dense (every optimizer eagerly, 0/1 Adam in tf.function)."""
+    for rank in tf_job["ranks"]:
+        runs = _ok(rank[f"sparse_as_dense/{mode}"])
+        assert runs and all(run["sparse"] == run["dense"] for run in runs.values()), runs.keys()

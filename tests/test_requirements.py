@@ -272,4 +272,4 @@ def test_without_numba_one_line_says_why(tmp_path):
     assert "ENABLED False | numba is not importable" in out.stdout
     lines = [line for line in out.stderr.splitlines() if "fused CPU kernels off" in line]
     assert len(lines) == 1, out.stderr[-3000:]
-    assert "numba is not importable" in lines[0] and "pip install numba" in lines[0]
+    assert "numba is not importable" in lines[0] and "pip install 'numba>=0.60'" in lines[0]

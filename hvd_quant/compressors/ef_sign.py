@@ -67,7 +67,7 @@ class EFSignCompressor(Compressor):
         # given: x is not read any more). Scales are divided by n before the sum, so
         # values near the float32 maximum do not overflow it.
         return B.cond(finite,
-                      lambda: unpack_scaled_sum(B, all_bits, all_scales / float(n), counts, d,
+                      lambda: unpack_scaled_sum(B, all_bits, B.divide(all_scales, float(n)), counts, d,
                                                 out=ctx.out),
                       lambda: B.full(d, float("nan")))
 

@@ -112,8 +112,8 @@ def absmax_finite(B, x):
     boolean scalar. Fused primitive ``absmax_finite``."""
     fast = B.kernel("absmax_finite", x)
     if fast is not None:
-        m, ok = fast(x)
-        return B.full(1, float(m)), B.constant([ok], "bool")
+        m, ok = fast(x)  # numbers, or scalar tensors in a TensorFlow graph
+        return B.full(1, m), B.full(1, ok, "bool")
     return B.reshape(B.cast(B.max(B.abs(x)), "float32"), (1,)), B.all_finite(x)
 
 
@@ -197,7 +197,7 @@ def linear_quantize(B, x, scale, levels, u, dtype="int32"):
 def linear_dequantize(B, q_sum, scale, levels, count):
     """Mean estimate ``q_sum * scale / (levels * count)`` from the integer sum of
     ``count`` ranks' levels (float32)."""
-    return B.cast(q_sum, "float32") * (scale / float(levels * count))
+    return B.cast(q_sum, "float32") * B.divide(scale, float(levels * count))
 
 
 def quantize(B, comm, x, scale, pre, levels, width, rng=None, key=None, first=0):
@@ -228,7 +228,7 @@ def dequantize(B, comm, total, numel, scale, pre, levels, width, into=None):
     given). With ``pre != 1`` the result is scaled back and saturates at the float32
     maximum instead of overflowing."""
     native = f"int{width}" in comm.allreduce_int_dtypes
-    factor = scale / float(levels * comm.size)
+    factor = B.divide(scale, float(levels * comm.size))
     fast = B.kernel("dequantize_ints" if native else "dequantize_lanes", total)
     if fast is not None:
         out = (fast(total, B.item(factor), out=into) if native

@@ -148,6 +148,8 @@ class MarsitCompressor(Compressor):
         Without the check, a non-finite input still returns NaN only where the constant
         scale cannot reveal it: nothing, so such a step would pass silently.
 
+    Notes
+    -----
     Non-finite input: if any rank's ``x + e`` holds inf or NaN, every rank returns NaN
     for the whole buffer and no residual changes.
     """
@@ -208,11 +210,11 @@ class MarsitCompressor(Compressor):
         if early_bits:
             sums, bits = compensate_sums_signs(B, x, residual, counts)
             local = segment_means(B, sums, counts)
-            alpha = identical_sum(B, comm, local / float(n), ctx.collective_name("scale"))
+            alpha = identical_sum(B, comm, B.divide(local, float(n)), ctx.collective_name("scale"))
             finite = B.all_finite(alpha)
         elif self.scale == "mean_abs":
             local = segment_means(B, compensate_sums(B, x, residual, counts), counts)
-            alpha = identical_sum(B, comm, local / float(n), ctx.collective_name("scale"))
+            alpha = identical_sum(B, comm, B.divide(local, float(n)), ctx.collective_name("scale"))
             finite = B.all_finite(alpha)
         else:
             alpha = B.full(len(counts), self.scale)

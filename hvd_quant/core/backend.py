@@ -32,6 +32,10 @@ class Backend:
     """
 
     name = "abstract"
+    #: Whether a fused kernel may run on a helper thread while the caller goes on
+    #: (:func:`hvd_quant.core.pipeline.beside`); False where ops must be built on the
+    #: calling thread (TensorFlow graphs).
+    helper_threads = True
 
     # --- construction and conversion ---------------------------------------------------
     def zeros(self, n, dtype="float32"):
@@ -126,6 +130,14 @@ class Backend:
     def all_finite(self, x):
         """A boolean scalar tensor: no element of ``x`` is inf or NaN (True for empty)."""
         raise NotImplementedError
+
+    def divide(self, x, c):
+        """``x / c`` for a Python number or numpy array ``c`` (of ``x``'s dtype), rounded as
+        a true division: algorithms divide by constants with this so that every backend
+        gives the oracle's bits (TensorFlow graphs would multiply by ``1 / c`` instead)."""
+        if isinstance(c, np.ndarray):
+            c = self.constant(c, c.dtype.name)
+        return x / c
 
     def select(self, cond, a, b):
         """``a if cond else b`` for scalars: Python numbers eagerly; TensorFlow graphs use

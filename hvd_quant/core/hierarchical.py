@@ -113,7 +113,7 @@ def sign_mean(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
         gathered = gather_blocks(B, comm, B.concat([bits, flag]), f"{name}.flat")
         rows, ok = _rows_and_flags(B, gathered, n, width)
         total = unpack_scaled_sum(B, rows, B.full(n, 1.0), [numel], numel)
-        return total / float(n), ok
+        return B.divide(total, float(n)), ok
 
     node, cross = comm.subgroups(nodes)
     padded = _padded(numel, k)
@@ -134,7 +134,7 @@ def sign_mean(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
     total = unpack_scaled_sum(B, rows, B.full(nodes, 1.0), [shard], shard)
     # Phase 4: intra-node allgather of the shard sums (small integers, int8).
     everything = gather_blocks(B, node, B.cast(total, "int8"), f"{name}.intra_ag")
-    mean = B.cast(B.slice(everything, 0, numel), "float32") / float(nodes)
+    mean = B.divide(B.cast(B.slice(everything, 0, numel), "float32"), float(nodes))
     return mean, ok
 
 

@@ -76,9 +76,9 @@ def rms_scales(B, x, e, counts, sums=None):
     from ``sums``, the float64 sums of squares, when they were computed already."""
     norms = B.sqrt(compensate_sums(B, x, e, counts, squares=True) if sums is None else sums)
     roots = np.sqrt(np.maximum(np.asarray(counts, np.float64), 1.0))
-    as_deepspeed = B.cast(norms, "float32") / B.constant(roots.astype(np.float32), "float32")
+    as_deepspeed = B.divide(B.cast(norms, "float32"), roots.astype(np.float32))
     return B.where(B.less(norms, B.full(1, FLOAT32_MAX, "float64")), as_deepspeed,
-                   B.cast(norms / B.constant(roots, "float64"), "float32"))
+                   B.cast(B.divide(norms, roots), "float32"))
 
 
 def rms_scale(B, x, e, numel):
@@ -90,9 +90,9 @@ def rms_scale(B, x, e, numel):
     float64 first."""
     norm = B.sqrt(compensate_sums(B, x, e, [B.numel(x)], squares=True))
     root = math.sqrt(max(numel, 1))
-    as_deepspeed = B.cast(norm, "float32") / float(np.float32(root))
+    as_deepspeed = B.divide(B.cast(norm, "float32"), float(np.float32(root)))
     return B.where(B.less(norm, B.full(1, FLOAT32_MAX, "float64")), as_deepspeed,
-                   B.cast(norm / root, "float32"))
+                   B.cast(B.divide(norm, root), "float32"))
 
 
 def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=None, out=None):

@@ -104,6 +104,8 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None):
         Written with the result on the fast path (no fresh buffer); the generic path
         ignores it. Use the returned tensor either way.
 
+    Notes
+    -----
     The rows are summed in row order in float32, so every rank that decodes the same
     rows gets bit-identical results. Fused primitive ``unpack_scaled_sum``.
     """

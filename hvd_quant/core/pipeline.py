@@ -180,10 +180,11 @@ def beside(B, fn, *tensors, kernel="sign_residual"):
     """Run ``fn`` on a helper thread while the caller goes on (e.g. with a chain of ring
     hops), where that is safe: ``fn``'s work is the fused CPU kernel ``kernel``, which
     releases the GIL, and ``tensors`` are its inputs. Elsewhere (no such kernel for these
-    tensors: TF graphs, CUDA tensors, the oracle) ``fn`` runs now, in order. Returns a
-    handle; ``wait()`` gives ``fn``'s result or raises its error. The caller must wait on
-    every exit path, its errors included."""
-    if B.kernel(kernel, *tensors) is None:
+    tensors: CUDA tensors, the oracle) or where the backend builds ops on the calling
+    thread only (TensorFlow, whose executor overlaps the kernel with the collectives by
+    itself), ``fn`` runs now, in order. Returns a handle; ``wait()`` gives ``fn``'s result
+    or raises its error. The caller must wait on every exit path, its errors included."""
+    if not B.helper_threads or B.kernel(kernel, *tensors) is None:
         return _Done(fn())
     with _BESIDE_LOCK:  # bucket threads may get here at once: one pool
         if "pool" not in _BESIDE:

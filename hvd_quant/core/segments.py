@@ -51,7 +51,7 @@ def compensate_sums_signs(B, x, e, counts, squares=False):
 def segment_means(B, sums, counts):
     """float32 ``sums[s] / counts[s]`` (0 for empty segments)."""
     sizes = np.maximum(np.asarray(counts, np.float64), 1.0)
-    return B.cast(sums / B.constant(sizes, "float64"), "float32")
+    return B.cast(B.divide(sums, sizes), "float32")
 
 
 def expand_segments(B, per_segment, counts):

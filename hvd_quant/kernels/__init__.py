@@ -35,9 +35,13 @@ primitive                  generic twin                                    used 
 ========================== =============================================== ===========================
 
 Fast kernels exist for CPU tensors (numba, :mod:`hvd_quant.kernels.cpu`): the torch
-backend uses them for CPU tensors; CUDA tensors and TensorFlow graphs keep the generic
-path; the numpy backend is the oracle and never uses them (:class:`NumpyKernelBackend`
-does, for tests and benchmarks). Random draws come from the counter-based generator of
+backend uses them for CPU tensors (zero-copy numpy views), the TensorFlow backend for CPU
+tensors eagerly and inside ``tf.function`` (:mod:`hvd_quant.tensorflow.kernels`: DLPack
+and ``tf.numpy_function``, results in buffers kept from step to step,
+:mod:`hvd_quant.kernels.buffers`, declared ahead by :mod:`hvd_quant.kernels.signatures`);
+CUDA and GPU tensors and XLA-compiled functions keep the generic path; the numpy backend
+is the oracle and never uses them (:class:`NumpyKernelBackend` does, for tests and
+benchmarks). Random draws come from the counter-based generator of
 :mod:`hvd_quant.core.rng`, so kernel and oracle draw identical numbers whatever the
 thread count. Set ``HVD_QUANT_KERNELS=0`` to force the generic path everywhere.
 """
@@ -78,7 +82,7 @@ def enabled():
                 _state["why"] = f"numba is not importable ({exc})"
                 threads.log.warning(
                     "hvd_quant: fused CPU kernels off, %s; the generic path runs instead, several "
-                    "times slower: pip install numba", _state["why"])
+                    "times slower: pip install 'numba>=0.60'", _state["why"])
     return _state["ok"]
 
 
@@ -145,6 +149,8 @@ def _warm_flavour(k):
     k.ema(x.copy(), x, 0.9, in_place=True)
     k.zero_one_sync_result(x, k.precondition(x, v, 1e-8), x, v, 1e-8, 0.1)
     k.zero_one_sync_result(x, None, x, v, 1e-8, 0.1)
+    for index_dtype in (np.int32, np.int64):  # Keras' embedding gradients: int32 or int64 rows
+        k.add_rows(np.zeros((4, 6), np.float32), np.array([1, 3], index_dtype), x[:12].reshape(2, 6))
 
 
 def warm_up(flavours="in use"):

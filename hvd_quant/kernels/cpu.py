@@ -105,9 +105,9 @@ def _uniform_fill(key, out):
         out[i] = _uniform(k, i)
 
 
-def uniform(key, n):
-    """``Backend.uniform``: ``n`` draws of the call with key ``key``."""
-    out = np.empty(n, np.float32)
+def uniform(key, n, out=None):
+    """``Backend.uniform``: ``n`` draws of the call with key ``key`` (into ``out`` if given)."""
+    out = np.empty(n, np.float32) if out is None else out
     _uniform_fill(key, out)
     return out
 
@@ -132,9 +132,10 @@ def _sign_pack(x, out):
         out[tail] = np.uint8(v)
 
 
-def sign_pack(x):
-    """``packing.pack_signs``: bit ``x >= 0``, 8 per byte, least significant first."""
-    out = np.empty((x.size + 7) // 8, np.uint8)
+def sign_pack(x, out=None):
+    """``packing.pack_signs``: bit ``x >= 0``, 8 per byte, least significant first (into
+    ``out`` if given)."""
+    out = np.empty((x.size + 7) // 8, np.uint8) if out is None else out
     _sign_pack(x, out)
     return out
 
@@ -213,12 +214,12 @@ def _sign_pack_residual(x, e, scales, bounds, bits, resid):
         bits[b] = np.uint8(v)
 
 
-def sign_pack_residual(x, e, scales, bounds, out=None):
+def sign_pack_residual(x, e, scales, bounds, out=None, bits_out=None):
     """``packing.sign_pack_residual``: with ``p = x + e`` (``e`` may be ``None``), the
     packed sign bits of ``p`` and the residual ``p - where(p >= 0, scale, -scale)``, one
     float32 scale per segment (``bounds``: int64 segment offsets). ``out`` (may be ``e``
-    itself) receives the residual in place."""
-    bits = np.empty((x.size + 7) // 8, np.uint8)
+    itself) receives the residual in place, ``bits_out`` the bits."""
+    bits = np.empty((x.size + 7) // 8, np.uint8) if bits_out is None else bits_out
     resid = np.empty_like(x) if out is None else out
     if x.size:
         _sign_pack_residual(x, np.empty(0, np.float32) if e is None else e,
@@ -455,11 +456,12 @@ def _pack_edges(x, e, has_e, edges, bits):
         bits[byte] = np.uint8(v)
 
 
-def compensate_sums_signs(x, e, bounds, squares=False):
+def compensate_sums_signs(x, e, bounds, squares=False, bits_out=None):
     """``segments.compensate_sums_signs``: :func:`compensate_sums` (the same sums, bit for
-    bit) and the packed sign bits of ``p = x + e``, in one pass over ``x`` and ``e``."""
+    bit) and the packed sign bits of ``p = x + e`` (into ``bits_out`` if given), in one
+    pass over ``x`` and ``e``."""
     e_arr = np.empty(0, np.float32) if e is None else e
-    bits = np.empty((x.size + 7) // 8, np.uint8)
+    bits = np.empty((x.size + 7) // 8, np.uint8) if bits_out is None else bits_out
     sums = np.array([_sums_and_signs(x, e_arr, bounds[s], bounds[s + 1], squares, bits)
                      for s in range(bounds.size - 1)], np.float64)
     if x.size:
@@ -636,13 +638,14 @@ def _lane_kernels(width):
 _LANES = {8: _lane_kernels(8), 16: _lane_kernels(16)}
 
 
-def quantize_lanes(x, pre, scale, levels, key, width, add_offset, first=0):
+def quantize_lanes(x, pre, scale, levels, key, width, add_offset, first=0, out=None):
     """``global_qsgd.quantize``: stochastically rounded levels of ``x * pre / scale``
-    (``linear_quantize``), packed ``32 // width`` per int32 word (``packing.pack_lanes``).
-    ``x`` is elements ``first ..`` of the buffer whose call has key ``key``."""
+    (``linear_quantize``), packed ``32 // width`` per int32 word (``packing.pack_lanes``;
+    into ``out`` if given). ``x`` is elements ``first ..`` of the buffer whose call has
+    key ``key``."""
     lanes = 32 // width
     offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1)) if add_offset else 0
-    words = np.empty((x.size + lanes - 1) // lanes, np.int32)
+    words = np.empty((x.size + lanes - 1) // lanes, np.int32) if out is None else out
     _LANES[width][0](x, np.float32(pre), np.float32(scale), np.float32(levels), key, offset, words,
                      np.int64(first))
     return words
@@ -655,10 +658,11 @@ def _quantize_ints(x, pre, scale, levels, key, out, first):
         out[i] = _level(x, i, pre, scale, levels, k, first)
 
 
-def quantize_ints(x, pre, scale, levels, key, dtype, first=0):
+def quantize_ints(x, pre, scale, levels, key, dtype, first=0, out=None):
     """``global_qsgd.quantize``: stochastically rounded levels of ``x * pre / scale`` as
-    ``dtype`` (``linear_quantize``); ``x`` is elements ``first ..`` of the call's buffer."""
-    out = np.empty(x.size, dtype)
+    ``dtype`` (``linear_quantize``; into ``out`` if given); ``x`` is elements ``first ..``
+    of the call's buffer."""
+    out = np.empty(x.size, dtype) if out is None else out
     _quantize_ints(x, np.float32(pre), np.float32(scale), np.float32(levels), key, out, np.int64(first))
     return out
 
@@ -706,9 +710,10 @@ def _exp_encode(x, scale, step, key, out):
         out[i] = np.uint8(code)
 
 
-def exp_encode(x, scale, world_size, key):
-    """``exp_dithering.exp_encode``: uint8 codes of ``x / (scale * 2**(n-1))``."""
-    out = np.empty(x.size, np.uint8)
+def exp_encode(x, scale, world_size, key, out=None):
+    """``exp_dithering.exp_encode``: uint8 codes of ``x / (scale * 2**(n-1))`` (into
+    ``out`` if given)."""
+    out = np.empty(x.size, np.uint8) if out is None else out
     _exp_encode(x, np.float32(scale), np.float32(2.0 ** (1 - world_size)), key, out)
     return out
 
@@ -739,9 +744,10 @@ def _exp_combine(a, b, key, out):
         out[i] = np.uint8(sign * 128 + (e - jump if same else e + jump))
 
 
-def exp_combine(a, b, key):
-    """``exp_dithering.combine_codes``: unbiased stochastic sum of two code arrays."""
-    out = np.empty(a.size, np.uint8)
+def exp_combine(a, b, key, out=None):
+    """``exp_dithering.combine_codes``: unbiased stochastic sum of two code arrays (into
+    ``out`` if given)."""
+    out = np.empty(a.size, np.uint8) if out is None else out
     _exp_combine(a, b, key, out)
     return out
 
@@ -778,10 +784,10 @@ def _marsit_select(own, recv, keep, key, out):
         out[b] = (own[b] & mask) | (recv[b] & ~mask)
 
 
-def marsit_select(own, recv, keep, key):
+def marsit_select(own, recv, keep, key, out=None):
     """``marsit.MarsitSelect.combine``: each bit from ``own`` with probability ``keep``
-    (draw ``8 * byte + bit`` of the call), else from ``recv``."""
-    out = np.empty(own.size, np.uint8)
+    (draw ``8 * byte + bit`` of the call), else from ``recv`` (into ``out`` if given)."""
+    out = np.empty(own.size, np.uint8) if out is None else out
     _marsit_select(own, recv, np.float32(keep), key, out)
     return out
 
@@ -824,14 +830,14 @@ def _binsgdm_encode(g, m, b, beta, one_minus_beta, key, m_out, b_out, bits):
                        up, bits[a // 8:(e + 7) // 8])
 
 
-def binsgdm_encode(g, m, b, beta, key, m_out=None, b_out=None):
+def binsgdm_encode(g, m, b, beta, key, m_out=None, b_out=None, bits_out=None):
     """``binsgdm.binary_randomize``: the new momentum and |g| average (new arrays, or
     ``m_out`` / ``b_out``, never ``m`` / ``b`` themselves: the caller stores them only if
     the step is finite everywhere) and the packed bits of ``q = +1`` with probability
-    ``(1 + m/b) / 2``."""
+    ``(1 + m/b) / 2`` (into ``bits_out`` if given)."""
     m_out = np.empty_like(g) if m_out is None else m_out
     b_out = np.empty_like(g) if b_out is None else b_out
-    bits = np.empty((g.size + 7) // 8, np.uint8)
+    bits = np.empty((g.size + 7) // 8, np.uint8) if bits_out is None else bits_out
     _binsgdm_encode(g, m, b, np.float32(beta), np.float32(1.0 - beta), key, m_out, b_out, bits)
     return m_out, b_out, bits
 
@@ -973,3 +979,24 @@ def zero_one_sync_result(base, u, w, v, eps, lrs, synced=None, momentum=None):
     _zero_one_sync_result(base, np.empty(0, np.float32) if u is None else u, w, v, np.float32(eps),
                           np.float32(lrs), synced, momentum)
     return synced, momentum
+
+
+# --- dense gradients from sparse ones (the TensorFlow adapter's IndexedSlices) -------------
+@njit(**_OPTS)
+def _add_rows(table, indices, values):
+    for i in range(indices.size):
+        r = indices[i]
+        if r >= 0:  # negative indices are dropped, as tf.math.unsorted_segment_sum drops them
+            for j in range(table.shape[1]):
+                table[r, j] += values[i, j]
+
+
+def add_rows(table, indices, values):
+    """``table[indices[i]] += values[i]`` for every ``i``, in index order (so duplicates
+    sum as ``tf.math.unsorted_segment_sum`` sums them on the CPU): the dense gradient of a
+    ``tf.IndexedSlices`` written over zeros. ``table``: 2-D float32 (rows, columns);
+    ``values``: float32 (len(indices), columns); an index past the last row raises."""
+    if indices.size and indices.max() >= table.shape[0]:
+        raise IndexError(f"row index {int(indices.max())} out of range for {table.shape[0]} rows")
+    _add_rows(table, indices, values)
+    return table

@@ -262,7 +262,7 @@ def configure(log_choice=True):
     and again only if it changes."""
     with _lock:
         new = decide()
-        if "numba" not in sys.modules:
+        if sys.modules.get("numba") is None:  # not imported (or blocked: None)
             # The pool is created with NUMBA_NUM_THREADS threads at numba's import: size it to
             # this rank's share so that no parallel region ever spreads over other ranks' cores.
             os.environ["NUMBA_NUM_THREADS"] = str(new.threads)

@@ -32,7 +32,8 @@ def descend(B, x, step, lr, weight_decay, into=None, out=None):
     ``out`` if given; the generic path returns a new tensor)."""
     fast = B.kernel("descend", x, step)
     if fast is not None:
-        return fast(x, step, float(lr), float(weight_decay), in_place=into is not None, out=out)
+        # lr as given (a graph tensor under TensorFlow: the kernel reads its value), no float()
+        return fast(x, step, lr, float(weight_decay), in_place=into is not None, out=out)
     if weight_decay > 0.0:
         step = step + x * weight_decay
     return x - step * lr
@@ -50,7 +51,7 @@ def adam_descend(B, x, m, v, lr, eps, weight_decay, acc=None, into=None, acc_int
     """
     fast = B.kernel("adam_descend", x, m, v)
     if fast is not None:
-        out = fast(x, m, v, float(lr), float(eps), float(weight_decay), acc, x_out=into, acc_out=acc_into)
+        out = fast(x, m, v, lr, float(eps), float(weight_decay), acc, x_out=into, acc_out=acc_into)
         return out if acc is not None else out[0]
     upd = m / (B.sqrt(v) + eps)
     if weight_decay > 0.0:
@@ -76,7 +77,7 @@ def zero_one_sync_result(B, base, u, w, v, eps, lrs, out=None):
     fast = B.kernel("zero_one_sync_result", base, w, v)
     if fast is not None:
         synced, momentum = out if out is not None else (None, None)
-        return fast(base, u, w, v, float(eps), float(lrs), synced=synced, momentum=momentum)
+        return fast(base, u, w, v, float(eps), lrs, synced=synced, momentum=momentum)
     if u is not None:
         base = base - u
     return base + w / (B.sqrt(v) + eps), -(w / lrs)

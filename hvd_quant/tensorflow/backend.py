@@ -2,6 +2,8 @@
 
 Works eagerly and inside ``tf.function``: sizes come from static shapes, and state and
 random generators are created under ``tf.init_scope()`` so that they outlive a trace.
+Fused primitives run the numba kernels on CPU tensors, eagerly and in graphs
+(:mod:`hvd_quant.tensorflow.kernels`).
 """
 
 import numpy as np
@@ -9,6 +11,7 @@ import tensorflow as tf
 
 from ..core.backend import Backend
 from ..core.rng import CounterRNG, call_key_tensor
+from . import kernels as _kernels
 
 
 class TFCounterRNG(CounterRNG):
@@ -37,11 +40,16 @@ class TFCounterRNG(CounterRNG):
 
 class TFBackend(Backend):
     name = "tensorflow"
+    # Graph ops must be built on the thread that traces; TensorFlow's executor overlaps a
+    # kernel with the collectives in flight by itself (see hvd_quant.core.pipeline.beside).
+    helper_threads = False
 
     def zeros(self, n, dtype="float32"):
         return tf.zeros([n], dtype=dtype)
 
     def full(self, n, value, dtype="float32"):
+        if tf.is_tensor(value):  # a scalar result of a fused kernel
+            return tf.fill([n], tf.cast(tf.reshape(value, []), dtype))
         return tf.fill([n], tf.constant(value, dtype=dtype))
 
     def constant(self, values, dtype):
@@ -55,6 +63,13 @@ class TFBackend(Backend):
 
     def to_numpy(self, x):
         return x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+
+    def item(self, x):
+        """A Python number eagerly; in a graph the scalar tensor itself (a fused kernel
+        takes it as an input and reads the number when the graph runs)."""
+        if tf.executing_eagerly():
+            return super().item(x)
+        return tf.reshape(x, [])
 
     def numel(self, x):
         n = x.shape.num_elements()
@@ -110,7 +125,20 @@ class TFBackend(Backend):
         return tf.where(cond, a, b)
 
     def all_finite(self, x):
+        n = x.shape.num_elements()
+        fast = self.kernel("all_finite", x) if x.dtype == tf.float32 and n and n > 4096 else None
+        if fast is not None:  # one pass, no bool temporary
+            return fast(x)
         return tf.reduce_all(tf.math.is_finite(x))
+
+    def divide(self, x, c):
+        # Grappler's constant folding turns x / const into x * (1 / const) inside
+        # tf.function, which rounds differently (3.5 / 3 is one ulp off); DivNoNan divides
+        # exactly the same way and is left alone. A zero divisor keeps RealDiv (inf, NaN).
+        c = np.asarray(c, dtype=x.dtype.as_numpy_dtype)
+        if tf.executing_eagerly() or not np.all(c != 0):
+            return x / tf.constant(c)
+        return tf.math.divide_no_nan(x, tf.constant(c))
 
     def select(self, cond, a, b):
         if tf.executing_eagerly():
@@ -156,6 +184,11 @@ class TFBackend(Backend):
 
     def left_shift(self, x, k):
         return tf.bitwise.left_shift(x, tf.cast(k, x.dtype))
+
+    def kernel(self, name, *tensors):
+        """The numba kernel ``name`` on TensorFlow CPU tensors, eagerly or in a graph, or
+        ``None`` where it cannot run (see :mod:`hvd_quant.tensorflow.kernels`)."""
+        return _kernels.kernel(name, tensors)
 
     def lookup(self, table, indices):
         with tf.init_scope():  # a constant that outlives any one trace

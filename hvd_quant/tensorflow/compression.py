@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from ..core.handle import CompressionNamespace, CompressorHandle
 from .backend import TFBackend
+from .kernels import prepare_kernels
 
 
 def variable_name(var):
@@ -65,6 +66,19 @@ class TFCompressor(CompressorHandle):
     """
 
     framework = "tensorflow"
+
+    def __init__(self, name, seed=0, **options):
+        super().__init__(name, seed=seed, **options)
+        self.prepare()
+
+    def prepare(self):
+        """Set-up time: the kernels this compressor runs are loaded now, not in the first
+        step, under the thread policy for this host (see
+        :func:`hvd_quant.tensorflow.kernels.prepare_kernels`). Called again by the
+        optimizer and the tape once Horovod is initialised (the ranks on this host are
+        known then)."""
+        if self.name not in ("none", "fp16"):  # plain casts around Horovod's allreduce
+            prepare_kernels()
 
     def make_backend(self):
         return TFBackend()

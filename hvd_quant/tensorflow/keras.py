@@ -80,9 +80,15 @@ class DistributedOptimizer(LossScaleOptimizer):
         reduced gradients (see the module docstring). ``"auto"``: on under the
         ``mixed_float16`` global policy.
     initial_scale, dynamic_growth_steps : as ``keras.optimizers.LossScaleOptimizer``.
-    device_dense, device_sparse, sparse_as_dense, gradient_predivide_factor :
-        Accepted for compatibility with Horovod's signature (sparse gradients are
-        densified; averaging is exact).
+    sparse_as_dense : bool
+        Default True: a sparse gradient (``tf.IndexedSlices``: a Keras ``Embedding``'s
+        always is) is reduced as a dense gradient of its variable's full size, as
+        Horovod's ``sparse_as_dense=True`` does. It costs a float32 buffer of the whole
+        table per step (49 MB for ``Embedding(32000, 384)``), the compressor's passes over
+        it, and a dense update of the table by the wrapped optimizer. ``False`` raises on
+        a sparse gradient: hvd_quant compresses dense buffers only.
+    device_dense, device_sparse, gradient_predivide_factor :
+        Accepted for compatibility with Horovod's signature (averaging is exact).
     """
 
     # The 1-bit optimizers accept this LossScaleOptimizer around them (see apply).
@@ -91,7 +97,7 @@ class DistributedOptimizer(LossScaleOptimizer):
     def __init__(self, optimizer, compression=Compression.none, name=None, op=hvd.Average,
                  num_groups=0, groups=None, process_set=hvd.global_process_set, loss_scale="auto",
                  initial_scale=2.0 ** 15, dynamic_growth_steps=2000, device_dense="",
-                 device_sparse="", sparse_as_dense=False, gradient_predivide_factor=1.0,
+                 device_sparse="", sparse_as_dense=True, gradient_predivide_factor=1.0,
                  backward_passes_per_step=1):
         if keras.backend.backend() != "tensorflow":
             raise RuntimeError("hvd_quant.tensorflow.DistributedOptimizer needs Keras' TensorFlow "
@@ -137,6 +143,7 @@ class DistributedOptimizer(LossScaleOptimizer):
         self._num_groups = int(num_groups or 0)
         self._process_set = process_set
         self._loss_scale_option = loss_scale
+        self._sparse_as_dense = bool(sparse_as_dense)
         self._loss_scale_on = None  # resolved on first use
         self._runner = None
         self._comm = None
@@ -171,6 +178,7 @@ class DistributedOptimizer(LossScaleOptimizer):
             super(LossScaleOptimizer, self).build(var_list)  # skip the loss-scale variables
         if self._inner_communicates:
             return
+        self._compression.prepare()  # Horovod is initialised now: the ranks on this host are known
         self._comm = HorovodTFComm(self._process_set)
         self._runner = self._compression.make_runner(make_variable=self._make_state_variable)
         self._runner.build(self._comm.rank, group_segments(var_list, self._num_groups),
@@ -274,7 +282,8 @@ class DistributedOptimizer(LossScaleOptimizer):
         check_agreement_once(self._runner, self._comm, variables, self._num_groups)
         before = self._comm.meter.bytes_sent
         reduced, finite = reduce_gradients(self._runner, self._comm, grads, variables, self._num_groups,
-                                           self._op, scale=self.dynamic_scale if scaling else None)
+                                           self._op, scale=self.dynamic_scale if scaling else None,
+                                           sparse_as_dense=self._sparse_as_dense, where="DistributedOptimizer")
         self._bytes.assign_add(self._comm.meter.bytes_sent - before)
         # Keras drops variables without a gradient; so do we (after reducing zeros for them,
         # so that the fused layout never changes).
@@ -342,6 +351,7 @@ class DistributedOptimizer(LossScaleOptimizer):
             "compression": self._compression.config(),
             "op": int(self._op),
             "num_groups": self._num_groups,
+            "sparse_as_dense": self._sparse_as_dense,
             # Once resolved, the choice itself: it decides which variables a checkpoint has.
             "loss_scale": self._loss_scale_option if self._loss_scale_on is None else self._loss_scale_on,
             "initial_scale": self.initial_scale,

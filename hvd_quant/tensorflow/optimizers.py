@@ -18,8 +18,14 @@ whole step's (the torch optimizers combine their groups' verdicts, see
 :func:`hvd_quant.optimizers.base.step_groups`), and DeepSpeed's ``non_freeze`` param
 groups (1-bit Adam) cannot be expressed (use the torch ``OnebitAdam`` for them).
 Variables without a gradient count as zeros (DeepSpeed skips them; see
-:mod:`hvd_quant.optimizers.base` for why we do not). Variables that are not float32 are
-updated through a float32 master copy. Every piece of state (moments, error buffers,
+:mod:`hvd_quant.optimizers.base` for why we do not). Sparse gradients
+(``tf.IndexedSlices``: a Keras ``Embedding``'s always is) are made dense
+(``sparse_as_dense=True``, the default): the rules work on the whole flat group, so the
+table's rows that a batch does not touch get a zero gradient (their moments decay and,
+once compressed, a 1-bit round gives them plus or minus the scale: see
+``exp_avg_mask``), at the cost of a float32 buffer the size of the table per step.
+``sparse_as_dense=False`` raises on a sparse gradient. Variables that are not float32
+are updated through a float32 master copy. Every piece of state (moments, error buffers,
 counters, the sum of learning rates, the random stream's position, master weights) is a
 Keras optimizer variable, so ``model.save`` and ``ModelCheckpoint`` keep it; it is this
 rank's own: save one checkpoint per rank. 0/1 Adam's sum of learning rates (Γ) is a
@@ -58,8 +64,10 @@ from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..core.hierarchical import ranks_per_node_of
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
 from ..optimizers.binsgdm import single_beta
+from . import kernels
 from .backend import TFBackend
 from .compression import variable_name
+from .tape import flatten_gradients
 from .xla_step import refuse_xla
 
 
@@ -125,8 +133,10 @@ class RuleOptimizer(keras.optimizers.Optimizer):
     # hvd_quant.tensorflow.DistributedOptimizer: do not reduce the gradients again.
     _hvd_quant_communicates = True
 
-    def __init__(self, rule, learning_rate, hp, name, process_set=None, exp_avg_mask=None, **kwargs):
+    def __init__(self, rule, learning_rate, hp, name, process_set=None, exp_avg_mask=None,
+                 sparse_as_dense=True, **kwargs):
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self._hq_sparse_as_dense = bool(sparse_as_dense)
         self._hq_rule = rule
         self._hq_mask_spec = _mask_spec(exp_avg_mask)
         self._hq_mask = None  # the flat mask, made at build time
@@ -146,6 +156,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
             self._build_state(var_list)
 
     def _build_state(self, var_list):
+        kernels.prepare_kernels()  # loaded at set-up, under this host's thread policy
         comm = self._comm()
         self._hq_rule.validate(comm.size)
         counts = [int(np.prod(v.shape)) for v in var_list]
@@ -276,18 +287,12 @@ class RuleOptimizer(keras.optimizers.Optimizer):
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         variables = list(self._trainable_variables)
         given = {self._var_key(v): g for g, v in zip(grads, trainable_variables)}
-        parts = []
-        for v in variables:
-            g = given.get(self._var_key(v))
-            if g is None:  # no gradient this step: zeros
-                g = tf.zeros([int(np.prod(v.shape))], tf.float32)
-            elif isinstance(g, tf.IndexedSlices):
-                raise ValueError("hvd_quant's 1-bit optimizers do not support sparse gradients "
-                                 f"(variable {variable_name(v)}); use dense ones")
-            parts.append(tf.reshape(tf.cast(g, tf.float32), [-1]))
+        # No gradient this step: zeros; sparse ones dense (sparse_as_dense). Into a kept
+        # buffer where the kernels run (hvd_quant.tensorflow.kernels.flatten).
+        g = flatten_gradients([given.get(self._var_key(v)) for v in variables], variables,
+                              self._hq_sparse_as_dense, type(self).__name__)
         B = TFBackend()
         self._hq_meters["last_finite"].assign(1)  # a skipped commit sets 0
-        g = tf.concat(parts, 0) if parts else tf.zeros([0])
         master = self._hq_slots.get("master")
         x = tf.convert_to_tensor(master.value) if master is not None else _flat_values(variables)
         ctx = StepContext(B, self._comm(), _VariableGroupState(B, self), g, x,
@@ -335,6 +340,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         config = super().get_config()
         config.update(self._hq_rule.options())
         config.update(self._hq_hp)
+        config["sparse_as_dense"] = self._hq_sparse_as_dense
         return config
 
 
@@ -345,10 +351,10 @@ class OnebitAdam(RuleOptimizer):
 
     def __init__(self, learning_rate=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, process_set=None, name="onebit_adam", scales="tensor",
-                 exp_avg_mask=None, **kwargs):
+                 exp_avg_mask=None, sparse_as_dense=True, **kwargs):
         super().__init__(OnebitAdamRule(freeze_step=freeze_step, scales=scales), learning_rate,
                          adam_hyperparameters(betas, eps, weight_decay), name, process_set,
-                         exp_avg_mask, **kwargs)
+                         exp_avg_mask, sparse_as_dense, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="hvd_quant")
@@ -359,12 +365,12 @@ class ZeroOneAdam(RuleOptimizer):
     def __init__(self, learning_rate=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False, process_set=None, name="zero_one_adam",
-                 scales="tensor", exp_avg_mask=None, **kwargs):
+                 scales="tensor", exp_avg_mask=None, sparse_as_dense=True, **kwargs):
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                                exact_sync=exact_sync, scales=scales)
         super().__init__(rule, learning_rate, adam_hyperparameters(betas, eps, weight_decay), name,
-                         process_set, exp_avg_mask, **kwargs)
+                         process_set, exp_avg_mask, sparse_as_dense, **kwargs)
 
     def final_sync(self):
         """Synchronise what the local steps since the last sync left on each rank, so that
@@ -411,7 +417,8 @@ class BinSGDM(RuleOptimizer):
     :mod:`hvd_quant.optimizers.binsgdm` and ``hvd_quant.torch.BinSGDM``."""
 
     def __init__(self, learning_rate=1e-3, betas=(0.9,), beta=None, weight_decay=0.0,
-                 ranks_per_node=None, seed=0, process_set=None, name="binsgdm", **kwargs):
+                 ranks_per_node=None, seed=0, process_set=None, name="binsgdm", sparse_as_dense=True,
+                 **kwargs):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:
@@ -420,7 +427,7 @@ class BinSGDM(RuleOptimizer):
                                                hvd.cross_rank(), hvd.cross_size())
         super().__init__(BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed), learning_rate,
                          {"betas": (beta,), "eps": 0.0, "weight_decay": weight_decay}, name,
-                         process_set, **kwargs)
+                         process_set, sparse_as_dense=sparse_as_dense, **kwargs)
         self._hq_auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 
@@ -518,4 +525,8 @@ def _flat_mask(spec, var_list):
 def _flat_values(variables):
     if not variables:
         return tf.zeros([0])
-    return tf.concat([tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float32), [-1]) for v in variables], 0)
+    values = [tf.convert_to_tensor(v) for v in variables]
+    fast = kernels.flatten(values, [tuple(v.shape) for v in variables])  # a kept buffer, one copy
+    if fast is not None:
+        return fast
+    return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in values], 0)

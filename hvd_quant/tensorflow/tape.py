@@ -21,6 +21,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from ..core.runner import digest63, values_digest63
+from . import kernels
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor, variable_name
 
@@ -30,9 +31,13 @@ class DistributedGradientTape:
 
     Parameters mirror ``horovod.tensorflow.DistributedGradientTape``. ``compression`` is
     an ``hvd_quant.tensorflow.Compression.<name>`` object. ``num_groups``/``groups`` split
-    the variables into that many fused buffers (default: one). ``device_dense``,
-    ``device_sparse``, ``sparse_as_dense`` and ``gradient_predivide_factor`` are accepted for
-    compatibility (sparse gradients are always densified; averaging is exact).
+    the variables into that many fused buffers (default: one). ``sparse_as_dense``
+    (default True): a sparse gradient (``tf.IndexedSlices``, an ``Embedding``'s) is reduced
+    as a dense gradient of its variable's full size, which costs that many float32 per
+    step in memory, in the compressor's passes and (before compression) on the wire, like
+    Horovod's ``sparse_as_dense=True``; ``False`` raises on a sparse gradient (hvd_quant
+    has no sparse reduction). ``device_dense``, ``device_sparse`` and
+    ``gradient_predivide_factor`` are accepted for compatibility (averaging is exact).
 
     On the first ``gradient()`` call all ranks check that they use the same compressor and
     options, the same variable names/shapes/dtypes and the same variable values, and raise
@@ -40,7 +45,7 @@ class DistributedGradientTape:
     """
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                 sparse_as_dense=False, op=hvd.Average, gradient_predivide_factor=1.0,
+                 sparse_as_dense=True, op=hvd.Average, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, process_set=hvd.global_process_set):
         if not isinstance(compression, TFCompressor):
             raise TypeError(
@@ -57,6 +62,7 @@ class DistributedGradientTape:
         self._groups = groups if groups is not None else num_groups
         self._process_set = process_set
         self._comm = None
+        self._sparse_as_dense = bool(sparse_as_dense)
 
     def __getattr__(self, name):
         # watch(), stop_recording(), reset(), ... go to the wrapped tape.
@@ -89,9 +95,11 @@ class DistributedGradientTape:
     def _reduce(self, grads, variables):
         if self._comm is None:
             self._comm = HorovodTFComm(self._process_set)
+            self._compression.prepare()  # kernels and thread policy, once Horovod is up
         self._variables = list(variables)
         runner = self._compression.owned(self._variables).runner
-        reduced, _ = reduce_gradients(runner, self._comm, grads, variables, self._groups, self._op)
+        reduced, _ = reduce_gradients(runner, self._comm, grads, variables, self._groups, self._op,
+                                      sparse_as_dense=self._sparse_as_dense)
         return reduced
 
     # --- checkpoints ------------------------------------------------------------------------
@@ -112,13 +120,16 @@ class DistributedGradientTape:
 
 
 @tf.autograph.experimental.do_not_convert  # traced as written: branches are B.cond
-def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, scale=None):
+def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, scale=None,
+                     sparse_as_dense=True, where="the tape"):
     """Average ``grads`` (of ``variables``) over ranks with ``runner``'s compressor.
 
     Every gradient is cast to float32 (fp16 and bf16 too) and fused into one flat buffer
-    per group; a missing gradient counts as zeros; results come back in each variable's
-    dtype. ``scale`` (a scalar, e.g. a loss scale) divides the local gradients before the
-    reduction, so that error feedback is kept in unscaled units. A non-finite value on
+    per group (:func:`flatten_gradients`); a missing gradient counts as zeros, a sparse
+    one (``tf.IndexedSlices``) is made dense unless ``sparse_as_dense`` is False (then it
+    raises, naming ``where``); results come back in each variable's dtype. ``scale`` (a
+    scalar, e.g. a loss scale) divides the local gradients before the reduction, so that
+    error feedback is kept in unscaled units. A non-finite value on
     any rank makes its buffer non-finite on every rank (every compressor's contract).
 
     Returns ``(reduced gradients, all_finite)``; ``all_finite`` is a boolean scalar
@@ -129,27 +140,54 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
     finite = []
     for (key, segments), index in zip(group_segments(variables, groups),
                                       _split_groups(len(variables), groups)):
-        parts = []
-        for i in index:
-            g = grads[i]
-            if g is None:
-                g = tf.zeros(variables[i].shape, dtype=tf.float32)
-            elif isinstance(g, tf.IndexedSlices):
-                g = tf.convert_to_tensor(g)
-            parts.append(tf.reshape(tf.cast(g, tf.float32), [-1]))
-        flat = tf.concat(parts, axis=0) if parts else tf.zeros([0])
+        flat = flatten_gradients([grads[i] for i in index], [variables[i] for i in index], sparse_as_dense,
+                                 where)
         if scale is not None:
             flat = flat / tf.cast(scale, tf.float32)
         mean = runner.reduce(flat, comm, key, segments)
         if op == hvd.Sum:
             mean = mean * float(comm.size)
-        finite.append(tf.reduce_all(tf.math.is_finite(mean)))
+        finite.append(runner.backend.all_finite(mean))
         offset = 0
         for i, (_, n) in zip(index, segments):
             out[i] = tf.cast(tf.reshape(mean[offset:offset + n], variables[i].shape), variables[i].dtype)
             offset += n
     all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
     return out, all_finite
+
+
+def sparse_gradient_error(variable, where):
+    """The error for a ``tf.IndexedSlices`` gradient where ``sparse_as_dense=False``."""
+    return ValueError(
+        f"hvd_quant: the gradient of {variable_name(variable)} is sparse (tf.IndexedSlices, e.g. "
+        f"from an Embedding) and {where} has sparse_as_dense=False. hvd_quant compresses dense "
+        "buffers only (a sparse reduction is not implemented): leave sparse_as_dense at its "
+        "default, True, which reduces a dense gradient of the variable's full size (4 bytes per "
+        f"element: {4 * int(np.prod(variable.shape)) / 1e6:.3g} MB per step here).")
+
+
+def flatten_gradients(grads, variables, sparse_as_dense=True, where="the optimizer"):
+    """``grads`` of ``variables`` as one flat float32 buffer: ``None`` as zeros,
+    ``tf.IndexedSlices`` made dense (``sparse_as_dense``; else :func:`sparse_gradient_error`),
+    other dtypes cast to float32. Written by a fused kernel into a kept buffer where it
+    can run (:func:`hvd_quant.tensorflow.kernels.flatten`), else by ``tf.concat``; the
+    same bits either way."""
+    for g, v in zip(grads, variables):
+        if isinstance(g, tf.IndexedSlices) and not sparse_as_dense:
+            raise sparse_gradient_error(v, where)
+    if not grads:
+        return tf.zeros([0])
+    fast = kernels.flatten(grads, [tuple(v.shape) for v in variables])
+    if fast is not None:
+        return fast
+    parts = []
+    for g, v in zip(grads, variables):
+        if g is None:
+            g = tf.zeros(v.shape, dtype=tf.float32)
+        elif isinstance(g, tf.IndexedSlices):
+            g = tf.convert_to_tensor(g)
+        parts.append(tf.reshape(tf.cast(g, tf.float32), [-1]))
+    return tf.concat(parts, axis=0)
 
 
 @tf.autograph.experimental.do_not_convert

@@ -27,13 +27,20 @@ except ImportError:  # private TF modules moved: XLA will refuse the Horovod ops
     _ops = _control_flow_util = None
 
 
+def in_xla_context():
+    """True while tracing a function that XLA compiles (``jit_compile=True``, or nested in
+    one). False eagerly, and where TensorFlow's private modules moved (XLA then refuses
+    what it cannot compile itself)."""
+    if tf.executing_eagerly() or _control_flow_util is None:
+        return False
+    return bool(_control_flow_util.GraphOrParentsInXlaContext(_ops.get_default_graph()))
+
+
 def refuse_xla():
     """Raise while tracing an XLA-compiled function (``jit_compile=True``): the collectives
     of the step that follows cannot be compiled. Called on every step: eager steps return
     at the first check."""
-    if tf.executing_eagerly() or _control_flow_util is None:
-        return
-    if _control_flow_util.GraphOrParentsInXlaContext(_ops.get_default_graph()):
+    if in_xla_context():
         raise RuntimeError(
             "hvd_quant: the gradient reduction runs Horovod collectives, custom TensorFlow ops "
             "that XLA cannot compile (this Horovod build has no XLA ops), and Keras compiles "

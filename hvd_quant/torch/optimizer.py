@@ -65,12 +65,13 @@ from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
+from .sparse import dense
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, op, groups, process_set,
                  bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None,
-                 backward_passes_per_step=1):
+                 backward_passes_per_step=1, sparse_as_dense=True):
         super(self.__class__, self).__init__(params)
         if not isinstance(compression, TorchCompressor):
             raise TypeError(
@@ -91,6 +92,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if int(backward_passes_per_step) < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         self._compression = compression
+        self._sparse_as_dense = bool(sparse_as_dense)
         compression.prepare()  # Horovod is initialised now: the ranks on this host are known
         self._runner = compression.make_runner()  # this optimizer's own state
         self._op = op
@@ -109,6 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) "
                                  "the optimizer updates; pass model.named_parameters()")
         param_name = {p: names.get(p, f"param.{i}") for i, p in enumerate(all_params)}
+        self._param_name = param_name
         if bucket_size_mb is not None:
             self._groups = _buckets(all_params, bucket_size_mb)
         else:
@@ -181,8 +184,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             g = p.grad
             if g is None:
                 g = torch.zeros_like(p)
-            elif g.is_sparse:
-                g = g.to_dense()
+            elif g.is_sparse:  # a dense gradient of the table's size (sparse_as_dense)
+                g = dense(g, self._param_name[p], p.numel(), self._sparse_as_dense, "DistributedOptimizer")
             grads.append(g.detach().reshape(-1).to(torch.float32))
         # One dense float32 gradient is reduced through a flat view of itself (a 100 MB
         # torch.cat costs 3x a copy: fresh pages), and the result goes back into the same
@@ -222,8 +225,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._groups[gi]:
             n = p.numel()
             value = mean[offset:offset + n].view_as(p)
-            if p.grad is not None and same_memory(value, p.grad):
-                pass  # reduced in place already
+            if p.grad is not None and not p.grad.is_sparse and same_memory(value, p.grad):
+                pass  # reduced in place already (a sparse .grad has no storage to compare)
             elif value.dtype == p.dtype:
                 p.grad = value
             elif p.grad is None or p.grad.is_sparse:
@@ -334,15 +337,21 @@ def _value_digest(params):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=hvd.global_process_set,
+                         sparse_as_dense=True, process_set=hvd.global_process_set,
                          bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients with ``compression``.
 
     Parameters mirror ``horovod.torch.DistributedOptimizer``. ``compression`` is an
     ``hvd_quant.torch.Compression.<name>`` object. ``num_groups``/``groups`` split the
     parameters into that many fused buffers (default: one). ``gradient_predivide_factor``
-    and ``sparse_as_dense`` are accepted for compatibility (sparse gradients are always
-    densified; averaging is exact).
+    is accepted for compatibility (averaging is exact).
+
+    sparse_as_dense : bool
+        Default True: a sparse gradient (``nn.Embedding(sparse=True)``) is reduced as a dense
+        gradient of its parameter's full size, as Horovod's ``sparse_as_dense=True`` does (a
+        float32 buffer of the whole table per step, and the compressor's passes over it);
+        the parameter's ``.grad`` becomes that dense mean. ``False`` raises on a sparse
+        gradient: hvd_quant compresses dense buffers only.
 
     Overlap options (module docstring, "Overlap"):
 
@@ -375,4 +384,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                groups if groups is not None else num_groups, process_set,
                bucket_size_mb=bucket_size_mb, overlap=overlap,
                pipeline_chunk_mb=pipeline_chunk_mb,
-               backward_passes_per_step=backward_passes_per_step)
+               backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense)

@@ -59,6 +59,12 @@ file per rank. A run restored from it continues bit-identically. (DeepSpeed's
 schedule counters; see :mod:`hvd_quant.optimizers.onebit_adam` and
 :mod:`hvd_quant.optimizers.zero_one_adam` for exactly what.)
 
+Sparse gradients (``nn.Embedding(sparse=True)``) are made dense (``sparse_as_dense=True``,
+the default; :mod:`hvd_quant.torch.sparse`): a float32 buffer of the table's size per step;
+rows a batch does not touch get a zero gradient (their moments decay, and a 1-bit round
+gives them plus or minus the scale: mask them with ``exp_avg_mask`` where that matters).
+``sparse_as_dense=False`` raises on a sparse gradient, as these optimizers always did.
+
 ``bytes_sent``, ``comm_rounds``, ``step_kinds`` (``"init"``, ``"full"``, ``"onebit"``,
 ``"local"`` per step) and ``skipped_steps`` (steps left out because some rank's values
 were not finite) show what each step did.
@@ -82,6 +88,7 @@ from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameter
 from ..optimizers.binsgdm import single_beta
 from .backend import TorchBackend, prepare_kernels
 from .comm import HorovodTorchComm
+from .sparse import copy_into, dense, sparse_error
 
 _STATE_KEY = "hvd_quant.group{}"
 
@@ -143,9 +150,11 @@ class RuleOptimizer(torch.optim.Optimizer):
     #: step instead. Results are the same bits either way.
     reuse_buffers = True
 
-    def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0):
+    def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0,
+                 sparse_as_dense=True):
         super().__init__(params, defaults)  # add_param_group refuses non-CPU parameters
         self._rule = rule
+        self.sparse_as_dense = bool(sparse_as_dense)
         for gi, group in enumerate(self.param_groups):
             _hyper(group, rule, gi)  # refuse what the rule cannot do (non_freeze)
         self._comm = HorovodTorchComm(process_set if process_set is not None else hvd.global_process_set)
@@ -302,7 +311,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         copied into a buffer kept from step to step with ``reuse_buffers`` (a fresh
         concatenation of 127 MB cost 48 ms per step, a copy into kept memory a third)."""
         if len(params) == 1 or not self.reuse_buffers:
-            return _flat_grads(params, inv_scale)
+            return _flat_grads(params, [self._dense_grad(p) for p in params], inv_scale)
         numel = sum(p.numel() for p in params)
         flat = self._flat_grads.get(gi)
         if flat is None or flat.numel() != numel:
@@ -310,13 +319,18 @@ class RuleOptimizer(torch.optim.Optimizer):
         offset = 0
         for p in params:
             n = p.numel()
-            _check_dense(p.grad)
             if p.grad is None:
                 flat[offset:offset + n].zero_()
             else:
-                flat[offset:offset + n].copy_(p.grad.detach().reshape(-1))
+                if p.grad.is_sparse and not self.sparse_as_dense:
+                    raise sparse_error(self._names.get(p, "a parameter"), n, type(self).__name__)
+                copy_into(flat[offset:offset + n], p.grad)  # a sparse one without a dense temporary
             offset += n
         return flat.mul_(inv_scale) if inv_scale is not None else flat
+
+    def _dense_grad(self, p):
+        return dense(p.grad, self._names.get(p, "a parameter"), p.numel(), self.sparse_as_dense,
+                     type(self).__name__)
 
     def _check_ranks(self):
         """First step: every rank must use the same method, options, hyper-parameters,
@@ -421,14 +435,15 @@ class OnebitAdam(RuleOptimizer):
     def __init__(self, params, lr=1e-3, named_parameters=None, freeze_step=100000,
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
                  process_set=None, amsgrad=False, scales="tensor", deepspeed=None,
-                 eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl"):
+                 eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
+                 sparse_as_dense=True):
         if amsgrad:
             raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("OnebitAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                                comm_backend_name)
         super().__init__(params, OnebitAdamRule(freeze_step=freeze_step, scales=scales),
                          _defaults(lr, betas, eps, weight_decay, bias_correction),
-                         named_parameters, process_set)
+                         named_parameters, process_set, sparse_as_dense=sparse_as_dense)
 
 
 class ZeroOneAdam(RuleOptimizer):
@@ -457,7 +472,7 @@ class ZeroOneAdam(RuleOptimizer):
     Short runs: DeepSpeed's schedule defaults were set for BERT runs of tens of thousands
     of steps. With a Phase A of a few hundred steps, refresh the variance more often
     (``var_update_scaler=64``) and cap the local steps lower (``local_step_clipper=4``):
-    on the README's 600-step language model this took 0/1 Adam from 7-8% above Adam's
+    on the 600-step language model of docs/benchmarks/convergence.md this took 0/1 Adam from 7-8% above Adam's
     loss to within 1%, still with 29% fewer bytes and 37% fewer rounds than 1-bit Adam.
     """
 
@@ -465,7 +480,8 @@ class ZeroOneAdam(RuleOptimizer):
                  weight_decay=0.0, var_freeze_step=100000, var_update_scaler=16,
                  local_step_scaler=32678, local_step_clipper=16, bias_correction=True,
                  process_set=None, amsgrad=False, exact_sync=False, scales="tensor", deepspeed=None,
-                 eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl"):
+                 eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
+                 sparse_as_dense=True):
         if amsgrad:
             raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("ZeroOneAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
@@ -474,7 +490,7 @@ class ZeroOneAdam(RuleOptimizer):
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                                exact_sync=exact_sync, scales=scales)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
-                         named_parameters, process_set)
+                         named_parameters, process_set, sparse_as_dense=sparse_as_dense)
 
 
     @torch.no_grad()
@@ -532,7 +548,7 @@ class BinSGDM(RuleOptimizer):
     """
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
-                 weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None):
+                 weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:
@@ -540,7 +556,7 @@ class BinSGDM(RuleOptimizer):
                                                hvd.cross_rank(), hvd.cross_size())
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
-                         named_parameters, process_set, seed=seed)
+                         named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense)
         self._auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 
@@ -650,20 +666,13 @@ def _views_of(flat, params):
     return offset == flat.numel()
 
 
-def _check_dense(g):
-    if g is not None and g.is_sparse:
-        raise RuntimeError("hvd_quant's 1-bit optimizers do not support sparse gradients "
-                           "(as in DeepSpeed); use a dense embedding (sparse=False)")
-
-
-def _flat_grads(params, inv_scale):
+def _flat_grads(params, grads, inv_scale):
+    """``grads`` (dense, or None: zeros) of ``params`` as one flat float32 tensor."""
     parts = []
-    for p in params:
-        g = p.grad
+    for p, g in zip(params, grads):
         if g is None:
             parts.append(torch.zeros(p.numel(), dtype=torch.float32))
             continue
-        _check_dense(g)
         parts.append(g.detach().reshape(-1).to(torch.float32))
     flat = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)  # see _flat
     return flat * inv_scale if inv_scale is not None else flat

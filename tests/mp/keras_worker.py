@@ -216,6 +216,40 @@ def callbacks_behave():
             "loss": [l["loss"] for l in capture.logs], "steps": STEPS}
 
 
+def fit_embedding():
+    """A Keras Embedding (its gradient is always tf.IndexedSlices) in model.fit, with a
+    compressor and with each 1-bit optimizer: made dense by default (sparse_as_dense),
+    identical weights on every rank; refused with sparse_as_dense=False."""
+    keras = keras3()
+    rng = np.random.default_rng(70 + RANK)
+    tokens = rng.integers(0, 40, (STEPS * BATCH, 5)).astype("int32")
+    y = (tokens[:, 0] % 3).astype("int64")
+    optimizers = {"ef_sign": lambda: hq.DistributedOptimizer(keras.optimizers.Adam(3e-2),
+                                                             compression=hq.Compression.ef_sign),
+                  "onebit_adam": lambda: hq.OnebitAdam(3e-3, freeze_step=4),
+                  "zero_one_adam": lambda: hq.ZeroOneAdam(3e-3, var_freeze_step=4, exact_sync=True),
+                  "binsgdm": lambda: hq.BinSGDM(3e-2)}
+    out = {}
+    for name, make in optimizers.items():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(40, 8, name="emb"),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3, name="out")])
+        model.compile(optimizer=make(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        hist = model.fit(tokens, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                         callbacks=[hq.callbacks.FinalSyncCallback()])
+        out[name] = {"digest": digest(weights(model)), "loss": hist.history["loss"]}
+    try:
+        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(40, 8),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+        model.compile(optimizer=hq.DistributedOptimizer(keras.optimizers.SGD(0.1), sparse_as_dense=False),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(tokens, y, batch_size=BATCH, epochs=1, verbose=0)
+        out["refused"] = "no error"
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
 # --- tf-keras (Keras 2) ------------------------------------------------------------------------
 def legacy_fit():
     """tf-keras model.fit with Horovod's own Keras DistributedOptimizer and our compressors."""
@@ -246,6 +280,7 @@ if MODE == "keras3":
     record("jit_split", jit_compile_split)
     record("loss_scale_outside", loss_scale_outside_refused)
     record("callbacks", callbacks_behave)
+    record("embedding", fit_embedding)
 elif MODE == "keras3_fit":
     record("fit", fit_every_compressor)
     record("jit_split", jit_compile_split)

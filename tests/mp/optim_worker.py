@@ -58,7 +58,7 @@ def make_optimizer(name, params, lr=cases.lr(0), groups=None, **extra):
         return hq.ZeroOneAdam(params, lr=lr, named_parameters=named, betas=hp["betas"], eps=hp["eps"],
                               weight_decay=hp["weight_decay"], **options)
     return hq.BinSGDM(params, lr=lr, named_parameters=named, betas=(0.9,),
-                      weight_decay=hp["weight_decay"], ranks_per_node=RANKS_PER_NODE)
+                      weight_decay=hp["weight_decay"], ranks_per_node=RANKS_PER_NODE, **options)
 
 
 def set_grads(params, step, drop=None):
@@ -308,13 +308,23 @@ def meta_parameters():
     return "no error"
 
 
-def sparse_gradients():
-    torch.manual_seed(0)  # the same weights on every rank
-    emb = torch.nn.Embedding(10, 4, sparse=True)
-    opt = hq.ZeroOneAdam(emb.parameters(), lr=1e-3)
-    emb(torch.tensor([1, 2])).sum().backward()
-    opt.step()
-    return "no error"
+def sparse_gradients(sparse_as_dense=False):
+    """nn.Embedding(sparse=True): refused with sparse_as_dense=False; by default reduced as
+    the dense gradient, with the very results of a dense embedding (every optimizer)."""
+    out = {}
+    for name in cases.CONFIGS:
+        runs = []
+        for sparse in (True, False):
+            torch.manual_seed(0)  # the same weights on every rank
+            emb = torch.nn.Embedding(10, 4, sparse=sparse)
+            opt = make_optimizer(name, list(emb.parameters()), sparse_as_dense=sparse_as_dense)
+            for step in range(3):
+                emb.weight.grad = None
+                emb(torch.tensor([1, 2, 2, 7 - RANK])).pow(2).sum().backward()  # a repeated row
+                opt.step()
+            runs.append(emb.weight.detach().reshape(-1).double().tolist())
+        out[name] = {"sparse": runs[0], "dense": runs[1]}
+    return out
 
 
 for name in cases.CONFIGS:
@@ -328,6 +338,7 @@ if RANKS_PER_NODE is None:
     record("lr_disagreement", lr_disagreement)
     record("schedule_disagreement", schedule_disagreement)
     record("sparse", sparse_gradients)
+    record("sparse_as_dense", lambda: sparse_gradients(sparse_as_dense=True))
     record("groups/zero_one_adam", lambda: groups_under_lambda_lr("zero_one_adam"))
     record("groups/skip", group_skip)
     record("groups/grad_scaler", lambda: group_skip(scaled=True, steps=4, where=2))

@@ -37,7 +37,7 @@ def make_optimizer(name, lr=cases.lr(0), **extra):
     if name == "zero_one_adam":
         return hq.ZeroOneAdam(learning_rate=lr, betas=HP["betas"], eps=HP["eps"],
                               weight_decay=HP["weight_decay"], **options)
-    return hq.BinSGDM(learning_rate=lr, betas=(0.9,), weight_decay=HP["weight_decay"])
+    return hq.BinSGDM(learning_rate=lr, betas=(0.9,), weight_decay=HP["weight_decay"], **options)
 
 
 def make_variables():
@@ -171,13 +171,31 @@ def disagreement(**kwargs):
     return "no error"
 
 
-def sparse_gradients():
-    variables = make_variables()
-    opt = make_optimizer("zero_one_adam")
-    grads = grads_of(0)
-    grads[0] = tf.IndexedSlices(grads[0][:2], tf.constant([0, 3]), tf.constant(cases.SHAPES[0]))
-    opt.apply(grads, variables)
-    return "no error"
+def sparse_gradients(sparse_as_dense=False, graph=False, names=tuple(cases.CONFIGS)):
+    """Rows 0 and 3 of the first variable's gradient as ``tf.IndexedSlices``: refused with
+    ``sparse_as_dense=False``; by default made dense, with the very results of the same
+    gradient given dense (eagerly or in tf.function)."""
+    out = {}
+    for name in names:
+        runs = []
+        for sparse in (True, False):
+            variables = make_variables()
+            opt = make_optimizer(name, sparse_as_dense=sparse_as_dense)
+            grads = grads_of(0)
+            rows = tf.gather(grads[0], [0, 3])
+            grads[0] = (tf.IndexedSlices(rows, tf.constant([0, 3]), tf.constant(cases.SHAPES[0])) if sparse
+                        else tf.scatter_nd(tf.constant([[0], [3]]), rows, cases.SHAPES[0]))
+
+            def make_apply(opt, variables):  # a closure: tf.function would trace default arguments
+                def apply(g):
+                    opt.apply(g, variables)
+                return tf.function(apply) if graph else apply
+            apply = make_apply(opt, variables)
+            for _ in range(3):
+                apply(grads)
+            runs.append(flat(variables))
+        out[name] = {"sparse": runs[0], "dense": runs[1]}
+    return out
 
 
 def fit(name):
@@ -226,6 +244,8 @@ record("final_sync", final_sync)
 record("lr_disagreement", lambda: disagreement(lr=1e-3 if RANK == 0 else 2e-3))
 record("schedule_disagreement", lambda: disagreement(var_freeze_step=8 if RANK == 0 else 9))
 record("sparse", sparse_gradients)
+record("sparse_as_dense/eager", lambda: sparse_gradients(sparse_as_dense=True))
+record("sparse_as_dense/fn", lambda: sparse_gradients(sparse_as_dense=True, graph=True, names=("zero_one_adam",)))
 
 (OUT / f"rank{RANK}.json").write_text(json.dumps(results))
 print(f"rank {RANK}: wrote {OUT / f'rank{RANK}.json'}")

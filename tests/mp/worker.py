@@ -51,6 +51,10 @@ def record(key, fn):
         results[key] = {"error": type(exc).__name__, "message": str(exc)}
 
 
+GRAPH_SIZE = cases.SIZES[-1]
+RNG_BEFORE = {}  # label -> the random streams' positions before reduce_cases' GRAPH_SIZE
+
+
 def reduce_cases():
     out = {}
     for label, name, options in cases.COMPRESSORS:
@@ -58,6 +62,8 @@ def reduce_cases():
         comm = Comm()
         per_size = {}
         for d in cases.SIZES:
+            if d == GRAPH_SIZE:  # reduce_cases_graph resumes the random streams from here
+                RNG_BEFORE[label] = runner.rng_state()
             steps = []
             for step in range(cases.STEPS):
                 x = cases.rank_input(RANK, d, step)
@@ -66,6 +72,32 @@ def reduce_cases():
                 steps.append(B.to_numpy(y).astype(np.float64).tolist())
             per_size[str(d)] = steps
         out[label] = {"values": per_size, "bytes": comm.meter.bytes_sent}
+    return out
+
+
+# The compressors whose hot paths are fused kernels on TensorFlow too.
+GRAPH_LABELS = ("ef_sign", "marsit", "global_qsgd", "global_qsgd_exp", "onebit")
+
+
+def reduce_cases_graph():
+    """reduce_cases of the largest size inside a tf.function per compressor (state in
+    variables), with fresh runners whose random streams resume where reduce_cases' were
+    at that size: the same values as its eager run, bit for bit. (One reduction per
+    graph: two ring reductions in one tf.function hang, see the README's known limits.)"""
+    out = {}
+    d = GRAPH_SIZE
+    for label, name, options in cases.COMPRESSORS:
+        if label not in GRAPH_LABELS:
+            continue
+        runner = CompressorRunner(__import__("hvd_quant").get(name, **options), B, seed=7,
+                                  make_variable=lambda n, init: tf.Variable(init))
+        comm = Comm()
+        runner.build(RANK, [(f"{label}.{d}", cases.segments(d))], size=SIZE)
+        runner.load_rng_state(RNG_BEFORE.get(label, {}))
+        step = tf.function(lambda x, runner=runner, comm=comm, label=label: runner.reduce(
+            x, comm, f"{label}.{d}", cases.segments(d)), autograph=False)
+        out[label] = {str(d): [B.to_numpy(step(tensor(cases.rank_input(RANK, d, s)))).astype(np.float64).tolist()
+                               for s in range(cases.STEPS)]}
     return out
 
 
@@ -122,6 +154,8 @@ def non_float_passthrough():
 
 
 record("reduce", reduce_cases)
+if FRAMEWORK != "torch":
+    record("reduce_graph", reduce_cases_graph)
 record("ring_int_sum", ring_int_sum)
 record("exact", exact_cases)
 record("disagree_compressor", disagreeing_compressor)

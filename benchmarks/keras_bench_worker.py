@@ -1,0 +1,284 @@
+"""What each rank runs in ``benchmarks/bench_keras.py``: Keras 3 ``model.fit`` per batch,
+every method, with the fp32 allreduce and the compute floor measured beside each one.
+
+    python -m hvd_quant.cluster run --hosts 2 --rate 1gbit -- \\
+        .venv/bin/python benchmarks/keras_bench_worker.py --out r.json
+    .venv/bin/horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python benchmarks/keras_bench_worker.py
+
+The model (:func:`build_model`, 29,334,272 parameters): ``Embedding(32000, 384)``, four
+residual MLP blocks (``384 -> 1536 -> 384``, ReLU) and a 32000-way head on every token,
+trained on a fixed random batch of ``--batch`` sequences of ``--seq`` tokens per rank
+with sparse categorical cross-entropy. The embedding's gradient is a
+``tf.IndexedSlices``, made dense by hvd_quant (``sparse_as_dense``, the default).
+
+Methods (all with their users' defaults, apart from the 1-bit optimizers' schedules,
+which are set so that every timed step communicates at 1 bit):
+
+* ``fp32``: ``hq.DistributedOptimizer(Adam, compression=Compression.none)``, Horovod's fp32
+  allreduce of the fused gradient: the baseline;
+* ``floor``: Keras' ``Adam`` with no communication at all: the compute floor;
+* every compressor through ``hq.DistributedOptimizer(Adam, compression=...)``;
+* ``opt=onebit_adam`` (``freeze_step=2``: 1-bit from step 3), ``opt=zero_one_adam``
+  (``var_freeze_step=1``: a 1-bit sync at every step, its most expensive step) and
+  ``opt=binsgdm``;
+* ``tape:<name>``: a custom loop, ``tf.function`` around ``hq.DistributedGradientTape``
+  and ``Adam.apply_gradients``.
+
+Timing protocol: the baseline and the floor are built once and live for the whole job.
+Each method in turn is built, warmed up (tracing, first-step checks, the optimizers'
+warm-up phases) and then timed for ``--repeats`` rounds; a round runs ``--chunk`` batches
+of the method, the baseline and the floor, in an order rotated by one per round, each
+chunk one ``fit`` call (or loop) after a barrier. A batch's time is the time from Keras'
+``on_train_batch_begin`` to ``on_train_batch_end`` (the step of a custom loop) on the
+slowest rank. Then the method is freed before the next is built, so memory holds the
+baseline, the floor and one method at a time.
+
+Threads: TensorFlow's intra-op and inter-op pools are set to this rank's share of the
+host's usable cores (``hvd_quant.kernels.threads``: affinity and cgroup quota, divided by
+the ranks on this host), which is what the README recommends; nothing else is set.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hvd_quant from this checkout
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import horovod.tensorflow as hvd  # noqa: E402
+
+from hvd_quant.kernels import threads as kernel_threads  # noqa: E402
+
+VOCAB, DIM, FF, BLOCKS = 32000, 384, 1536, 4
+#: Compressor configurations timed (``name`` or ``name:option=value``).
+COMPRESSORS = ("fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd:norm=l2",
+               "global_qsgd_exp", "onebit")
+OPTIMIZERS = ("opt=onebit_adam", "opt=zero_one_adam", "opt=binsgdm")
+TAPES = ("tape:none", "tape:ef_sign", "tape:marsit", "tape:onebit", "tape:global_qsgd")
+DEFAULT_METHODS = COMPRESSORS + OPTIMIZERS + TAPES
+
+
+def build_model(keras, seq, seed=0):
+    """The 29.3M-parameter token model (see the module docstring); the same weights on
+    every rank and for every method (one seed)."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, DIM, name="embedding")(tokens)
+    for i in range(BLOCKS):
+        up = keras.layers.Dense(FF, activation="relu", name=f"block{i}_up")(h)
+        h = keras.layers.Add(name=f"block{i}_add")([h, keras.layers.Dense(DIM, name=f"block{i}_down")(up)])
+    return keras.Model(tokens, keras.layers.Dense(VOCAB, name="head")(h), name="tokens")
+
+
+def parse_config(config):
+    name, _, text = config.partition(":")
+    return name, dict(kv.split("=", 1) for kv in text.split(",") if kv)
+
+
+class BatchTimer:
+    """Keras callback: the seconds of every training batch (begin to end)."""
+
+    def __init__(self, keras):
+        class Timer(keras.callbacks.Callback):
+            def on_train_batch_begin(inner, batch, logs=None):
+                inner.start = time.perf_counter()
+
+            def on_train_batch_end(inner, batch, logs=None):
+                self.times.append(time.perf_counter() - inner.start)
+        self.times = []
+        self.callback = Timer()
+
+
+class Method:
+    """One timed configuration: ``run(batches)`` returns that many batch times."""
+
+    def __init__(self, label, args, keras, data):
+        import hvd_quant.tensorflow as hq
+
+        self.label, self.args, self.keras = label, args, keras
+        self.x, self.y = data
+        self.model = build_model(keras, args.seq)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.opt, self.tape_fn, self.tape = None, None, None
+        self.warmup = 2
+        if label.startswith("tape:"):
+            self._tape(hq, loss, label[len("tape:"):])
+            return
+        if label == "floor":
+            opt = keras.optimizers.Adam(args.lr)
+        elif label == "fp32":
+            opt = hq.DistributedOptimizer(keras.optimizers.Adam(args.lr), compression=hq.Compression.none)
+        elif label.startswith("opt="):
+            name = label[len("opt="):]
+            opt = {"onebit_adam": lambda: hq.OnebitAdam(args.lr, freeze_step=2),
+                   "zero_one_adam": lambda: hq.ZeroOneAdam(args.lr, var_freeze_step=1),
+                   "binsgdm": lambda: hq.BinSGDM(args.lr)}[name]()
+            self.warmup = {"onebit_adam": 4, "zero_one_adam": 3, "binsgdm": 2}[name]
+        else:
+            name, options = parse_config(label)
+            opt = hq.DistributedOptimizer(keras.optimizers.Adam(args.lr),
+                                          compression=hq.Compression.get(name, **options))
+        self.opt = opt
+        self.model.compile(optimizer=opt, loss=loss, jit_compile=False)
+
+    def _tape(self, hq, loss_fn, config):
+        name, options = parse_config(config)
+        compression = hq.Compression.get(name, **options)
+        model, opt = self.model, self.keras.optimizers.Adam(self.args.lr)
+        self.opt = opt
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            tape = hq.DistributedGradientTape(tape, compression=compression)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            self.tape = tape
+            return loss
+        self.tape_fn = step
+
+    def run(self, batches):
+        b = self.args.batch
+        x, y = self.x[:batches * b], self.y[:batches * b]
+        if self.tape_fn is not None:
+            times = []
+            for i in range(batches):
+                xb, yb = tf.constant(x[i * b:(i + 1) * b]), tf.constant(y[i * b:(i + 1) * b])
+                t = time.perf_counter()
+                self.tape_fn(xb, yb).numpy()
+                times.append(time.perf_counter() - t)
+            return times
+        timer = BatchTimer(self.keras)
+        self.model.fit(x, y, batch_size=b, epochs=1, verbose=0, shuffle=False, callbacks=[timer.callback])
+        return timer.times
+
+    def bytes_sent(self):
+        if self.tape is not None:  # counted once per trace: bytes per step
+            return float(self.tape.bytes_sent)
+        return float(getattr(self.opt, "bytes_sent", 0.0) or 0.0)
+
+    def kind(self):
+        kind = getattr(self.opt, "last_step_kind", None)
+        return kind if isinstance(kind, str) else ""
+
+
+def barrier():
+    hvd.allreduce(tf.constant(0.0), name="bench.barrier", op=hvd.Sum)
+
+
+def log(msg):
+    if hvd.rank() == 0:
+        print(f"[keras-bench] {msg}", flush=True)
+
+
+def set_threads():
+    """TensorFlow's pools sized to this rank's share of the host (the README's advice)."""
+    cores, cores_why = kernel_threads.usable_cores()
+    local, local_why = kernel_threads.local_ranks()
+    share = max(1, cores // max(1, local))
+    tf.config.threading.set_intra_op_parallelism_threads(share)
+    tf.config.threading.set_inter_op_parallelism_threads(share)
+    return {"tf_intra_op": share, "tf_inter_op": share, "cores": cores, "cores_why": cores_why,
+            "local_ranks": local, "local_ranks_why": local_why}
+
+
+def measure(args):
+    threads = set_threads()  # before TensorFlow's runtime starts
+    hvd.init()
+    import keras
+    import hvd_quant.tensorflow as hq
+    from hvd_quant import kernels
+    from hvd_quant.kernels.buffers import RESULTS
+
+    rank, size = hvd.rank(), hvd.size()
+    threads["kernels"] = kernel_threads.describe()
+    log(f"{size} ranks; TensorFlow intra-op {threads['tf_intra_op']}, inter-op {threads['tf_inter_op']} "
+        f"thread(s) per rank ({threads['cores']} usable cores: {threads['cores_why']}; "
+        f"{threads['local_ranks']} rank(s) on this host: {threads['local_ranks_why']}); {threads['kernels']}")
+    rng = np.random.default_rng(1000 + rank)
+    n = args.batch * max(args.chunk, 8)
+    data = (rng.integers(0, VOCAB, (n, args.seq)).astype("int32"),
+            rng.integers(0, VOCAB, (n, args.seq)).astype("int32"))
+    from hvd_quant.tensorflow.kernels import prepare_kernels
+    prepare_kernels()  # kernels loaded, thread policy applied, before any timing
+
+    t0 = time.perf_counter()
+    reference = {name: Method(name, args, keras, data) for name in ("fp32", "floor")}
+    for m in reference.values():
+        barrier()
+        m.run(2)
+    log(f"baseline and floor built and warmed up ({time.perf_counter() - t0:.1f} s); "
+        f"{reference['fp32'].model.count_params():,} parameters, batch {args.batch} x {args.seq} tokens")
+    signatures = kernels.loaded_signatures()
+
+    results = {}
+    for label in args.methods:
+        t0 = time.perf_counter()
+        method = Method(label, args, keras, data)
+        for _ in range(method.warmup):
+            barrier()
+            method.run(1)
+        before = method.bytes_sent()
+        barrier()
+        method.run(1)
+        sent = method.bytes_sent() - before if method.tape is None else method.bytes_sent()
+        log(f"{label}: built and warmed up in {time.perf_counter() - t0:.1f} s; "
+            f"{sent / 1e6:.2f} MB sent per step; last step {method.kind() or '-'}")
+        times = {label: [], "fp32": [], "floor": []}
+        kinds = set()
+        for rep in range(args.repeats):
+            order = [label, "fp32", "floor"]
+            order = order[rep % 3:] + order[:rep % 3]
+            for name in order:
+                runner = method if name == label else reference[name]
+                barrier()
+                times[name] += runner.run(args.chunk)
+                if name == label and method.kind():
+                    kinds.add(method.kind())
+            log(f"  round {rep + 1}/{args.repeats}: " + ", ".join(
+                f"{name} {1e3 * statistics.median(times[name][-args.chunk:]):.0f} ms" for name in (label, "fp32", "floor")))
+        results[label] = {"times_s": times[label], "fp32_s": times["fp32"], "floor_s": times["floor"],
+                          "sent_bytes": sent, "kinds": sorted(kinds)}
+        del method
+        gc.collect()
+        RESULTS.release()
+
+    fp32_sent = reference["fp32"].bytes_sent() / max(1, int(reference["fp32"].opt.iterations.numpy()))
+    gathered = hvd.allgather_object(results, name="bench.results")
+    config = {"ranks": size, "hosts": int(os.environ.get("HVDQ_CLUSTER_HOSTS", 0)) or None,
+              "rate_bps": float(os.environ.get("HVDQ_CLUSTER_RATE_BPS", 0)) or None,
+              "batch": args.batch, "seq": args.seq, "chunk": args.chunk, "repeats": args.repeats,
+              "parameters": int(reference["fp32"].model.count_params()), "threads": threads,
+              "fp32_sent_bytes": fp32_sent,
+              "new_kernel_signatures_while_timing": kernels.loaded_signatures() - signatures}
+    return rank, {"config": config, "per_rank": gathered}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated labels")
+    p.add_argument("--repeats", type=int, default=4, help="rounds per method")
+    p.add_argument("--chunk", type=int, default=2, help="batches per method per round")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per batch")
+    p.add_argument("--seq", type=int, default=16, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--out", default="", help="rank 0 writes the raw results here (JSON)")
+    args = p.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    rank, result = measure(args)
+    if rank == 0 and args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

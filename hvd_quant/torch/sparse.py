@@ -1,0 +1,45 @@
+"""Sparse gradients (``nn.Embedding(sparse=True)``) as the dense ones hvd_quant reduces.
+
+Every compressor and 1-bit optimizer works on dense flat buffers, so a sparse gradient is
+reduced as a dense gradient of its parameter's full size (``sparse_as_dense=True``, the
+default, as Horovod's option of that name does): a float32 buffer of the whole table per
+step, and the compressor's passes over it. hvd_quant has no sparse reduction, so
+``sparse_as_dense=False`` refuses a sparse gradient with an error that says this.
+"""
+
+import torch
+
+
+def sparse_error(name, numel, where):
+    return RuntimeError(
+        f"hvd_quant: the gradient of {name} is sparse (e.g. nn.Embedding(sparse=True)) and {where} "
+        "has sparse_as_dense=False. hvd_quant compresses dense buffers only (a sparse reduction "
+        "is not implemented): leave sparse_as_dense at its default, True, which reduces a dense "
+        f"gradient of the parameter's full size ({4 * numel / 1e6:.3g} MB of float32 per step here), "
+        "or use a dense embedding (sparse=False).")
+
+
+def dense(g, name, numel, sparse_as_dense, where):
+    """``g`` itself when dense; a sparse ``g`` made dense (``sparse_as_dense``), else the error."""
+    if g is None or not g.is_sparse:
+        return g
+    if not sparse_as_dense:
+        raise sparse_error(name, numel, where)
+    return g.coalesce().to_dense()
+
+
+def copy_into(dst, g):
+    """Write the dense value of the (sparse or dense) gradient ``g`` into the flat float32
+    ``dst`` without a dense temporary of the table's size: zeros, then the coalesced rows
+    (the same values as ``g.coalesce().to_dense()``)."""
+    if not g.is_sparse:
+        dst.copy_(g.detach().reshape(-1))
+        return dst
+    g = g.coalesce()
+    if g.sparse_dim() != 1:
+        dst.copy_(g.to_dense().reshape(-1))
+        return dst
+    dst.zero_()
+    rows = dst.view(g.shape[0], -1)
+    rows.index_add_(0, g.indices()[0], g.values().reshape(g.values().shape[0], -1).to(torch.float32))
+    return dst
