@@ -236,6 +236,7 @@ def _adam_inputs(d):
 def _elementwise_results(backend, x, m, v, u, w, wd):
     return [ew.ema(backend, m, x, 0.9), ew.ema(backend, v, x, 0.999, square=True),
             ew.descend(backend, x, w, 1e-3, wd),
+            ew.descend(backend, x, w * 3, 1e-3, wd, divisor=3),  # BinSGDM: a sum over 3 ranks
             ew.adam_descend(backend, x, m, v, 3e-3, 1e-8, wd),
             *ew.adam_descend(backend, x, m, v, 1e-3, 1e-6, wd, acc=u),
             ew.precondition(backend, u, v, 1e-8),
@@ -334,7 +335,7 @@ def test_adam_family_primitives_match_the_torch_generic_path(monkeypatch):
             err = np.abs(got[finite].astype(np.float64) - want[finite]) / ulp[finite]
             assert err.max(initial=0) <= 8, (err.max(), int(np.argmax(err)))
         # Without a square root the very same bits.
-        for i in (0, 1, 2, 10):
+        for i in (0, 1, 2, 3, 11):  # the emas, the descends, the momentum -(w / lrs)
             torch.testing.assert_close(_elementwise_results(fast, *inputs, wd)[i],
                                        _elementwise_results(generic, *inputs, wd)[i], rtol=0, atol=0)
 

@@ -82,7 +82,17 @@ def _rows_and_flags(B, gathered, rows, width):
 
 
 def sign_mean(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
-    """The float32 mean over ranks of the +-1 vectors packed in ``bits``.
+    """The float32 mean over ranks of the +-1 vectors packed in ``bits``:
+    :func:`sign_sum` divided by its count, ``(mean, ok)``."""
+    total, count, ok = sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite)
+    return B.divide(total, float(count)), ok
+
+
+def sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
+    """The float32 sum over ranks of the +-1 vectors packed in ``bits``, and what divides
+    it into their mean (the number of ranks, or of nodes with the hierarchy, whose
+    re-binarised node signs are summed): BinSGDM folds the division into its update's pass
+    instead of writing the mean as a full-size tensor of its own.
 
     Parameters
     ----------
@@ -102,8 +112,8 @@ def sign_mean(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
 
     Returns
     -------
-    (mean, ok) : the float32 mean of ``numel`` elements, identical on every rank, and
-        whether every rank's input was finite.
+    (total, count, ok) : the float32 sum of ``numel`` elements, identical on every rank,
+        the count that divides it into the mean, and whether every rank's input was finite.
     """
     n = comm.size
     nodes, k = node_layout(n, ranks_per_node)
@@ -113,7 +123,7 @@ def sign_mean(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
         gathered = gather_blocks(B, comm, B.concat([bits, flag]), f"{name}.flat")
         rows, ok = _rows_and_flags(B, gathered, n, width)
         total = unpack_scaled_sum(B, rows, B.full(n, 1.0), [numel], numel)
-        return B.divide(total, float(n)), ok
+        return total, n, ok
 
     node, cross = comm.subgroups(nodes)
     padded = _padded(numel, k)
@@ -134,8 +144,7 @@ def sign_mean(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
     total = unpack_scaled_sum(B, rows, B.full(nodes, 1.0), [shard], shard)
     # Phase 4: intra-node allgather of the shard sums (small integers, int8).
     everything = gather_blocks(B, node, B.cast(total, "int8"), f"{name}.intra_ag")
-    mean = B.divide(B.cast(B.slice(everything, 0, numel), "float32"), float(nodes))
-    return mean, ok
+    return B.cast(B.slice(everything, 0, numel), "float32"), nodes, ok
 
 
 def _flag(B, finite):

@@ -872,27 +872,30 @@ def ema(avg, value, beta, square=False, in_place=False, out=None):
 
 
 @_twin
-def _descend(x, step, lr, wd, has_wd, out):
+def _descend(x, step, lr, wd, has_wd, divisor, out):
     for i in prange(x.size):
-        s = step[i] + x[i] * wd if has_wd else step[i]
+        q = step[i] / divisor  # a float32 true division: the generic path's B.divide
+        s = q + x[i] * wd if has_wd else q
         out[i] = x[i] - s * lr
 
 
 @_twin
-def _descend_in_place(x, step, lr, wd, has_wd):
+def _descend_in_place(x, step, lr, wd, has_wd, divisor):
     for i in prange(x.size):
-        s = step[i] + x[i] * wd if has_wd else step[i]
+        q = step[i] / divisor
+        s = q + x[i] * wd if has_wd else q
         x[i] = x[i] - s * lr
 
 
-def descend(x, step, lr, weight_decay, in_place=False, out=None):
-    """``elementwise.descend``: ``x - lr * (step + weight_decay * x)``, into ``x`` itself
-    when ``in_place``, else into ``out`` (or a fresh array)."""
+def descend(x, step, lr, weight_decay, in_place=False, out=None, divisor=1.0):
+    """``elementwise.descend``: ``x - lr * (step / divisor + weight_decay * x)``, into ``x``
+    itself when ``in_place``, else into ``out`` (or a fresh array)."""
+    args = (np.float32(lr), np.float32(weight_decay), weight_decay > 0.0, np.float32(divisor))
     if in_place:
-        _descend_in_place(x, step, np.float32(lr), np.float32(weight_decay), weight_decay > 0.0)
+        _descend_in_place(x, step, *args)
         return x
     out = np.empty_like(x) if out is None else out
-    _descend(x, step, np.float32(lr), np.float32(weight_decay), weight_decay > 0.0, out)
+    _descend(x, step, *args, out)
     return out
 
 

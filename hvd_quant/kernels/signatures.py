@@ -82,7 +82,7 @@ SIGNATURES = {
     "uniform": Signature((Output("out", "float32", lambda a, numel: int(a["n"])),), scalars=("key",)),
     "all_finite": Signature((Output(None, "bool", None),)),
     "ema": Signature((_f32("out", "avg"),), scalars=("beta",), in_place="in_place"),
-    "descend": Signature((_f32("out", "x"),), scalars=("lr", "weight_decay"), in_place="in_place"),
+    "descend": Signature((_f32("out", "x"),), scalars=("lr", "weight_decay", "divisor"), in_place="in_place"),
     "adam_descend": Signature((_f32("x_out", "x"),
                                Output("acc_out", "float32",
                                       lambda a, numel: numel(a["x"]) if a["acc"] is not None else 0)),

@@ -29,7 +29,7 @@ verdict per step, see :mod:`hvd_quant.optimizers.base`). DeepSpeed's ``non_freez
 param groups (a 1-bit Adam flag) are refused: there is no freeze here to opt out of.
 """
 
-from ..core.hierarchical import hierarchical_bytes, node_layout, sign_mean
+from ..core.hierarchical import hierarchical_bytes, node_layout, sign_sum
 from ..core.rng import call_key, call_key_tensor, draws, stream_key
 from .base import Rule, keep_if
 from .elementwise import descend
@@ -111,16 +111,17 @@ class BinSGDMRule(Rule):
                                       out=(ctx.buffer("m"), ctx.buffer("b")))
         local_ok = B.all_finite(ctx.g)
         if n > 1:
-            q_bar, ok = sign_mean(B, comm, bits, d, self.ranks_per_node, sum_key,
-                                  ctx.collective_name("signs"), finite=local_ok)
+            q_sum, count, ok = sign_sum(B, comm, bits, d, self.ranks_per_node, sum_key,
+                                        ctx.collective_name("signs"), finite=local_ok)
             st.count("onebit", self.wire_bytes("onebit", d, n))
         else:
-            q_bar, ok = sign_mean(B, comm, bits, d, None, sum_key, ctx.collective_name("signs"),
-                                  finite=local_ok)
+            q_sum, count, ok = sign_sum(B, comm, bits, d, None, sum_key, ctx.collective_name("signs"),
+                                        finite=local_ok)
             st.count("local", 0.0)
         st.commit(ok, {"exp_avg": m, "exp_avg_abs": b},
                   {"step": st.scalar("step") + 1, "draws": calls + 2})
-        # x - lr * (q_bar + weight_decay * x), into the parameters where the adapter allows
-        return keep_if(B, ok, descend(B, ctx.x, q_bar, ctx.lr, ctx.hp["weight_decay"],
-                                      into=ctx.into_x(ok), out=ctx.x_buffer()), ctx.x)
+        # x - lr * (q_sum / count + weight_decay * x), the mean of the signs formed in the
+        # update's own pass, into the parameters where the adapter allows
+        return keep_if(B, ok, descend(B, ctx.x, q_sum, ctx.lr, ctx.hp["weight_decay"],
+                                      into=ctx.into_x(ok), out=ctx.x_buffer(), divisor=count), ctx.x)
 

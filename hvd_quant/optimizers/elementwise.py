@@ -26,14 +26,19 @@ def ema(B, avg, value, beta, square=False, in_place=False, out=None):
     return avg * beta + value * (1.0 - beta)
 
 
-def descend(B, x, step, lr, weight_decay, into=None, out=None):
-    """``x - lr * (step + weight_decay * x)``: BinSGDM's update with its averaged signs as
-    ``step``. Fused primitive ``descend`` (in place when ``into`` is ``x``, else into
-    ``out`` if given; the generic path returns a new tensor)."""
+def descend(B, x, step, lr, weight_decay, into=None, out=None, divisor=1):
+    """``x - lr * (step / divisor + weight_decay * x)``: BinSGDM's update, ``step`` the sum
+    of its ranks' signs and ``divisor`` their count (the mean is formed here, in the same
+    pass, rather than as a full-size tensor of its own). Fused primitive ``descend`` (in
+    place when ``into`` is ``x``, else into ``out`` if given; the generic path returns a
+    new tensor)."""
     fast = B.kernel("descend", x, step)
     if fast is not None:
         # lr as given (a graph tensor under TensorFlow: the kernel reads its value), no float()
-        return fast(x, step, lr, float(weight_decay), in_place=into is not None, out=out)
+        return fast(x, step, lr, float(weight_decay), in_place=into is not None, out=out,
+                    divisor=float(divisor))
+    if divisor != 1:
+        step = B.divide(step, float(divisor))
     if weight_decay > 0.0:
         step = step + x * weight_decay
     return x - step * lr
