@@ -65,16 +65,16 @@ TAPES = ("tape:none", "tape:ef_sign", "tape:marsit", "tape:onebit", "tape:global
 DEFAULT_METHODS = COMPRESSORS + OPTIMIZERS + TAPES
 
 
-def build_model(keras, seq, seed=0):
-    """The 29.3M-parameter token model (see the module docstring); the same weights on
-    every rank and for every method (one seed)."""
+def build_model(keras, seq, seed=0, vocab=VOCAB):
+    """The 29.3M-parameter token model (see the module docstring; ``vocab`` tokens, 32000
+    by default); the same weights on every rank and for every method (one seed)."""
     keras.utils.set_random_seed(seed)
     tokens = keras.Input((seq,), dtype="int32")
-    h = keras.layers.Embedding(VOCAB, DIM, name="embedding")(tokens)
+    h = keras.layers.Embedding(vocab, DIM, name="embedding")(tokens)
     for i in range(BLOCKS):
         up = keras.layers.Dense(FF, activation="relu", name=f"block{i}_up")(h)
         h = keras.layers.Add(name=f"block{i}_add")([h, keras.layers.Dense(DIM, name=f"block{i}_down")(up)])
-    return keras.Model(tokens, keras.layers.Dense(VOCAB, name="head")(h), name="tokens")
+    return keras.Model(tokens, keras.layers.Dense(vocab, name="head")(h), name="tokens")
 
 
 def parse_config(config):
@@ -104,7 +104,7 @@ class Method:
 
         self.label, self.args, self.keras = label, args, keras
         self.x, self.y = data
-        self.model = build_model(keras, args.seq)
+        self.model = build_model(keras, args.seq, vocab=args.vocab)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         self.opt, self.tape_fn, self.tape = None, None, None
         self.warmup = 2
@@ -205,8 +205,8 @@ def measure(args):
         f"{threads['local_ranks']} rank(s) on this host: {threads['local_ranks_why']}); {threads['kernels']}")
     rng = np.random.default_rng(1000 + rank)
     n = args.batch * max(args.chunk, 8)
-    data = (rng.integers(0, VOCAB, (n, args.seq)).astype("int32"),
-            rng.integers(0, VOCAB, (n, args.seq)).astype("int32"))
+    data = (rng.integers(0, args.vocab, (n, args.seq)).astype("int32"),
+            rng.integers(0, args.vocab, (n, args.seq)).astype("int32"))
     from hvd_quant.tensorflow.kernels import prepare_kernels
     prepare_kernels()  # kernels loaded, thread policy applied, before any timing
 
@@ -269,6 +269,8 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=2, help="batches per method per round")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per batch")
     p.add_argument("--seq", type=int, default=16, help="tokens per sequence")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="tokens in the embedding and the head "
+                                                              "(a smaller model for a quick look)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--out", default="", help="rank 0 writes the raw results here (JSON)")
     args = p.parse_args(argv)

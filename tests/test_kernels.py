@@ -18,6 +18,7 @@ from hvd_quant.compressors.marsit import MarsitSelect
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, sign_residual,
                                     unpack_lanes, unpack_scaled_sum)
+from hvd_quant.core.hierarchical import rebinarize
 from hvd_quant.core.rng import CounterRNG, draws
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.segments import compensate_sums, compensate_sums_signs, segment_bounds
@@ -163,6 +164,16 @@ def test_marsit_select_is_bit_exact(nbytes, counts, threads):
     op = MarsitSelect()
     np.testing.assert_array_equal(op.combine(K, own, counts[0], recv, counts[1], CounterRNG(7)),
                                   op.combine(B, own, counts[0], recv, counts[1], CounterRNG(7)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 13, 64, 10_007])
+@pytest.mark.parametrize("k", [2, 3])
+def test_rebinarize_is_bit_exact(n, k, threads):
+    """The hierarchical allreduce's re-binarisation: node sums of k signs (integers in
+    [-k, k], k's parity) to packed unbiased bits, the kernel against the generic path."""
+    rng = np.random.default_rng(n + k)
+    node_sum = (2 * rng.integers(0, k + 1, n) - k).astype(np.float32)
+    np.testing.assert_array_equal(rebinarize(K, node_sum, k, 4242), rebinarize(B, node_sum, k, 4242))
 
 
 def test_uniform_draws_equal_the_generator():

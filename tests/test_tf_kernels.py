@@ -22,6 +22,7 @@ from hvd_quant.compressors import exp_dithering as ed  # noqa: E402
 from hvd_quant.compressors import global_qsgd as gq  # noqa: E402
 from hvd_quant.compressors.marsit import MarsitSelect  # noqa: E402
 from hvd_quant.core.backend import NumpyBackend  # noqa: E402
+from hvd_quant.core.hierarchical import rebinarize  # noqa: E402
 from hvd_quant.core.packing import pack_signs, sign_pack_residual, sign_residual, unpack_scaled_sum  # noqa: E402
 from hvd_quant.core.rng import CounterRNG  # noqa: E402
 from hvd_quant.core.runner import CompressorRunner  # noqa: E402
@@ -181,6 +182,8 @@ def test_marsit_selection_binsgdm_and_draws_equal_the_oracle(mode):
     equal(run_tf(mode, lambda *t: binary_randomize(TF, *t[:3], 0.9, t[3]), g, m, b, key.tf()),
           binary_randomize(NP, g, m, b, 0.9, key.np()))
     equal(run_tf(mode, lambda k: TF.uniform(Rng(k), 1001), key.tf()), NP.uniform(Rng(key.np()), 1001))
+    node_sum = (2 * np.random.default_rng(13).integers(0, 3, D) - 2).astype(np.float32)
+    equal(run_tf(mode, lambda s, k: rebinarize(TF, s, 2, k), node_sum, key.tf()), rebinarize(NP, node_sum, 2, key.np()))
     for v in (g, np.where(np.arange(D) == D - 1, np.float32(np.nan), g)):
         assert bool(run_tf(mode, lambda a: TF.all_finite(a), v)) == bool(NP.all_finite(v))
 

@@ -177,6 +177,9 @@ def test_oversubscribed_framework_threads_are_warned_about_once(clean, caplog):
         assert not threads.warn_oversubscribed("torch", 32, "torch.set_num_threads({share})")  # once
     assert len(caplog.records) == 1
     assert "32 intra-op threads per rank with 8 ranks" in caplog.records[0].getMessage()
+    clean.setenv("HOROVOD_LOCAL_SIZE", "64")  # more ranks than cores: one thread is the least
+    threads.configure(log_choice=False)
+    assert not threads.warn_oversubscribed("tensorflow", 1, "...")
     assert "torch.set_num_threads(4)" in caplog.records[0].getMessage()
 
 

@@ -206,7 +206,11 @@ class Backend:
     def uniform(self, gen, n):
         """``n`` float32 samples from U[0, 1) (multiples of ``2**-24``): one call of
         ``gen``'s stream (:func:`hvd_quant.core.rng.hash_bits`)."""
-        key = gen.next_key(self)
+        return self.draws(gen.next_key(self), n)
+
+    def draws(self, key, n):
+        """``n`` float32 samples from U[0, 1) of the call with key ``key`` (one pass on
+        the fused ``uniform`` kernel where there is one)."""
         fast = self.kernel("uniform")
         return fast(key, n) if fast is not None else draws(self, key, n)
 

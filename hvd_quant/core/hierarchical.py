@@ -37,7 +37,6 @@ import numpy as np
 
 from .comm import exchange_blocks, gather_blocks
 from .packing import packed_sign_bytes, unpack_scaled_sum
-from .rng import draws
 
 
 def node_layout(world_size, ranks_per_node):
@@ -135,8 +134,7 @@ def sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
     rows, node_ok = _rows_and_flags(B, exchange_blocks(B, node, blocks, f"{name}.intra_rs"), k, width)
     node_sum = unpack_scaled_sum(B, rows, B.full(k, 1.0), [shard], shard)
     # Phase 2: re-binarise the node average, unbiased: +1 with probability (1 + S/k) / 2.
-    up = B.less(draws(B, key, shard), (node_sum * (1.0 / k) + 1.0) * 0.5)
-    node_bits = B.packbits(B.cast(up, "uint8"))
+    node_bits = rebinarize(B, node_sum, k, key)
     node_flag = _flag(B, node_ok)
     # Phase 3: inter-node allgather among the ranks with the same local rank.
     gathered = gather_blocks(B, cross, B.concat([node_bits, node_flag]), f"{name}.inter_ag")
@@ -145,6 +143,17 @@ def sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
     # Phase 4: intra-node allgather of the shard sums (small integers, int8).
     everything = gather_blocks(B, node, B.cast(total, "int8"), f"{name}.intra_ag")
     return B.cast(B.slice(everything, 0, numel), "float32"), nodes, ok
+
+
+def rebinarize(B, node_sum, k, key):
+    """The node's re-binarised signs, packed: ``+1`` where draw ``i`` of the call with key
+    ``key`` falls below ``(node_sum[i] / k + 1) / 2``, so that the expected sign is the
+    node's mean of ``k`` signs (unbiased). Fused primitive ``rebinarize`` (one pass)."""
+    fast = B.kernel("rebinarize", node_sum)
+    if fast is not None:
+        return fast(node_sum, k, key)
+    up = B.less(B.draws(key, B.numel(node_sum)), (node_sum * (1.0 / k) + 1.0) * 0.5)
+    return B.packbits(B.cast(up, "uint8"))
 
 
 def _flag(B, finite):

@@ -24,6 +24,7 @@ primitive                  generic twin                                    used 
 ``exp_combine``            ``compressors.exp_dithering.combine_codes``     global_qsgd_exp (every hop)
 ``exp_decode``             ``compressors.exp_dithering.exp_decode``        global_qsgd_exp
 ``marsit_select``          ``compressors.marsit.MarsitSelect``             marsit (every hop)
+``rebinarize``             ``core.hierarchical.rebinarize``                BinSGDM (hierarchical)
 ``binsgdm_encode``         ``optimizers.binsgdm.binary_randomize``         BinSGDM
 ``all_finite``             ``Backend.all_finite``                          every non-finite check
 ``ema``                    ``optimizers.elementwise.ema``                  1-bit Adam, 0/1 Adam
@@ -57,7 +58,7 @@ NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sum
          "compensate_sums_signs", "sign_residual",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
-         "binsgdm_encode", "uniform", "all_finite", "ema", "descend", "adam_descend",
+         "rebinarize", "binsgdm_encode", "uniform", "all_finite", "ema", "descend", "adam_descend",
          "precondition", "zero_one_sync_result")
 
 _cpu = None
@@ -134,6 +135,7 @@ def _warm_flavour(k):
     codes = k.exp_encode(x, 1.0, 2, 1)
     k.exp_decode(k.exp_combine(codes, codes, 2), 1.0, 1.0)
     k.marsit_select(bits, bits, 0.5, 3)
+    k.rebinarize(x, 2, 7)
     k.binsgdm_encode(x, x.copy(), np.abs(x), 0.9, 5)
     k.uniform(1, 8)
     k.all_finite(x)

@@ -792,6 +792,29 @@ def marsit_select(own, recv, keep, key, out=None):
     return out
 
 
+# --- the hierarchical 1-bit allreduce's re-binarisation (hvd_quant.core.hierarchical) ------
+@_twin
+def _rebinarize(s, inv_k, key, out):
+    k = np.uint64(key)
+    half, one = np.float32(0.5), np.float32(1.0)
+    for b in prange(out.size):
+        v = 0
+        for j in range(min(8, s.size - 8 * b)):
+            i = 8 * b + j
+            if _uniform(k, i) < (s[i] * inv_k + one) * half:
+                v |= 1 << j
+        out[b] = np.uint8(v)
+
+
+def rebinarize(node_sum, k, key, out=None):
+    """``hierarchical.rebinarize``: the packed bits of ``draw(i) < (node_sum[i] / k + 1) / 2``
+    (``+1`` with the probability that keeps the node's mean of ``k`` signs unbiased), draw
+    ``i`` of the call with key ``key``; into ``out`` if given."""
+    out = np.empty((node_sum.size + 7) // 8, np.uint8) if out is None else out
+    _rebinarize(node_sum, np.float32(1.0 / k), key, out)
+    return out
+
+
 # --- BinSGDM's binary randomization (hvd_quant.optimizers.binsgdm) ------------------------
 @njit(**_OPTS)
 def _binsgdm_piece(g, m, b, beta, one_minus_beta, k, first, m_out, b_out, up, bits):

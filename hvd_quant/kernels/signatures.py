@@ -77,6 +77,7 @@ SIGNATURES = {
     "exp_combine": Signature((Output("out", "uint8", _size("a")),), scalars=("key",)),
     "exp_decode": Signature((_f32("out", "codes"),), scalars=("factor", "scale")),
     "marsit_select": Signature((Output("out", "uint8", _size("own")),), scalars=("keep", "key")),
+    "rebinarize": Signature((Output("out", "uint8", _bytes("node_sum")),), scalars=("k", "key")),
     "binsgdm_encode": Signature((_f32("m_out", "g"), _f32("b_out", "g"), Output("bits_out", "uint8", _bytes("g"))),
                                 scalars=("beta", "key")),
     "uniform": Signature((Output("out", "float32", lambda a, numel: int(a["n"])),), scalars=("key",)),

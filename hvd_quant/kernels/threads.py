@@ -311,14 +311,15 @@ _warned = set()
 
 def warn_oversubscribed(framework, intra_op_threads, advice):
     """One warning per framework and process (rank 0 only, the others would repeat it)
-    when ``framework``'s intra-op threads per rank times the ranks on this host exceed the
-    usable cores. ``advice`` is the call that fixes it, with ``{share}`` for the cores per
+    when ``framework``'s intra-op threads per rank exceed the rank's share of the usable
+    cores (with more ranks than cores, one thread each is not warned about). ``advice`` is the call that fixes it, with ``{share}`` for the cores per
     rank."""
     c = choice()
-    if framework in _warned or c.local_size <= 1 or intra_op_threads * c.local_size <= c.cores:
+    share = max(1, c.cores // c.local_size)
+    # More ranks than cores: one thread each is the least there is, so nothing to advise.
+    if framework in _warned or c.local_size <= 1 or intra_op_threads <= share:
         return False
     _warned.add(framework)
-    share = max(1, c.cores // c.local_size)
     if this_rank() == 0:
         log.warning("hvd_quant: %s uses %d intra-op threads per rank with %d ranks on this host "
                     "and %d usable cores: the ranks oversubscribe the cores and every step slows "

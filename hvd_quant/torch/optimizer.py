@@ -65,7 +65,7 @@ from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
-from .sparse import dense
+from .sparse import fill_flat, kept_flat
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -179,43 +179,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         key = f"fused{gi}"
         self._runner.check_once(self._comm, key, lambda: (_structure_digest(segments, group),
                                                           _value_digest(group)))
-        grads = []
-        for p in group:
-            g = p.grad
-            if g is None:
-                g = torch.zeros_like(p)
-            elif g.is_sparse:  # a dense gradient of the table's size (sparse_as_dense)
-                g = dense(g, self._param_name[p], p.numel(), self._sparse_as_dense, "DistributedOptimizer")
-            grads.append(g.detach().reshape(-1).to(torch.float32))
-        # One dense float32 gradient is reduced through a flat view of itself (a 100 MB
-        # torch.cat costs 3x a copy: fresh pages), and the result goes back into the same
-        # memory where the compressor can (ReduceContext.out): then the mean is already
-        # in .grad, with no fresh buffer and no copy (_write_back sees the same storage).
-        flat = grads[0] if len(grads) == 1 else self._fuse(gi, grads) if grads else torch.zeros(0)
+        # One dense float32 gradient is reduced through a flat view of itself, and the
+        # result goes back into the same memory where the compressor can (ReduceContext.out):
+        # then the mean is already in .grad, with no fresh buffer and no copy (_write_back
+        # sees the same storage). Several go into one kept buffer (sparse.fill_flat).
+        g = group[0].grad if len(group) == 1 else None
+        if g is not None and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous():
+            flat = g.detach().reshape(-1)
+        else:
+            flat = fill_flat(kept_flat(self._fused, gi, sum(p.numel() for p in group)), group,
+                             self._sparse_as_dense, self._param_name.get, "DistributedOptimizer")
         into = flat if flat.is_contiguous() and self._op == hvd.Average else None
         mean = chunked_reduce(self._runner, flat, self._comm, key, segments, self._chunk_numel,
                               out=into)
         if self._op == hvd.Sum:
             mean = mean * self._comm.size
         return mean
-
-    def _fuse(self, gi, grads):
-        """Group ``gi``'s gradients in one float32 buffer kept from step to step (a fresh
-        127 MB ``torch.cat`` cost 49 ms of page faults per step, a copy into kept memory
-        about a third of that). A gradient that already is its slice of the buffer (the
-        view ``_write_back`` left in ``.grad``, accumulated into by a later backward) is
-        not copied."""
-        numel = sum(g.numel() for g in grads)
-        buf = self._fused.get(gi)
-        if buf is None or buf.numel() != numel:
-            buf = self._fused[gi] = torch.empty(numel, dtype=torch.float32)
-        offset = 0
-        for g in grads:
-            piece = buf[offset:offset + g.numel()]
-            if not same_memory(piece, g):
-                piece.copy_(g)
-            offset += g.numel()
-        return buf
 
     def _write_back(self, gi, mean):
         """The mean into ``.grad``: a float32 gradient becomes a view of the reduced buffer
