@@ -195,6 +195,9 @@ def plot(runs, path):
         rates = sorted({r["rate_bps"] for r in mine})
         ax.set_xticks(rates, [format_rate(r) for r in rates])
         ax.set_xticks([], minor=True)
+        low, high = ax.get_ylim()  # labelled ticks inside the range (a log axis from 0.7x
+        ax.set_yticks([v for v in (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+                       if low <= v <= high])  # to 4x would otherwise label only 1x)
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         if len(rates) == 1:

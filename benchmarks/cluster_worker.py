@@ -116,7 +116,9 @@ class Step:
 
     run : the timed call (must return only when the reduction is complete)
     prepare : untimed, before each call (e.g. restore the input gradient)
-    warmup : untimed calls before timing starts
+    warmup : untimed calls before timing starts (3 by default: the first steps of a fresh
+        model and optimizer pay page faults and first-use allocations, seen as a slow
+        first timed repeat with one warm-up call)
     sent_bytes : bytes this rank sends per call (cost model); or use ``bytes_counter``
     bytes_counter : callable returning cumulative bytes sent (the per-call delta is recorded)
     touched_bytes : bytes read + written in local memory per call (lower bound)
@@ -124,7 +126,7 @@ class Step:
     """
     run: Callable[[], object]
     prepare: Optional[Callable[[], object]] = None
-    warmup: int = 1
+    warmup: int = 3
     sent_bytes: Optional[float] = None
     bytes_counter: Optional[Callable[[], float]] = None
     touched_bytes: float = 0.0
@@ -317,7 +319,7 @@ def ring_bytes(nbytes, n):
     return 2.0 * (n - 1) / n * nbytes
 
 
-def optimizer_step(ctx, make_optimizer, warmup=1, touched=touched_sgd_step, buffer_call="step"):
+def optimizer_step(ctx, make_optimizer, warmup=3, touched=touched_sgd_step, buffer_call="step"):
     """A :class:`Step` for an optimizer that reduces gradients itself (hvd_quant's).
 
     ``make_optimizer(params, named_parameters)`` builds it. Buffer case: ``buffer_call``
@@ -413,7 +415,7 @@ def ddp_setup(hook):
             model = nn.parallel.DistributedDataParallel(ctx.replica(), bucket_cap_mb=4096)
         else:
             model = nn.parallel.DistributedDataParallel(ctx.replica())
-        warmup, state = 1, None
+        warmup, state = 3, None
         if hook == "fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif hook == "powersgd":
@@ -468,7 +470,7 @@ def compressor_setup(config, chunk_mb=None):
             return hq.DistributedOptimizer(adam(params, ctx.args), named_parameters=named,
                                            compression=hq.Compression.get(name, **options),
                                            pipeline_chunk_mb=chunk_mb)
-        step = optimizer_step(ctx, make, warmup=1, buffer_call="synchronize")
+        step = optimizer_step(ctx, make, buffer_call="synchronize")
         if touched is not None:
             step.touched_bytes = touched(ctx.numel, ctx.size)
         else:
@@ -543,7 +545,7 @@ def zero_one_adam_setup(ctx):
 
 def binsgdm_setup(ctx):
     return optimizer_step(ctx, lambda params, named: hq.BinSGDM(
-        params, lr=1e-4, named_parameters=named), warmup=2, touched=touched_binsgdm)
+        params, lr=1e-4, named_parameters=named), warmup=3, touched=touched_binsgdm)
 
 
 register("onebit_adam", onebit_adam_setup, doc="hvd_quant.torch.OnebitAdam after freeze_step (1-bit steps)")
