@@ -35,10 +35,11 @@ if ! ls "$HVD_QUANT_CACHE"/wheels/horovod-*/horovod-*.whl >/dev/null 2>&1; then
 fi
 
 # bootstrap.sh ends with an editable install of the project, which is not here yet:
-# a placeholder package stands in and is removed again (the project layer installs the real one).
+# a placeholder package stands in and is removed again (the project layer installs the real one
+# and compiles its kernels).
 mkdir -p hvd_quant && : > hvd_quant/__init__.py
 printf '[project]\nname = "hvd_quant"\nversion = "0"\n[tool.setuptools]\npackages = ["hvd_quant"]\n' > pyproject.toml
-scripts/bootstrap.sh
+HVD_QUANT_NO_WARMUP=1 scripts/bootstrap.sh
 "$HVD_QUANT_VENV/bin/python" -m pip uninstall --quiet -y hvd_quant
 rm -rf hvd_quant pyproject.toml ./*.egg-info build
 

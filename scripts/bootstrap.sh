@@ -17,9 +17,10 @@ TF=tensorflow-cpu==2.21.0
 TFK=tf-keras==2.21.0
 NUMBA=numba==0.68.1          # the fused CPU kernels (hvd_quant/kernels); llvmlite comes with it
 # The docs site (mkdocs.yml, docs/; tests/test_docs.py runs its strict build): pinned, so that
-# the build warns the same everywhere.
+# the build warns the same everywhere. pymdown-extensions stays on 12.x: 13.x needs Python
+# >= 3.11.5, and Debian bookworm (the container image's base) has 3.11.2.
 DOCS=(mkdocs==1.6.1 mkdocs-material==9.8.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11
-      griffelib==2.4.1 pymdown-extensions==13.1.2)
+      griffelib==2.4.1 pymdown-extensions==12.3)
 
 if [ ! -x "$py" ]; then
     echo "[bootstrap] creating $venv"
@@ -62,8 +63,9 @@ if ! (cd / && "$py" -c "import hvd_quant, os, sys; sys.exit(0 if os.path.realpat
 fi
 # Compile the fused kernels now (both the serial and the parallel twins, so that no rank ever
 # compiles whatever its thread count): numba caches the machine code on disk, so a fresh machine
-# pays its ~25 s here, once, and training processes only load it.
-(cd / && TF_CPP_MIN_LOG_LEVEL=3 "$py" - <<'PYEOF'
+# pays its ~25 s here, once, and training processes only load it. (The container image's
+# dependency layer has no project yet and sets HVD_QUANT_NO_WARMUP=1; its project layer warms up.)
+[ "${HVD_QUANT_NO_WARMUP:-0}" = 1 ] || (cd / && TF_CPP_MIN_LOG_LEVEL=3 "$py" - <<'PYEOF'
 from hvd_quant import kernels
 if kernels.enabled():
     seconds = kernels.warm_up("all")
