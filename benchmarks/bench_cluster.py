@@ -339,7 +339,7 @@ def run_layout(args, hosts, slots, rates, cases, estimates, jobs, out_dir, runs,
                 if args.thp:  # every method of the job runs with it alike
                     env["THP_MEM_ALLOC_ENABLE"] = "1"
                 try:
-                    result = cluster.run_horovod(cmd, timeout=timeout, env=env, stream=ProgressFilter())
+                    result = cluster.run_horovod(cmd, timeout=timeout, env=env, stream=ProgressFilter("[bench"))
                 except JobTimeout as exc:
                     failures.append({"rate": format_rate(rate), "hosts": hosts, "slots": slots, "case": case,
                                      "error": str(exc)})
@@ -398,13 +398,17 @@ def write_outputs(out_dir, args, runs, failures, start):
 
 
 class ProgressFilter:
-    """Stream for the job's output: rank 0's progress lines and anything that looks like
-    an error from any rank; the rest stays in the job's captured output."""
+    """Stream for the job's output: rank 0's progress lines (those holding one of
+    ``progress``) and anything that looks like an error from any rank; the rest stays in the
+    job's captured output."""
 
-    KEEP = ("[bench", "Error", "error", "Traceback", "Exception", "Killed", "WARNING")
+    ERRORS = ("Error", "error", "Traceback", "Exception", "Killed", "WARNING")
+
+    def __init__(self, *progress):
+        self.keep = progress + self.ERRORS
 
     def write(self, line):
-        if any(k in line for k in self.KEEP):
+        if any(k in line for k in self.keep):
             sys.stdout.write(line)
 
     def flush(self):

@@ -41,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from hvd_quant.cluster import ClusterUnavailable, EmulatedCluster, JobTimeout, format_rate, parse_rate  # noqa: E402
 
+from bench_cluster import ProgressFilter  # noqa: E402  (benchmarks/ is on the path as the script's folder)
+
 #: Speed-up targets against the fp32 allreduce (issue 19), with 85% of the ideal saving.
 TARGETS = {"ef_sign": 3.5, "marsit": 3.5, "onebit": 3.5, "opt=onebit_adam": 3.5, "opt=zero_one_adam": 3.5,
            "opt=binsgdm": 3.5, "global_qsgd": 2.0, "global_qsgd:norm=l2": 2.0}
@@ -157,17 +159,6 @@ def write_outputs(out_dir, raw, argv):
     return table
 
 
-class ProgressFilter:
-    KEEP = ("[keras-bench", "Error", "error", "Traceback", "Exception", "Killed", "hvd_quant")
-
-    def write(self, line):
-        if any(k in line for k in self.KEEP):
-            sys.stdout.write(line)
-
-    def flush(self):
-        sys.stdout.flush()
-
-
 def log(msg):
     print(f"[bench-keras {datetime.now():%H:%M:%S}] {msg}", flush=True)
 
@@ -204,7 +195,7 @@ def main(argv=None):
         return 3
     with cluster:
         try:
-            result = cluster.run_horovod(cmd, timeout=args.job_timeout, env=env, stream=ProgressFilter())
+            result = cluster.run_horovod(cmd, timeout=args.job_timeout, env=env, stream=ProgressFilter("[keras-bench", "hvd_quant"))
         except JobTimeout:
             log(f"the job timed out after {args.job_timeout:.0f} s")
             return 1

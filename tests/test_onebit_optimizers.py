@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import deepspeed_reference as ds
+from mp.optim_cases import count_collectives as counting
 from hvd_quant import kernels
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
@@ -604,19 +605,6 @@ def run_groups(rule_factory, n, grads, lrs, backend=None, hps=None, count_collec
         return opt, skipped, per_step
 
     return ThreadWorld(n).run(body)
-
-
-def counting(comm):
-    """Count the collectives ``comm`` issues (a one-element list)."""
-    calls = [0]
-    for method in ("allreduce", "allgather", "alltoall", "sendrecv"):
-        inner = getattr(comm, method)
-
-        def counted(*args, _inner=inner, **kwargs):
-            calls[0] += 1
-            return _inner(*args, **kwargs)
-        setattr(comm, method, counted)
-    return calls
 
 
 def schedule(state):

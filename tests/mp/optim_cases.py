@@ -49,3 +49,16 @@ def mask():
     m = (np.arange(NUMEL) % 7 != 0).astype(np.float32)
     m[NUMEL - COUNTS[-1]:] = 0.0
     return m
+
+
+def count_collectives(comm):
+    """Wrap ``comm``'s collectives with a counter (a one-element list) of the calls issued."""
+    calls = [0]
+    for method in ("allreduce", "allgather", "alltoall", "sendrecv"):
+        inner = getattr(comm, method)
+
+        def counted(*args, _inner=inner, **kwargs):
+            calls[0] += 1
+            return _inner(*args, **kwargs)
+        setattr(comm, method, counted)
+    return calls

@@ -69,20 +69,6 @@ def set_grads(params, step, drop=None):
         offset += n
 
 
-def count_collectives(opt):
-    """Wrap the optimizer's communicator: how many collectives each step issues."""
-    calls = [0]
-    comm = opt._comm
-    for method in ("allreduce", "allgather", "alltoall", "sendrecv"):
-        inner = getattr(comm, method)
-
-        def counted(*args, _inner=inner, **kwargs):
-            calls[0] += 1
-            return _inner(*args, **kwargs)
-        setattr(comm, method, counted)
-    return calls
-
-
 def flat_params(params):
     return np.concatenate([p.detach().numpy().reshape(-1) for p in params]).astype(np.float64).tolist()
 
@@ -90,7 +76,7 @@ def flat_params(params):
 def run(name, steps=cases.STEPS, opt=None, params=None, start=0, drop=None, set_lr=True):
     params = params or make_params()
     opt = opt or make_optimizer(name, params)
-    calls = count_collectives(opt)
+    calls = cases.count_collectives(opt._comm)
     per_step = []
     for s in range(start, steps):
         set_grads(params, s, drop=drop if s == 3 else None)
@@ -213,7 +199,7 @@ def non_freeze_groups():
     params = make_params()
     opt = make_optimizer("onebit_adam", params, groups=cases.GROUPS)
     opt.param_groups[1]["non_freeze"] = True
-    calls = count_collectives(opt)
+    calls = cases.count_collectives(opt._comm)
     per_step = []
     for s in range(cases.STEPS):
         set_grads(params, s)
@@ -270,7 +256,7 @@ def final_sync():
     params, opt, _ = run("zero_one_adam", opt=opt, params=params)
     before = flat_params(params)
     bytes_before, rounds_before, kinds = opt.bytes_sent, opt.comm_rounds, list(opt.step_kinds)
-    calls = count_collectives(opt)
+    calls = cases.count_collectives(opt._comm)
     synced = opt.final_sync()
     first = calls[0]
     after = flat_params(params)

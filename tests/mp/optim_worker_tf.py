@@ -58,21 +58,6 @@ def grads_of(step):
     return out
 
 
-def count_collectives(opt):
-    """Wrap the optimizer's communicator: how many collectives are issued (eagerly, one
-    call per collective; inside tf.function only while tracing)."""
-    calls = [0]
-    comm = opt._comm()
-    for method in ("allreduce", "allgather", "alltoall", "sendrecv"):
-        inner = getattr(comm, method)
-
-        def counted(*args, _inner=inner, **kwargs):
-            calls[0] += 1
-            return _inner(*args, **kwargs)
-        setattr(comm, method, counted)
-    return calls
-
-
 def apply_steps(opt, variables, start, stop, graph, set_lr=True, per_step=None):
     """``per_step``: called after every step (eagerly)."""
     def apply(grads):
@@ -95,7 +80,7 @@ def train(name, graph):
     calls, kinds, per_step = None, [], []
     if not graph:  # eagerly every collective is a Python call: count them per step
         opt.build(variables)
-        calls = count_collectives(opt)
+        calls = cases.count_collectives(opt._comm())  # in tf.function: counted while tracing
 
         def record_step(s):
             kinds.append(opt.last_step_kind)
@@ -153,7 +138,7 @@ def final_sync():
                                        (variables[2], mask[-cases.COUNTS[2]:])])
     apply_steps(opt, variables, 0, cases.STEPS, graph=False)
     before, kinds, sent, rounds = flat(variables), opt.kind_counts, float(opt.bytes_sent), int(opt.comm_rounds)
-    calls = count_collectives(opt)
+    calls = cases.count_collectives(opt._comm())  # in tf.function: counted while tracing
     synced = opt.final_sync()
     first = calls[0]
     after = flat(variables)
