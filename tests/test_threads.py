@@ -120,6 +120,35 @@ def test_explicit_settings_win_in_order(clean):
     assert (threads.decide().threads, threads.decide().source) == (6, "set_threads()")
 
 
+@pytest.mark.parametrize("environ, user", [
+    ({}, None),
+    ({"NUMBA_NUM_THREADS": "3"}, "3"),
+    ({"NUMBA_NUM_THREADS": "2", threads._OWN_MARK: "2"}, None),  # an hvd_quant parent set it
+    ({"NUMBA_NUM_THREADS": "4", threads._OWN_MARK: "2"}, "4"),   # changed since: the user's
+])
+def test_a_parents_policy_choice_is_not_a_users_setting(environ, user):
+    assert threads._user_numba_threads(environ) == user
+
+
+def test_ranks_launched_by_an_hvd_quant_process_choose_their_own_share(tmp_path):
+    """A launcher that imported hvd_quant (one process on the host: all cores) starts ranks
+    that inherit its environment: each rank still takes only its own share."""
+    import subprocess
+    import sys
+    child = ("from hvd_quant.kernels import threads; c = threads.choice(); "
+             "print(c.source, c.threads, c.cores)")
+    parent = ("import os, subprocess, sys; from hvd_quant.kernels import threads; threads.configure(); "
+              "assert os.environ['NUMBA_NUM_THREADS'] == str(threads.choice().threads); "
+              f"env = dict(os.environ, HOROVOD_LOCAL_SIZE='64'); "
+              f"print(subprocess.run([sys.executable, '-c', {child!r}], env=env, check=True, "
+              "capture_output=True, text=True).stdout)")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("NUMBA_NUM_THREADS", "HVD_QUANT_THREADS", threads._OWN_MARK, "HOROVOD_LOCAL_SIZE")}
+    out = subprocess.run([sys.executable, "-c", parent], env=env, check=True, capture_output=True,
+                         text=True, timeout=120).stdout.split()
+    assert out[:2] == ["policy", "1"], out  # 64 ranks on this host: one thread each
+
+
 @pytest.mark.parametrize("bad", ["0", "-2", "four", "1.5"])
 def test_bad_settings_are_refused_with_their_name(clean, bad):
     clean.setenv("HVD_QUANT_THREADS", bad)

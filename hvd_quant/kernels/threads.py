@@ -59,8 +59,24 @@ LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCA
 #: Launchers' variables for this process's global rank (for the log level only).
 RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
 
-# NUMBA_NUM_THREADS as the user set it, read before this module ever sets it itself.
-_USER_NUMBA_THREADS = os.environ.get("NUMBA_NUM_THREADS")
+#: Set next to NUMBA_NUM_THREADS whenever this module sets it: the value it set. Child
+#: processes inherit the environment (a launcher script that imported hvd_quant, pytest, a
+#: notebook), and a rank must not take its parent's policy choice for a user's setting: the
+#: parent's share of the cores is not the rank's.
+_OWN_MARK = "HVD_QUANT_SET_NUMBA_THREADS"
+
+
+def _user_numba_threads(environ):
+    """NUMBA_NUM_THREADS as the user set it, or None: unset, or the value an hvd_quant
+    parent process set (``_OWN_MARK`` holds it; a user's later change differs from it)."""
+    value = environ.get("NUMBA_NUM_THREADS")
+    if value is not None and value == environ.get(_OWN_MARK):
+        return None
+    return value
+
+
+# Read before this module ever sets NUMBA_NUM_THREADS itself.
+_USER_NUMBA_THREADS = _user_numba_threads(os.environ)
 
 
 @dataclass(frozen=True)
@@ -265,7 +281,7 @@ def configure(log_choice=True):
         if sys.modules.get("numba") is None:  # not imported (or blocked: None)
             # The pool is created with NUMBA_NUM_THREADS threads at numba's import: size it to
             # this rank's share so that no parallel region ever spreads over other ranks' cores.
-            os.environ["NUMBA_NUM_THREADS"] = str(new.threads)
+            os.environ["NUMBA_NUM_THREADS"] = os.environ[_OWN_MARK] = str(new.threads)
         else:
             pool = _numba_pool()
             if new.threads > pool:  # numba was imported (by the user) with a smaller pool
