@@ -15,6 +15,7 @@ starting processes can be estimated (jobs x start-up).
 import argparse
 import collections
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,6 +23,9 @@ import time
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+# A bare environment (none of the caller's thread or launcher settings); horovodrun's rank
+# commands still need the system's tools on the path.
+ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": os.pathsep.join([str(BIN), "/usr/local/bin", "/usr/bin", "/bin"])}
 
 #: What a rank imports before its first collective, in increasing order.
 STARTUP = {
@@ -61,7 +65,7 @@ def time_startup(repeats=2):
         for _ in range(repeats):
             t = time.perf_counter()
             subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                           env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": str(BIN)})
+                           env=ENV)
             times.append(time.perf_counter() - t)
         out[label] = statistics.median(times)
     times = []
@@ -69,7 +73,7 @@ def time_startup(repeats=2):
         t = time.perf_counter()
         subprocess.run([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo",
                         sys.executable, "-c", "import horovod.torch as hvd; hvd.init()"],
-                       check=True, capture_output=True, env={"TF_CPP_MIN_LOG_LEVEL": "3", "PATH": str(BIN)})
+                       check=True, capture_output=True, env=ENV)
         times.append(time.perf_counter() - t)
     out["horovodrun -np 2, ranks import torch + horovod.torch and init"] = statistics.median(times)
     return out

@@ -155,6 +155,8 @@ print(json.dumps({"file": hvd_quant.__file__, "size": hvd.size(), "enabled": ker
 """
 
 
+# A fresh install compiles its own kernels and imports TensorFlow (~18 s): the full tier (CI).
+@pytest.mark.slow
 def test_wheel_installs_next_to_horovod_and_runs(dists, work):
     _, wheel = dists
     python, venv_site = _make_venv(work, "venv")

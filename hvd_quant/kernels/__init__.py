@@ -160,26 +160,29 @@ def warm_up(flavours="in use"):
     training step does not pay for it. Returns the seconds it took.
 
     ``flavours``: ``"in use"`` (the serial or parallel twins, whichever the thread policy
-    picked) or ``"all"`` (both: what ``scripts/bootstrap.sh`` runs once per machine, so
-    that no rank ever compiles, whatever its thread count). A fresh machine pays about a
-    second per kernel signature once; later processes load the cached machine code.
+    picked), ``"serial"`` or ``"parallel"`` (one of them), or ``"all"`` (both: what
+    ``scripts/bootstrap.sh`` makes sure of once per machine, so that no rank ever compiles,
+    whatever its thread count; it compiles the two in two processes at once, since the
+    twins are cached under different names). A fresh machine pays about a second per
+    kernel signature once; later processes load the cached machine code.
     """
+    flags = {"all": (True, False), "serial": (True,), "parallel": (False,), "in use": None}
+    if flavours not in flags:
+        raise ValueError(f"flavours must be one of {sorted(flags)}, got {flavours!r}")
     if not enabled():
         return 0.0
     start = time.perf_counter()
     k = cpu_module()
-    if flavours == "all":
+    if flags[flavours] is None:
+        _warm_flavour(k)
+    else:
         serial = k._SERIAL[0]
         try:
-            for flag in (True, False):
+            for flag in flags[flavours]:
                 k.use_serial(flag)
                 _warm_flavour(k)
         finally:
             k.use_serial(serial)
-    elif flavours == "in use":
-        _warm_flavour(k)
-    else:
-        raise ValueError(f"flavours must be 'in use' or 'all', got {flavours!r}")
     return time.perf_counter() - start
 
 
