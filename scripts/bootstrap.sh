@@ -64,7 +64,7 @@ fi
 # Compile the fused kernels now (both the serial and the parallel twins, so that no rank ever
 # compiles whatever its thread count): numba caches the machine code on disk, so a fresh machine
 # pays for it here, once, and training processes only load it. The twins are cached under their
-# own names, so two processes compile them at once (about 14 s instead of 26 on 2 cores).
+# own names, so two processes compile them at once (19 s instead of 26 on 2 cores, measured).
 # (The container image's dependency layer has no project yet and sets HVD_QUANT_NO_WARMUP=1;
 # its project layer warms up.)
 warm() { (cd / && TF_CPP_MIN_LOG_LEVEL=3 "$py" -c "
