@@ -1,6 +1,9 @@
 """The kernels' thread policy (hvd_quant.kernels.threads): cores, ranks per host, overrides."""
 
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -133,8 +136,6 @@ def test_a_parents_policy_choice_is_not_a_users_setting(environ, user):
 def test_ranks_launched_by_an_hvd_quant_process_choose_their_own_share(tmp_path):
     """A launcher that imported hvd_quant (one process on the host: all cores) starts ranks
     that inherit its environment: each rank still takes only its own share."""
-    import subprocess
-    import sys
     child = ("from hvd_quant.kernels import threads; c = threads.choice(); "
              "print(c.source, c.threads, c.cores)")
     parent = ("import os, subprocess, sys; from hvd_quant.kernels import threads; threads.configure(); "
@@ -142,7 +143,7 @@ def test_ranks_launched_by_an_hvd_quant_process_choose_their_own_share(tmp_path)
               f"env = dict(os.environ, HOROVOD_LOCAL_SIZE='64'); "
               f"print(subprocess.run([sys.executable, '-c', {child!r}], env=env, check=True, "
               "capture_output=True, text=True).stdout)")
-    env = {k: v for k, v in __import__("os").environ.items()
+    env = {k: v for k, v in os.environ.items()
            if k not in ("NUMBA_NUM_THREADS", "HVD_QUANT_THREADS", threads._OWN_MARK, "HOROVOD_LOCAL_SIZE")}
     out = subprocess.run([sys.executable, "-c", parent], env=env, check=True, capture_output=True,
                          text=True, timeout=120).stdout.split()
