@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from solo_comm import SoloComm
+from solo_comm import FrameworkComm, SoloComm
 
 import hvd_quant
 from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor,
@@ -308,30 +308,6 @@ def test_cascading_compressor_runs_and_agrees():
 
 
 # --- other backends -------------------------------------------------------------------
-
-class FrameworkComm(Communicator):
-    """A thread-world communicator that takes and returns another framework's tensors."""
-
-    def __init__(self, inner, backend):
-        super().__init__()
-        self.inner, self.B = inner, backend
-        self.rank, self.size, self.meter = inner.rank, inner.size, inner.meter
-
-    def _wrap(self, out):
-        return self.B.constant(out, out.dtype.name)
-
-    def allreduce(self, x, op, name):
-        return self._wrap(self.inner.allreduce(self.B.to_numpy(x), op, name))
-
-    def allgather(self, x, name):
-        return self._wrap(self.inner.allgather(self.B.to_numpy(x), name))
-
-    def sendrecv(self, x, dest, source, name, recv_numel=None):
-        return self._wrap(self.inner.sendrecv(self.B.to_numpy(x), dest, source, name, recv_numel))
-
-    def subgroups(self, rows):
-        return tuple(FrameworkComm(c, self.B) for c in self.inner.subgroups(rows))
-
 
 def framework_run(backend, comp, xs_np, seed=0):
     n = len(xs_np)

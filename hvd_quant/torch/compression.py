@@ -109,12 +109,15 @@ class TorchCompressor(CompressorHandle):
         if owned.comm is None:
             owned.comm = HorovodTorchComm()
         owned.runner.check_once(owned.comm, "stock")
-        # fp32 inside the compressor whatever the parameter's dtype (fp16, bf16).
-        flat = tensor.detach().reshape(-1).to(torch.float32)
+        # fp32 on the CPU inside the compressor, whatever the parameter's dtype (fp16, bf16)
+        # and device: the state (error feedback) lives in CPU tensors and the collectives
+        # take Horovod's CPU path, as in hvd_quant.torch.DistributedOptimizer, where the
+        # fused kernels run. A GPU gradient is copied over and its result copied back.
+        flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
         mean = owned.runner.reduce(flat, owned.comm, pname, [(pname, flat.numel())])
         if op == hvd.Sum:
             mean = mean * owned.comm.size
-        result = mean.reshape(tensor.shape).to(tensor.dtype)
+        result = mean.reshape(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
         # Horovod still allreduces what we return: give it one float32 element, not the
         # gradient (Horovod's torch allreduce has no bfloat16).
         return torch.zeros(1, device=tensor.device), ("result", result)

@@ -1,0 +1,188 @@
+"""The torch backend on CUDA tensors against the numpy oracle (skipped without a GPU).
+
+hvd_quant's fused kernels are CPU kernels; on a GPU every method runs its generic path,
+plain torch operations on the tensors' device (docs/guide/limits.md). These tests run
+that path where it runs for users: every compressor and every 1-bit optimizer rule, on
+simulated ranks (ThreadWorld, 2 and 3 ranks) whose tensors live on the GPU, against the
+numpy oracle on the same inputs and seeds; and the torch adapter's compressor with
+gradients on the GPU. CI has no GPU: this file is run on a GPU machine by hand
+(docs/development.md#a-gpu-check).
+
+Inputs are dyadic (multiples of 2**-10), so sums and means over ranks and segments are
+exact in any order, and most results agree bit for bit. What may differ is where a
+reduction's order rounds (the L2 norms of the scales): the comparison allows a few float32
+ulps there, and nothing else.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import hvd_quant  # noqa: E402
+from solo_comm import FrameworkComm  # noqa: E402
+from hvd_quant.core.backend import NumpyBackend  # noqa: E402
+from hvd_quant.core.runner import CompressorRunner  # noqa: E402
+from hvd_quant.core.simulate import ThreadWorld  # noqa: E402
+from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule  # noqa: E402
+from hvd_quant.optimizers.oracle import OracleOptimizer  # noqa: E402
+from hvd_quant.torch.backend import TorchBackend  # noqa: E402
+
+NP = NumpyBackend()
+GPU = TorchBackend("cuda")
+SEGMENTS = [("w1", 700), ("b1", 3), ("w2", 1300), ("empty", 0), ("b2", 65)]
+D = sum(n for _, n in SEGMENTS)
+STEPS = 3
+COMPRESSORS = [("ef_sign", {}), ("marsit", {}), ("marsit", {"compensation": "global"}),
+               ("cascading_sign", {}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"}),
+               ("global_qsgd_exp", {}), ("onebit", {})]
+HP = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+def dyadic(shape, seed):
+    return (np.random.default_rng(seed).integers(-2048, 2049, shape) / 1024.0).astype(np.float32)
+
+
+def assert_close(got, want, what, ulps=8):
+    """Equal, but for ``ulps`` float32 ulps of the largest magnitude in ``want``
+    (a reduction that rounds in another order shifts a scale by an ulp or two)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=what)
+    tol = ulps * float(np.spacing(np.float32(np.max(np.abs(want), initial=1.0))))
+    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bad = np.flatnonzero(diff > tol)
+    assert bad.size == 0, (f"{what}: {bad.size} of {want.size} elements differ by more than "
+                           f"{ulps} ulps (max {diff.max():.3g} at {int(np.argmax(diff))})")
+
+
+def reduce_steps(backend, comp, xs):
+    """``STEPS`` reductions on ``len(xs)`` ranks; per rank the outputs (numpy) and the
+    runner's state after the last step."""
+    n = len(xs)
+    runners = [CompressorRunner(comp, backend, seed=5) for _ in range(n)]
+
+    def body(c):
+        comm = c if backend is NP else FrameworkComm(c, backend)
+        outs = []
+        for s in range(STEPS):
+            x = backend.constant(xs[c.rank][s], "float32")
+            outs.append(backend.to_numpy(runners[c.rank].reduce(x, comm, "g", SEGMENTS)))
+        return outs
+
+    outs = ThreadWorld(n).run(body)
+    return outs, [r.state_dict() for r in runners]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name,opts", COMPRESSORS, ids=[f"{n}-{o}" for n, o in COMPRESSORS])
+def test_compressors_on_the_gpu_equal_the_oracle(name, opts, n):
+    comp = hvd_quant.get(name, **opts)
+    if name in ("marsit", "cascading_sign") and opts.get("topology") == "torus":
+        pytest.skip("ring only here")
+    xs = [[dyadic(D, 100 * r + s) for s in range(STEPS)] for r in range(n)]
+    want, want_state = reduce_steps(NP, comp, xs)
+    got, got_state = reduce_steps(GPU, comp, xs)
+    for r in range(n):
+        for s in range(STEPS):
+            np.testing.assert_array_equal(got[r][s], got[0][s])  # every rank the same bits
+            assert_close(got[r][s], want[r][s], f"rank {r} step {s}")
+        assert sorted(got_state[r]) == sorted(want_state[r])
+        for key in want_state[r]:
+            assert_close(np.asarray(got_state[r][key]), np.asarray(want_state[r][key]), f"rank {r} {key}")
+
+
+class GPUOptimizer(OracleOptimizer):
+    """The oracle's optimizer with its parameters, gradients and state on the GPU."""
+
+    def __init__(self, rule, x, comm, hp, **kwargs):
+        super().__init__(rule, x, FrameworkComm(comm, GPU), hp, backend=GPU, **kwargs)
+        self.x = GPU.constant(self.x, "float32")
+        self.state.slots = {k: GPU.constant(v, "float32") for k, v in self.state.slots.items()}
+        if self.mask is not None:
+            self.mask = GPU.constant(self.mask, "float32")
+
+    def set_x(self, new_x):
+        self.x = new_x
+
+    def context(self, g, lr):
+        ctx = super().context(g, lr)
+        ctx.g = GPU.constant(np.asarray(g, np.float32), "float32")
+        return ctx
+
+
+RULES = {
+    "onebit_adam": (lambda n: OnebitAdamRule(freeze_step=4), 10),
+    "zero_one_adam": (lambda n: ZeroOneAdamRule(var_freeze_step=6, local_step_scaler=2, local_step_clipper=2), 16),
+    "binsgdm": (lambda n: BinSGDMRule(ranks_per_node=1), 6),
+}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("which", sorted(RULES))
+def test_optimizer_rules_on_the_gpu_equal_the_oracle(which, n):
+    factory, steps = RULES[which]
+    d = 1001
+    x0 = dyadic(d, 7)
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    mask = (np.arange(d) % 7 != 0).astype(np.float32)
+
+    def run(cls):
+        def body(comm):
+            opt = cls(factory(n), x0, comm, HP, seed=3, mask=mask)
+            for s in range(steps):
+                opt.step(grads[comm.rank][s], 1e-2)
+            return opt
+        return ThreadWorld(n).run(body)
+
+    want, got = run(OracleOptimizer), run(GPUOptimizer)
+    for r in range(n):
+        assert got[r].state.kinds == want[r].state.kinds
+        assert got[r].x.device.type == "cuda"
+        assert_close(GPU.to_numpy(got[r].x), want[r].x, f"rank {r} parameters")
+        for key, value in want[r].state.slots.items():
+            slot = got[r].state.slots[key]
+            assert slot.device.type == "cuda", key
+            assert_close(GPU.to_numpy(slot), value, f"rank {r} {key}")
+        assert got[r].state.scalars == pytest.approx(want[r].state.scalars)
+
+
+def test_the_cpu_kernels_leave_gpu_tensors_to_the_generic_path():
+    cpu = TorchBackend()
+    x = torch.ones(16, device="cuda")
+    assert cpu.kernel("sign_pack_residual", x, x) is None
+    assert GPU.kernel("sign_pack_residual") is None
+
+
+@pytest.mark.parametrize("name", ["ef_sign", "marsit", "global_qsgd", "onebit"])
+def test_the_stock_optimizers_compression_takes_gpu_gradients(name, monkeypatch):
+    """``compression=hvd_quant.torch.Compression.<name>`` in Horovod's stock optimizer with
+    a gradient on the GPU (fp32 and fp16): the result comes back on the gradient's device
+    and dtype with the values a CPU gradient gets; the state stays in CPU tensors. Horovod's
+    optimizer frame is stood in for (the parameter's name, op and owner it would give)."""
+    import horovod.torch as hvd
+    from hvd_quant.torch import compression as tc
+
+    x = dyadic((33, 61), 11)  # 2013 elements
+    results = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.float32), ("cuda", torch.float16)):
+        owner = object.__new__(torch.optim.SGD)  # this run's state owner; never stepped
+        monkeypatch.setattr(tc, "_horovod_call_site", lambda owner=owner: ("layer.weight", hvd.Average, owner))
+        handle = getattr(tc.Compression, name)(seed=1)
+        owned = handle.owned(owner)
+        grad = torch.from_numpy(x).to(device=device, dtype=dtype)
+
+        def body(c, handle=handle, owned=owned, grad=grad):
+            owned.comm = FrameworkComm(c, TorchBackend())
+            wire, ctx = handle.compress(grad)
+            return handle.decompress(wire, ctx)
+
+        out = ThreadWorld(1).run(body)[0]
+        assert out.device == grad.device and out.dtype == dtype and out.shape == grad.shape
+        for key, value in handle.state_dict(owner).items():
+            assert value.device.type == "cpu", key
+        results[(device, dtype)] = out.float().cpu().numpy()
+    assert_close(results[("cuda", torch.float32)], results[("cpu", torch.float32)], name)
+    assert_close(results[("cuda", torch.float16)], results[("cpu", torch.float32)], name, ulps=2 ** 14)
