@@ -50,9 +50,14 @@ if ! have "${deps[@]}"; then
     "$py" -m pip install --quiet "${deps[@]}" 2> >(grep -v "^WARNING: Location" >&2)
 fi
 
-if ! "$py" -c "import horovod.torch, horovod.tensorflow" >/dev/null 2>&1; then
+# One line on the Horovod build found (what `horovodrun --check-build` says, 18 s sooner).
+horovod_build() { "$py" -c "import horovod, horovod.torch as h, horovod.tensorflow
+print(horovod.__version__, 'with torch and TensorFlow ops,', 'Gloo' if h.gloo_built() else 'NO Gloo')" 2>/dev/null; }
+if ! built=$(horovod_build); then
     PYTHON="$py" "$root/scripts/build_horovod.sh"
+    built=$(horovod_build) || { echo "[bootstrap] Horovod was built but does not import" >&2; exit 1; }
 fi
+echo "[bootstrap] Horovod $built"
 
 # Checked from / so that the checkout itself does not shadow a missing install.
 # Real paths: a checkout reached through a symlink (scripts/check_docs.py links the package)

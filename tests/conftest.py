@@ -1,6 +1,9 @@
 import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,3 +33,51 @@ def pytest_runtest_logreport(report):
         with open(path, "a") as f:
             f.write(json.dumps({"test": report.nodeid, "when": report.when,
                                 "seconds": round(report.duration, 3), "outcome": report.outcome}) + "\n")
+
+
+# --- the documented-commands check, started early in the quick tier ----------------------------
+DOCS_CHECK_TEST = "test_every_documented_command_runs"
+DOCS_CHECK_TIMEOUT = 880
+_docs_check = None  # (Popen, output file) of a check started at collection
+
+
+def _start_docs_check():
+    out = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent.parent / "scripts" / "check_docs.py")],
+                            stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, out
+
+
+def pytest_collection_finish(session):
+    """With ``HVD_QUANT_DOCS_CHECK_EARLY=1`` (``scripts/test.sh`` sets it for the quick tier)
+    and the documented-commands test selected, start ``scripts/check_docs.py`` now, beside
+    the tests. Its blocks are mostly process start-up (one core each), so it runs in the
+    other core's idle time while the single-process tests run; the test then only collects
+    its result. Not in the full tier, whose timing-sensitive jobs (collective deadlines,
+    the benchmark jobs) run early in the order."""
+    global _docs_check
+    if session.config.option.collectonly:
+        return
+    if os.environ.get("HVD_QUANT_DOCS_CHECK_EARLY") == "1" and any(
+            item.name == DOCS_CHECK_TEST for item in session.items):
+        _docs_check = _start_docs_check()
+
+
+def pytest_sessionfinish(session):
+    if _docs_check is not None and _docs_check[0].poll() is None:  # the session ended first (-x)
+        os.killpg(_docs_check[0].pid, signal.SIGTERM)
+
+
+@pytest.fixture
+def documented_commands():
+    """``(returncode, output)`` of ``scripts/check_docs.py`` over README.md and docs/: the run
+    started at collection (quick tier), else one started now."""
+    global _docs_check
+    (proc, out), _docs_check = _docs_check or _start_docs_check(), None
+    try:
+        proc.wait(timeout=DOCS_CHECK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    out.seek(0)
+    return proc.returncode, out.read()
