@@ -323,7 +323,7 @@ def same_memory(a, b):
     onto the other would move 2 bytes per byte for nothing."""
     ptr = getattr(a, "data_ptr", None)
     return (ptr is not None and hasattr(b, "data_ptr") and a.data_ptr() == b.data_ptr()
-            and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride())
+            and a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride())
 
 
 def copy_tensor(value, into=None):

@@ -24,6 +24,9 @@ Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
   ``load_state_dict()`` restores it;
 * the compression object is configuration: each optimizer keeps its own state, so one
   object may serve several optimizers (a GAN's generator and discriminator);
+* gradients on a GPU are copied into a CPU buffer and reduced there (the compressor's
+  state in CPU tensors, Horovod's CPU path, the fused kernels); the mean is copied back to
+  the parameter's device (``tests/test_cuda.py``);
 * fp16 and bf16 parameters and gradients are reduced in fp32 and written back in the
   parameter's dtype. With ``torch.amp.GradScaler``, reduce before unscaling, as with
   Horovod: ``opt.synchronize(); scaler.unscale_(opt); with opt.skip_synchronize():
@@ -183,8 +186,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # result goes back into the same memory where the compressor can (ReduceContext.out):
         # then the mean is already in .grad, with no fresh buffer and no copy (_write_back
         # sees the same storage). Several go into one kept buffer (sparse.fill_flat).
+        # A GPU gradient is copied into the CPU buffer: state and collectives stay on the CPU
+        # (Horovod's CPU path, the fused kernels), and _write_back copies the mean back.
         g = group[0].grad if len(group) == 1 else None
-        if g is not None and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous():
+        if (g is not None and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous()
+                and g.device.type == "cpu"):
             flat = g.detach().reshape(-1)
         else:
             flat = fill_flat(kept_flat(self._fused, gi, sum(p.numel() for p in group)), group,
@@ -199,17 +205,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _write_back(self, gi, mean):
         """The mean into ``.grad``: a float32 gradient becomes a view of the reduced buffer
         (no copy; the buffer is refilled at the next reduction, as DDP's
-        ``gradient_as_bucket_view`` gradients are), others get a copy in their dtype."""
+        ``gradient_as_bucket_view`` gradients are), others (other dtypes, GPU parameters) get
+        a copy in their dtype on their device."""
         offset = 0
         for p in self._groups[gi]:
             n = p.numel()
             value = mean[offset:offset + n].view_as(p)
             if p.grad is not None and not p.grad.is_sparse and same_memory(value, p.grad):
                 pass  # reduced in place already (a sparse .grad has no storage to compare)
-            elif value.dtype == p.dtype:
+            elif value.dtype == p.dtype and value.device == p.device:
                 p.grad = value
             elif p.grad is None or p.grad.is_sparse:
-                p.grad = value.to(p.dtype)
+                p.grad = value.to(device=p.device, dtype=p.dtype)
             else:
                 p.grad.copy_(value)
             offset += n

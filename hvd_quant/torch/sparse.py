@@ -37,7 +37,7 @@ def copy_into(dst, g):
     if not g.is_sparse:
         dst.copy_(g.detach().reshape(-1))
         return dst
-    g = g.coalesce()
+    g = g.coalesce().to(dst.device)  # a GPU gradient's rows into the CPU buffer
     if g.sparse_dim() != 1:
         dst.copy_(g.to_dense().reshape(-1))
         return dst
