@@ -140,7 +140,7 @@ def test_ranks_launched_by_an_hvd_quant_process_choose_their_own_share(tmp_path)
              "print(c.source, c.threads, c.cores)")
     parent = ("import os, subprocess, sys; from hvd_quant.kernels import threads; threads.configure(); "
               "assert os.environ['NUMBA_NUM_THREADS'] == str(threads.choice().threads); "
-              f"env = dict(os.environ, HOROVOD_LOCAL_SIZE='64'); "
+              "env = dict(os.environ, HOROVOD_LOCAL_SIZE='64'); "
               f"print(subprocess.run([sys.executable, '-c', {child!r}], env=env, check=True, "
               "capture_output=True, text=True).stdout)")
     env = {k: v for k, v in os.environ.items()
