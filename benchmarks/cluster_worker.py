@@ -456,9 +456,10 @@ register("ddp_powersgd", ddp_setup("powersgd"),
 
 
 # --- hvd_quant compressors through hvd_quant.torch.DistributedOptimizer ------------------------
-def compressor_setup(config, chunk_mb=None):
+def compressor_setup(config, chunk_mb=None, bucket_mb=None):
     """``config`` is ``name`` or ``name:opt=value,...``; ``chunk_mb`` turns on the
-    optimizer's chunk pipelining (``pipeline_chunk_mb``)."""
+    optimizer's chunk pipelining (``pipeline_chunk_mb``); ``bucket_mb`` is its
+    ``bucket_size_mb`` (``None``: the default, 25 MB buckets reduced during backward)."""
     name, _, opt_text = config.partition(":")
     options = dict(kv.split("=", 1) for kv in opt_text.split(",") if kv)
     touched = {"none": touched_ring_fp32, "fp16": touched_fp16, "ef_sign": touched_sign,
@@ -469,7 +470,8 @@ def compressor_setup(config, chunk_mb=None):
         def make(params, named):
             return hq.DistributedOptimizer(adam(params, ctx.args), named_parameters=named,
                                            compression=hq.Compression.get(name, **options),
-                                           pipeline_chunk_mb=chunk_mb)
+                                           pipeline_chunk_mb=chunk_mb,
+                                           bucket_size_mb=bucket_mb)
         step = optimizer_step(ctx, make, buffer_call="synchronize")
         if touched is not None:
             step.touched_bytes = touched(ctx.numel, ctx.size)
@@ -501,6 +503,12 @@ for _config in ("ef_sign", "global_qsgd"):
     register(f"{_config}+pipelined", compressor_setup(_config, chunk_mb=PIPELINE_CHUNK_MB),
              doc=f"the same with pipeline_chunk_mb={PIPELINE_CHUNK_MB}: chunk k+1 encoded while "
                  "chunk k is on the wire")
+
+
+for _config in ("ef_sign", "global_qsgd"):
+    register(f"{_config}+no_overlap", compressor_setup(_config, bucket_mb=0),
+             doc="the same with bucket_size_mb=0: one fused buffer reduced at step() (the "
+                 "default until 2026-11-26), to show what the default buckets buy")
 
 
 # --- the 1-bit compressed allreduce and the 1-bit optimizers -----------------------------------

@@ -8,8 +8,10 @@ backward) is bit-identical to the step-time path with the same groups, as are un
 parameters, ``backward_passes_per_step=2``, the GradScaler pattern and checkpoints.
 """
 
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -77,6 +79,73 @@ def test_abandon_issues_nothing_more():
     threading.Timer(0.05, release.set).start()
     pipe.abandon()  # waits for bucket 0, skips 1 and 2
     assert calls == [0] and not pipe.active
+
+
+def test_no_worker_thread_outlives_a_round():
+    """Between rounds nothing holds ``reduce_bucket``: a thread waiting for the next round
+    would keep the optimizer that owns it (model, buffers, state) alive for good."""
+
+    class Owner:
+        def reduce(self, b):
+            return b
+
+    owner = Owner()
+    pipe = BucketPipeline(3, owner.reduce, name="hvd_quant-test-round")
+    for _ in range(3):
+        pipe.launch(0)
+        pipe.launch(1)
+        assert pipe.wait_all() == [0, 1, 2]
+    pipe.launch(2)  # a round that is abandoned
+    pipe.abandon()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+            t.name == "hvd_quant-test-round" for t in threading.enumerate()):
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name == "hvd_quant-test-round"]
+    gone = weakref.ref(owner)
+    del owner, pipe
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_dropped_distributed_optimizer_is_freed():
+    """The default (buckets reduced during backward) through one training step: dropping the
+    optimizer frees it, its gradient hooks' closures included (one process, size 1)."""
+    torch = pytest.importorskip("torch")
+    hvd = pytest.importorskip("horovod.torch")
+    import hvd_quant.torch as hq
+
+    started_here = not hvd.is_initialized()
+    hvd.init()
+    try:
+        _train_drop_and_rewrap(torch, hq)
+    finally:
+        if started_here:  # later tests read the rank from the environment
+            hvd.shutdown()
+
+
+def _train_drop_and_rewrap(torch, hq):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(),
+                                  compression=hq.Compression.ef_sign)
+    assert opt._overlap  # the default
+    model(torch.ones(4, 8)).sum().backward()
+    opt.step()
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None
+    assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+    # A new optimizer over the same model: the dropped one's hooks neither count nor reduce
+    # (they would raise at the second backward, "computed more than once").
+    opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters(),
+                                  compression=hq.Compression.ef_sign)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(4, 8)).sum().backward()
+        opt.step()
 
 
 def test_bucket_formation_reverse_order_with_cap():

@@ -59,6 +59,11 @@ class BucketPipeline:
     results in bucket order, re-raising the first error of the round. After an error the
     rest of the round is skipped: every rank raises together when the error is a
     cross-rank check (:class:`~hvd_quant.core.runner.RankDisagreement`).
+
+    The worker thread lives for one round: it is started by the round's first launch and
+    ends when the round's last bucket is reduced. A thread that waited between rounds
+    would keep ``reduce_bucket`` (and so its optimizer, model and buffers) alive for as
+    long as the process runs, even after the optimizer is dropped.
     """
 
     def __init__(self, nbuckets, reduce_bucket, name="hvd_quant-buckets"):
@@ -66,7 +71,7 @@ class BucketPipeline:
         self._reduce = reduce_bucket
         self._name = name
         self._cv = threading.Condition()
-        self._thread = None
+        self._running = False  # a worker thread is in its loop (set and cleared under _cv)
         self._closed = False
         self._reset()
 
@@ -95,16 +100,19 @@ class BucketPipeline:
             self._cv.notify_all()
 
     def _start(self):
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-            self._thread.start()
+        # Under _cv. _running, not is_alive(): a worker that has decided to end but not yet
+        # ended must not be counted on for the next round.
+        if not self._running:
+            self._running = True
+            threading.Thread(target=self._work, name=self._name, daemon=True).start()
 
     def _work(self):
         while True:
             with self._cv:
-                while not self._closed and not (self._next < self.nbuckets and self._ready[self._next]):
+                while not self._closed and self._next < self.nbuckets and not self._ready[self._next]:
                     self._cv.wait()
-                if self._closed:
+                if self._closed or self._next >= self.nbuckets:  # the round is done
+                    self._running = False
                     return
                 b, failed = self._next, self._error is not None
             result = None
@@ -118,13 +126,16 @@ class BucketPipeline:
                 self._results[b] = result
                 self._next = b + 1
                 self._cv.notify_all()
+                if self._next >= self.nbuckets:  # decided under the lock that wait_all resets under
+                    self._running = False
+                    return
 
     def wait_all(self):
         """Launch every bucket not yet launched, wait for the round, return the results."""
         with self._cv:
             for b in range(self.nbuckets):
                 self._ready[b] = True
-            if self.nbuckets:
+            if self._next < self.nbuckets:
                 self._start()
             self._cv.notify_all()
             while self._next < self.nbuckets:
@@ -143,7 +154,7 @@ class BucketPipeline:
                 self._error = RuntimeError("round abandoned")
             for b in range(self.nbuckets):
                 self._ready[b] = True
-            if self._thread is not None and self._thread.is_alive():
+            if self._running:
                 self._cv.notify_all()
                 while self._next < self.nbuckets:
                     self._cv.wait()

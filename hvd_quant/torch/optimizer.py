@@ -1,20 +1,21 @@
 """``hvd_quant.torch.DistributedOptimizer``: Horovod's signature, fused compressed reduction.
 
-At ``step()`` (or an explicit ``synchronize()``) every gradient is flattened into one
-float32 buffer per group (one group by default), the compressor averages that buffer over
-ranks with whatever collectives it needs, and the mean goes back into ``.grad``: a
-float32 gradient becomes a view of the reduced buffer, which is kept and refilled at the
-next reduction (as DDP's ``gradient_as_bucket_view``; keep a ``.clone()`` of a gradient
-that must outlive the next step), other dtypes get a copy.
-Fusing gives one scale/allgather/ring per step instead of one per tensor, which is what
-makes 1-bit methods pay off on small tensors.
+The gradients are flattened into float32 buffers: by default *buckets* of at most 25 MB,
+each reduced during backward as soon as its gradients are ready (as Horovod and DDP
+overlap by default; "Overlap" below). The compressor averages each buffer over ranks with
+whatever collectives it needs, and the mean goes back into ``.grad`` by ``step()`` (or an
+explicit ``synchronize()``): a float32 gradient becomes a view of the reduced buffer,
+which is kept and refilled at the next reduction (as DDP's ``gradient_as_bucket_view``;
+keep a ``.clone()`` of a gradient that must outlive the next step), other dtypes get a
+copy. Fusing gives one scale/allgather/ring per buffer instead of one per tensor, which is
+what makes 1-bit methods pay off on small tensors.
 
 Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
 
-* by default gradients are reduced at ``step()``/``synchronize()``. With
-  ``bucket_size_mb`` (or ``overlap=True``) each fused buffer is a *bucket* that is
-  reduced as soon as backward has produced all of its gradients, during backward (see
-  "Overlap" below);
+* gradients are fused into buckets of up to 25 MB (DDP's default size) rather than
+  Horovod's 64 MB fusion buffer of whichever tensors are ready; ``bucket_size_mb=0`` (or
+  ``overlap=False``) fuses every gradient into one buffer reduced at
+  ``step()``/``synchronize()`` instead, and ``num_groups``/``groups`` into the groups given;
 * ``op`` may be ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is refused;
 * on the first step all ranks check that they use the same compressor and options, the
   same parameter names/shapes/dtypes and the same parameter values, and raise
@@ -35,7 +36,7 @@ Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
 
 Overlap (buckets)
 -----------------
-``bucket_size_mb=25`` assigns the parameters to buckets of at most 25 MB of float32
+By default (``bucket_size_mb=25``) the parameters go into buckets of at most 25 MB of float32
 gradient in *reverse* registration order, as DDP does (the last layers' gradients are
 ready first). A post-accumulate-grad hook on every parameter counts its gradients; when
 every parameter of a bucket has received ``backward_passes_per_step`` of them, the bucket
@@ -47,17 +48,21 @@ only waits for what is still in flight.
 
 A bucket is a group: the result is bit-identical to the step-time path with the same
 groups (``groups=opt.bucket_groups``), for every compressor: same state keys, error
-feedback and random streams. ``overlap=False`` with ``bucket_size_mb`` keeps the buckets
-and reduces them at the step. A parameter without a gradient this step (unused on this
-rank) keeps its bucket waiting until ``step()``/``synchronize()``, which launches it with
-zeros for that parameter, as the step-time path does. Calling ``zero_grad()`` between
-``backward()`` and the step raises (as Horovod does): the reduction already started.
+feedback and random streams. ``overlap=False`` with an explicit ``bucket_size_mb`` keeps
+the buckets and reduces them at the step. A parameter without a gradient this step
+(unused on this rank) keeps its bucket waiting until ``step()``/``synchronize()``, which
+launches it with zeros for that parameter, as the step-time path does. Calling
+``zero_grad()`` between ``backward()`` and the step raises (as Horovod does): the
+reduction already started. So does a gradient computed more than
+``backward_passes_per_step`` times before the step (as with Horovod): accumulating over
+several ``backward()`` calls needs that argument, or ``overlap=False``.
 ``pipeline_chunk_mb`` additionally cuts each buffer of a chunkable compressor (``ef_sign``,
 ``global_qsgd``) into chunks whose collectives are in flight while the next chunk is
 encoded (:mod:`hvd_quant.core.pipeline`; bit-identical as well).
 """
 
 import threading
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -84,12 +89,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "hvd_quant.torch.Compression.none/fp16 here")
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.torch.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
-        if bucket_size_mb is not None:
-            if groups not in (None, 0):
-                raise ValueError("bucket_size_mb forms the groups itself (one per bucket); "
-                                 "do not also pass num_groups/groups")
-            if not bucket_size_mb > 0:
-                raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+        given_groups = groups not in (None, 0)
+        if bucket_size_mb is None:
+            # The default: buckets reduced during backward, as Horovod and DDP overlap by
+            # default, unless the caller chose the groups or asked for no overlap.
+            bucket_size_mb = 0 if given_groups or overlap is False else DEFAULT_BUCKET_MB
+        elif isinstance(bucket_size_mb, bool) or not bucket_size_mb >= 0:
+            raise ValueError(f"bucket_size_mb must be >= 0 (0: no buckets), got {bucket_size_mb!r}")
+        elif bucket_size_mb and given_groups:
+            raise ValueError("bucket_size_mb forms the groups itself (one per bucket); "
+                             "do not also pass num_groups/groups")
         if pipeline_chunk_mb is not None and not pipeline_chunk_mb > 0:
             raise ValueError(f"pipeline_chunk_mb must be > 0 or None, got {pipeline_chunk_mb!r}")
         if int(backward_passes_per_step) < 1:
@@ -115,7 +124,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  "the optimizer updates; pass model.named_parameters()")
         param_name = {p: names.get(p, f"param.{i}") for i, p in enumerate(all_params)}
         self._param_name = param_name
-        if bucket_size_mb is not None:
+        if bucket_size_mb:
             self._groups = _buckets(all_params, bucket_size_mb)
         else:
             self._groups = _split_groups(all_params, groups)
@@ -125,15 +134,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fused = {}  # group -> kept float32 buffer of its concatenated gradients
         self._chunk_numel = int(pipeline_chunk_mb * 2 ** 20) // 4 if pipeline_chunk_mb else 0
         self._passes = int(backward_passes_per_step)
-        self._overlap = (bucket_size_mb is not None) if overlap is None else bool(overlap)
+        self._overlap = bool(bucket_size_mb) if overlap is None else bool(overlap)
         self._hooks = []
         if self._overlap:
             self._pipeline = BucketPipeline(len(self._groups), self._reduce_group)
             self._group_of = {p: gi for gi, group in enumerate(self._groups) for p in group}
             self._hook_lock = threading.Lock()
             self._reset_counts()
+            hook = self._make_hook()
             for p in all_params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+            weakref.finalize(self, _remove_hooks, self._hooks)
 
     # --- overlap ----------------------------------------------------------------------------
     @property
@@ -147,24 +158,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._remaining = [len(g) * self._passes for g in self._groups]
 
     def _make_hook(self):
+        # The parameters hold their hooks: through a weak reference, a dropped optimizer is
+        # freed (its buffers and state with it) and its finalizer removes the hooks, so a
+        # new optimizer over the same model does not see the old one's hooks fire.
+        ref = weakref.ref(self)
+
         def hook(p):
-            gi = self._group_of.get(p)
-            if gi is None:
-                return
-            with self._hook_lock:
-                count = self._grad_count[p] + 1
-                if count > self._passes or self._pipeline.launched(gi):
-                    raise RuntimeError(
-                        "hvd_quant: a gradient was computed more than backward_passes_per_step="
-                        f"{self._passes} times before step()/synchronize() (its bucket is "
-                        "already being reduced). Raise backward_passes_per_step, or call "
-                        "step()/synchronize() after each backward().")
-                self._grad_count[p] = count
-                self._remaining[gi] -= 1
-                ready = self._remaining[gi] == 0
-            if ready:
-                self._pipeline.launch(gi)
+            opt = ref()
+            if opt is not None:
+                opt._count_gradient(p)
         return hook
+
+    def _count_gradient(self, p):
+        """A gradient of ``p`` was accumulated: launch its bucket once it is complete."""
+        gi = self._group_of.get(p)
+        if gi is None:
+            return
+        with self._hook_lock:
+            count = self._grad_count[p] + 1
+            if count > self._passes or self._pipeline.launched(gi):
+                raise RuntimeError(
+                    "hvd_quant: a gradient was computed more than backward_passes_per_step="
+                    f"{self._passes} times before step()/synchronize() (its bucket is "
+                    "already being reduced). Raise backward_passes_per_step, or call "
+                    "step()/synchronize() after each backward(), or pass overlap=False.")
+            self._grad_count[p] = count
+            self._remaining[gi] -= 1
+            ready = self._remaining[gi] == 0
+        if ready:
+            self._pipeline.launch(gi)
 
     def zero_grad(self, set_to_none=True):
         if self._overlap and self._pipeline.active:
@@ -278,6 +300,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._runner.load_rng_state(ours.get("rng", {}))
 
 
+def _remove_hooks(handles):
+    for handle in handles:
+        handle.remove()
+
+
+#: Default bucket size, MB of float32 gradient (DDP's default ``bucket_cap_mb``).
+DEFAULT_BUCKET_MB = 25
+
+
 def _split_groups(params, groups):
     if groups is None or groups == 0:
         return [params]
@@ -329,7 +360,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     Parameters mirror ``horovod.torch.DistributedOptimizer``. ``compression`` is an
     ``hvd_quant.torch.Compression.<name>`` object. ``num_groups``/``groups`` split the
-    parameters into that many fused buffers (default: one). ``gradient_predivide_factor``
+    parameters into that many fused buffers, reduced at the step (default: 25 MB
+    buckets reduced during backward, below). ``gradient_predivide_factor``
     is accepted for compatibility (averaging is exact).
 
     sparse_as_dense : bool
@@ -342,13 +374,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Overlap options (module docstring, "Overlap"):
 
     bucket_size_mb : float or None
-        Default ``None``: no buckets (the groups above, reduced at the step). A number:
-        fused buffers of at most that many MB of float32 gradient, formed in reverse
-        registration order, replacing ``num_groups``/``groups``; implies ``overlap``.
+        Fused buffers of at most that many MB of float32 gradient, formed in reverse
+        registration order and reduced during backward. Default ``None``: 25 MB buckets,
+        unless ``num_groups``/``groups`` are given or ``overlap=False`` (then those groups,
+        or one buffer, reduced at the step). ``0``: no buckets.
     overlap : bool or None
         Reduce each fused buffer during backward as soon as its gradients are ready
-        (``None``: when ``bucket_size_mb`` is set). Works with ``num_groups``/``groups``
-        too; results are bit-identical either way.
+        (``None``: when there are buckets). ``False``: everything at the step.
+        ``True`` works with ``num_groups``/``groups`` too; results are bit-identical
+        either way.
     pipeline_chunk_mb : float or None
         Cut each buffer of a chunkable compressor (``ef_sign``, ``global_qsgd``) into
         chunks of about this many MB whose collectives overlap the encoding of the next
