@@ -15,9 +15,15 @@ padded to ``D`` elements (a multiple of ``8 k``) and cut into ``k`` shards of ``
 2. **re-binarise**: ``s = +1`` with probability ``(1 + S / k) / 2``, else ``-1`` (unbiased
    for ``S / k``), packed again;
 3. **inter-node allgather** of the packed ``s`` among the ``M`` ranks that share a local
-   rank (a Horovod process set, or routed hops): ``T = sum of M signs`` in ``[-M, M]``;
-4. **intra-node allgather** of the ``T`` shards (int8) inside the node; the mean is
-   ``T / M`` on every rank, bit-identical.
+   rank (a Horovod process set, or routed hops): node rank ``j`` holds every node's signs
+   of shard ``j``;
+4. **intra-node allgather** of those ``M`` packed rows inside the node, so that every rank
+   holds every node's signs of every shard, and decodes ``T = sum of M signs`` in
+   ``[-M, M]`` itself; the mean is ``T / M`` on every rank, bit-identical.
+
+Step 4 moves the packed signs (``M`` bits per element) rather than the sums ``T`` (which
+would take a byte per element): fewer bytes inside the node for ``M < 8`` and one decode
+pass, with the same integers ``T``.
 
 One node (``M = 1``) or one rank per node (``k = 1``) degrades to the flat 1-bit
 allgather: every rank gathers every rank's bits and averages the ``n`` signs exactly.
@@ -25,7 +31,8 @@ allgather: every rank gathers every rank's bits and averages the ``n`` signs exa
 Bytes sent per rank (cost model of :class:`~hvd_quant.core.comm.WireMeter`):
 
 * flat: ``(n - 1) * (ceil(d / 8) + 1)``;
-* intra-node: ``(k - 1) * (D / (8 k) + 1)`` (step 1) plus ``(k - 1) * D / k`` (step 4);
+* intra-node: ``(k - 1) * (D / (8 k) + 1)`` (step 1) plus ``(k - 1) * M * (D / (8 k) + 1)``
+  (step 4);
 * inter-node: ``(M - 1) * (D / (8 k) + 1)`` (step 3): this is what a slow network pays, a
   factor ``k`` less per rank than a flat 1-bit allgather across all ranks.
 
@@ -64,7 +71,7 @@ def hierarchical_bytes(numel, world_size, ranks_per_node):
         flat = (world_size - 1) * (packed_sign_bytes(numel) + 1.0)
         return {"intra": flat if nodes == 1 else 0.0, "inter": 0.0 if nodes == 1 else flat}
     shard = _padded(numel, k) // k
-    return {"intra": (k - 1) * (shard // 8 + 1.0) + (k - 1) * float(shard),
+    return {"intra": (k - 1) * (shard // 8 + 1.0) + (k - 1) * nodes * (shard // 8 + 1.0),
             "inter": (nodes - 1) * (shard // 8 + 1.0)}
 
 
@@ -136,13 +143,19 @@ def sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
     # Phase 2: re-binarise the node average, unbiased: +1 with probability (1 + S/k) / 2.
     node_bits = rebinarize(B, node_sum, k, key)
     node_flag = _flag(B, node_ok)
-    # Phase 3: inter-node allgather among the ranks with the same local rank.
+    # Phase 3: inter-node allgather among the ranks with the same local rank: every
+    # node's signs of this rank's shard.
     gathered = gather_blocks(B, cross, B.concat([node_bits, node_flag]), f"{name}.inter_ag")
-    rows, ok = _rows_and_flags(B, gathered, nodes, width)
-    total = unpack_scaled_sum(B, rows, B.full(nodes, 1.0), [shard], shard)
-    # Phase 4: intra-node allgather of the shard sums (small integers, int8).
-    everything = gather_blocks(B, node, B.cast(total, "int8"), f"{name}.intra_ag")
-    return B.cast(B.slice(everything, 0, numel), "float32"), nodes, ok
+    # Phase 4: intra-node allgather of those packed rows (not of their sums: M bits per
+    # element instead of a byte), in (local rank j, node m) order, flags included.
+    rows, ok = _rows_and_flags(B, gather_blocks(B, node, gathered, f"{name}.intra_ag"),
+                               k * nodes, width)
+    # Node m's signs of the whole (padded) vector: its row of every shard j, in j order.
+    table = B.reshape(rows, (k, nodes * width))
+    node_rows = B.concat([B.reshape(B.slice_columns(table, m * width, (m + 1) * width), (-1,))
+                          for m in range(nodes)])
+    total = unpack_scaled_sum(B, node_rows, B.full(nodes, 1.0), [padded], padded)
+    return B.slice(total, 0, numel), nodes, ok
 
 
 def rebinarize(B, node_sum, k, key):
