@@ -187,12 +187,12 @@ def test_the_stock_optimizers_compression_takes_gpu_gradients(name, monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["ef_sign", "global_qsgd", "onebit"])
-@pytest.mark.parametrize("bucket_size_mb", [None, 0.001])
+@pytest.mark.parametrize("bucket_size_mb", [0, None, 0.001])  # step time, default, tiny buckets
 def test_the_distributed_optimizer_takes_a_gpu_model(name, bucket_size_mb, monkeypatch):
     """``hq.DistributedOptimizer`` over parameters on the GPU (a sparse embedding, fp32
-    and fp16 tensors; at step time and in overlapping buckets): three SGD steps end where
-    the same parameters on the CPU end, and every gradient stays on its parameter's device
-    in its dtype. The loss is linear in the parameters with dyadic weights, so the
+    and fp16 tensors; at step time, in the default buckets and in tiny ones): three SGD
+    steps end where the same parameters on the CPU end, and every gradient stays on its
+    parameter's device in its dtype. The loss is linear in the parameters with dyadic weights, so the
     gradients are exact on both devices and what is compared is the reduction and the
     write-back. Horovod's communicator is stood in for by a simulated rank."""
     from hvd_quant.torch import Compression, DistributedOptimizer
