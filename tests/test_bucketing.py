@@ -108,20 +108,55 @@ def test_no_worker_thread_outlives_a_round():
     assert gone() is None
 
 
-def test_a_dropped_distributed_optimizer_is_freed():
+@pytest.fixture
+def horovod_size_1():
+    """Horovod initialised in this process (size 1), shut down again if it was not before:
+    later tests read the rank from the environment."""
+    hvd = pytest.importorskip("horovod.torch")
+    started_here = not hvd.is_initialized()
+    hvd.init()
+    yield hvd
+    if started_here:
+        hvd.shutdown()
+
+
+def test_the_default_is_25_mb_buckets_reduced_during_backward(horovod_size_1):
+    torch = pytest.importorskip("torch")
+    import hvd_quant.torch as hq
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+
+    def make(**kw):
+        return hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hq.Compression.ef_sign, **kw)
+
+    names = ["1.bias", "1.weight", "0.bias", "0.weight"]  # reverse registration order
+    layouts = {  # options -> (overlap, fused buffers)
+        (): (True, [names]),
+        (("bucket_size_mb", 0),): (False, [names[::-1]]),
+        (("overlap", False),): (False, [names[::-1]]),
+        (("num_groups", 2),): (False, [names[:1:-1], names[1::-1]]),
+        (("bucket_size_mb", 0), ("overlap", True)): (True, [names[::-1]]),
+        (("bucket_size_mb", 200 / 2 ** 20), ("overlap", False)): (False, [names[:3], names[3:]]),
+    }
+    for options, (overlap, groups) in layouts.items():
+        opt = make(**dict(options))
+        assert (opt._overlap, opt.bucket_groups) == (overlap, groups), options
+    for bad in (-1, True, "25", float("nan")):
+        with pytest.raises(ValueError, match="bucket_size_mb must be"):
+            make(bucket_size_mb=bad)
+    with pytest.raises(ValueError, match="do not also pass num_groups"):
+        make(bucket_size_mb=25, num_groups=2)
+
+
+def test_a_dropped_distributed_optimizer_is_freed(horovod_size_1):
     """The default (buckets reduced during backward) through one training step: dropping the
     optimizer frees it, its gradient hooks' closures included (one process, size 1)."""
     torch = pytest.importorskip("torch")
-    hvd = pytest.importorskip("horovod.torch")
     import hvd_quant.torch as hq
 
-    started_here = not hvd.is_initialized()
-    hvd.init()
-    try:
-        _train_drop_and_rewrap(torch, hq)
-    finally:
-        if started_here:  # later tests read the rank from the environment
-            hvd.shutdown()
+    _train_drop_and_rewrap(torch, hq)
 
 
 def _train_drop_and_rewrap(torch, hq):

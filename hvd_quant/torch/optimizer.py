@@ -61,6 +61,7 @@ several ``backward()`` calls needs that argument, or ``overlap=False``.
 encoded (:mod:`hvd_quant.core.pipeline`; bit-identical as well).
 """
 
+import numbers
 import threading
 import weakref
 from contextlib import contextmanager
@@ -94,7 +95,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # The default: buckets reduced during backward, as Horovod and DDP overlap by
             # default, unless the caller chose the groups or asked for no overlap.
             bucket_size_mb = 0 if given_groups or overlap is False else DEFAULT_BUCKET_MB
-        elif isinstance(bucket_size_mb, bool) or not bucket_size_mb >= 0:
+        elif (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real)
+              or not bucket_size_mb >= 0):
             raise ValueError(f"bucket_size_mb must be >= 0 (0: no buckets), got {bucket_size_mb!r}")
         elif bucket_size_mb and given_groups:
             raise ValueError("bucket_size_mb forms the groups itself (one per bucket); "
