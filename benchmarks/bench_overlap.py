@@ -59,7 +59,8 @@ def main():
     runs = {}
     for method in args.methods.split(","):
         comp = hq.Compression.get(method)
-        configs = {"step, 1 buffer": {"bucket_size_mb": 0}, "step, buckets": {"bucket_size_mb": args.bucket_mb, "overlap": False},
+        configs = {"step, 1 buffer": {"bucket_size_mb": 0},
+                   "step, buckets": {"bucket_size_mb": args.bucket_mb, "overlap": False},
                    "overlap": {"bucket_size_mb": args.bucket_mb}}
         if method == "ef_sign":
             configs["overlap+chunks"] = {"bucket_size_mb": args.bucket_mb, "pipeline_chunk_mb": args.chunk_mb}

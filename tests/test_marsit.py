@@ -9,7 +9,6 @@ import hvd_quant
 from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor,
                                           MarsitCompressor, MarsitSelect)
 from hvd_quant.core.backend import NumpyBackend
-from hvd_quant.core.comm import Communicator
 from hvd_quant.core.packing import pack_signs, packed_sign_bytes, unpack_signs
 from hvd_quant.core.ring import chunk_bounds, ring_allreduce, torus_allreduce
 from hvd_quant.core.runner import CompressorRunner
