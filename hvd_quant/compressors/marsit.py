@@ -49,12 +49,12 @@ when ``scale="mean_abs"`` (``(n - 1) * 4`` bytes per parameter), or a 4-byte all
 (the non-finite check) with a constant scale.
 """
 
-from ..core.comm import identical_sum, all_ranks_finite
+from ..core.comm import all_ranks_finite, identical_sum, rank_order_sum
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
 from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, sign_residual,
                             unpack_scaled_sum, unpack_signs)
-from ..core.pipeline import beside
+from ..core.pipeline import beside, start_allgather
 from ..core.ring import ring_allreduce, torus_allreduce
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
 
@@ -208,10 +208,11 @@ class MarsitCompressor(Compressor):
         # the scale sums, so that the residual pass can run beside the ring's hops.
         early_bits = self.scale == "mean_abs" and self.compensation == "local"
         if early_bits:
+            # The ring carries bits only, so it need not wait for alpha: the scale gather
+            # is started here and waited for beside the ring (phase 2).
             sums, bits = compensate_sums_signs(B, x, residual, counts)
             local = segment_means(B, sums, counts)
-            alpha = identical_sum(B, comm, B.divide(local, float(n)), ctx.collective_name("scale"))
-            finite = B.all_finite(alpha)
+            alpha_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
         elif self.scale == "mean_abs":
             local = segment_means(B, compensate_sums(B, x, residual, counts), counts)
             alpha = identical_sum(B, comm, B.divide(local, float(n)), ctx.collective_name("scale"))
@@ -226,12 +227,18 @@ class MarsitCompressor(Compressor):
         nbytes = packed_sign_bytes(d)
         pending = None
         if early_bits:
-            # The new residual p - alpha * sign(p), on a helper thread while the ring runs
-            # (kept only on a finite step; every rank knows the verdict from alpha).
+            # On a helper thread while the ring runs: wait for the scales, sum them in rank
+            # order (alpha), and write the new residual p - alpha * sign(p), kept only on a
+            # finite step (every rank knows the verdict from alpha).
             keep = residual
-            pending = beside(B, lambda: B.cond(
-                finite, lambda: sign_residual(B, x, keep, alpha, counts, out=keep, serial=True),
-                lambda: keep), x, residual, alpha)
+
+            def scale_and_residual():
+                alpha = rank_order_sum(B, alpha_handle.wait(), n)
+                finite = B.all_finite(alpha)
+                new = B.cond(finite, lambda: sign_residual(B, x, keep, alpha, counts, out=keep, serial=True),
+                             lambda: keep)
+                return new, alpha, finite
+            pending = beside(B, scale_and_residual, x, residual)
         elif self.compensation == "local":
             bits, residual = B.cond(
                 finite, lambda: sign_pack_residual(B, x, residual, alpha, counts, out=residual),
@@ -252,8 +259,9 @@ class MarsitCompressor(Compressor):
         finally:
             # Joined on every exit path: a ring that failed (a dead peer, the deadline)
             # must not leave the helper writing the residual while the caller goes on.
-            new_residual = pending.wait() if pending is not None else None
+            joined = pending.wait() if pending is not None else None
         if pending is not None:
+            new_residual, alpha, finite = joined
             ctx.state.set("residual", new_residual)  # before decoding into ctx.out, which x may share
         out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d, out=ctx.out),
                      lambda: B.full(d, float("nan")))

@@ -134,11 +134,18 @@ def identical_sum(B, comm, x, name):
     summed locally in rank order: ``n`` times the bytes of ``x``, which is a handful of
     scalars here.
     """
-    k = B.numel(x)
-    gathered = B.reshape(comm.allgather(x, name), (comm.size, k))
-    total = B.reshape(B.slice(gathered, 0, 1), (k,))
-    for r in range(1, comm.size):
-        total = total + B.reshape(B.slice(gathered, r, r + 1), (k,))
+    return rank_order_sum(B, comm.allgather(x, name), comm.size)
+
+
+def rank_order_sum(B, gathered, n):
+    """The sum of the ``n`` equal parts of an allgather's result, added in rank order (the
+    second half of :func:`identical_sum`, for a caller that started the allgather itself
+    and waits for it later)."""
+    k = B.numel(gathered) // n
+    rows = B.reshape(gathered, (n, k))
+    total = B.reshape(B.slice(rows, 0, 1), (k,))
+    for r in range(1, n):
+        total = total + B.reshape(B.slice(rows, r, r + 1), (k,))
     return total
 
 

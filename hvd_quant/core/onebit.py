@@ -160,9 +160,11 @@ def compressed_allreduce(B, comm, x, worker_error, server_error, name, counts=No
         finite, server_stage,
         lambda: (B.zeros(packed_sign_bytes(chunk), "uint8"), server_error, B.zeros(len(counts))))
 
-    # Phase 3: every rank gathers every chunk's signs and scales, and decodes them.
-    all_bits = comm.allgather(server_bits, f"{name}.server_signs")
-    server_scales = comm.allgather(server_scale, f"{name}.server_scale")
+    # Phase 3: every rank gathers every chunk's signs and scales, and decodes them. Both
+    # gathers are in flight together: one wait for the collectives' latency, not two.
+    bits_handle = start_allgather(comm, server_bits, f"{name}.server_signs")
+    scales_handle = start_allgather(comm, server_scale, f"{name}.server_scale")
+    all_bits, server_scales = bits_handle.wait(), scales_handle.wait()
 
     def decode():
         tensor_bits, tensor_scales = _tensor_major(B, all_bits, server_scales, chunks, n)
