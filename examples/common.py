@@ -126,10 +126,12 @@ def one_bit_defaults(name, total_steps):
     then fewer if that works): on the demo, a quarter put its whole way to 95% inside the
     fp32 warm-up (1.98x sooner than Horovod fp32), 15% reached it in the same epoch with
     the last steps at 1 bit (2.14x), at the same final accuracy (2026-11-26). 0/1 Adam's
-    variance updates take the first quarter. ``eps=1e-4``: some digits pixels are constant, so their first-layer weights
-    never get a gradient and their variance stays 0; a 1-bit round still moves them by
-    the buffer's RMS scale, divided by ``sqrt(v) + eps``, which at DeepSpeed's 1e-8 blew
-    the model up (NaN within 3 epochs). DeepSpeed's ``exp_avg_mask`` is the other cure.
+    variance updates take the first quarter.
+
+    ``eps=1e-4``: some digits pixels are constant, so their first-layer weights never get
+    a gradient and their variance stays 0; a 1-bit round still moves them by the buffer's
+    RMS scale, divided by ``sqrt(v) + eps``, which at DeepSpeed's 1e-8 blew the model up
+    (NaN within 3 epochs). DeepSpeed's ``exp_avg_mask`` is the other cure.
     """
     if name == "onebit_adam":
         return {"freeze_step": max(1, total_steps * 15 // 100), "eps": 1e-4}
