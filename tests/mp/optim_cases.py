@@ -52,10 +52,14 @@ def mask():
 
 
 def count_collectives(comm):
-    """Wrap ``comm``'s collectives with a counter (a one-element list) of the calls issued."""
+    """Wrap ``comm``'s collectives, blocking and asynchronous, with a counter (a one-element
+    list) of the calls issued."""
     calls = [0]
-    for method in ("allreduce", "allgather", "alltoall", "sendrecv"):
-        inner = getattr(comm, method)
+    for method in ("allreduce", "allgather", "alltoall", "sendrecv",
+                   "allreduce_async", "allgather_async", "alltoall_async"):
+        inner = getattr(comm, method, None)
+        if inner is None:
+            continue
 
         def counted(*args, _inner=inner, **kwargs):
             calls[0] += 1
