@@ -128,6 +128,7 @@ def summarize(raw, rate_bps):
             "memory_s": memory_s,
             "pct_of_roofline": 100.0 * bound / measured if measured > 0 else None,
             "kinds": m.get("kinds", []),
+            "skipped_steps": m.get("skipped_steps", 0),
         }
     return {"copy_s": copy_s, "copy_gbps": copy_bw / 1e9, "compute_floor_s": floor, "methods": rows}
 
@@ -157,6 +158,8 @@ def markdown_table(run):
         return f"{v:.0f}%" if v is not None else "–"
     for name, r in s["methods"].items():
         kinds = f" ({'/'.join(r['kinds'])})" if r["kinds"] else ""
+        if r.get("skipped_steps"):  # a skipped (non-finite) step does less work: not comparable
+            kinds += f" **{r['skipped_steps']} timed step(s) skipped, not finite**"
         lines.append(f"| {name}{kinds} | {1e3 * r['median_s']:.1f} | {x(r['speedup_vs_horovod_fp32'])} | "
                      f"{x(r['speedup_vs_ddp_powersgd'])} | {r['sent_mb']:.2f} | {1e3 * r['ideal_s']:.1f} | "
                      f"{pct(r['pct_of_ideal'])} | {pct(r['pct_of_roofline'])} |")

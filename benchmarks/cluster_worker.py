@@ -124,6 +124,9 @@ class Step:
     bytes_counter : callable returning cumulative bytes sent (the per-call delta is recorded)
     touched_bytes : bytes read + written in local memory per call (lower bound)
     kind : callable returning a label of what the last call did (e.g. "onebit")
+    skipped : callable returning True when the last call's step was skipped (hvd_quant's
+        optimizers skip a step whose values are not finite: such a step does less work,
+        so a timed one is counted and reported)
     """
     run: Callable[[], object]
     prepare: Optional[Callable[[], object]] = None
@@ -132,6 +135,7 @@ class Step:
     bytes_counter: Optional[Callable[[], float]] = None
     touched_bytes: float = 0.0
     kind: Optional[Callable[[], str]] = None
+    skipped: Optional[Callable[[], bool]] = None
 
 
 @dataclass
@@ -342,7 +346,8 @@ def optimizer_step(ctx, make_optimizer, warmup=3, touched=touched_sgd_step, buff
     kinds = getattr(opt, "step_kinds", None)
     return Step(run=run, prepare=prepare, warmup=warmup, bytes_counter=lambda: opt.bytes_sent,
                 touched_bytes=touched(ctx.numel, ctx.size),
-                kind=(lambda: kinds[-1] if kinds else "") if kinds is not None else None)
+                kind=(lambda: kinds[-1] if kinds else "") if kinds is not None else None,
+                skipped=(lambda: bool(opt.last_step_skipped)) if hasattr(opt, "last_step_skipped") else None)
 
 
 def adam(params, args):
@@ -533,10 +538,20 @@ register("onebit_allreduce", onebit_allreduce_setup, cases=("buffer",),
          doc="1-bit compressed allreduce (1-bit Adam's collective), called directly")
 
 
+#: Learning rate of the two Adam-family 1-bit optimizers. Their variance is frozen after one
+#: or two steps here (so that the timed steps are 1-bit ones without minutes of fp32
+#: warm-up), and Adam's step is then about 20 times the learning rate per element: at 1e-4
+#: the model's loss on the fixed batch grows from step 4 and is no longer finite by step 10
+#: or so, and a non-finite step is skipped, doing less work. At 1e-5 the loss falls steadily
+#: (10.6 to 2.3 in 20 steps at 2 ranks). Every timed step is checked (``Step.skipped``).
+ONEBIT_ADAM_LR = 1e-5
+
+
 def onebit_adam_setup(ctx):
     # freeze_step=2: two fp32 Adam steps (warm-up), every later step is a 1-bit step.
     return optimizer_step(ctx, lambda params, named: hq.OnebitAdam(
-        params, lr=1e-4, named_parameters=named, freeze_step=2), warmup=4, touched=touched_adam_onebit)
+        params, lr=ONEBIT_ADAM_LR, named_parameters=named, freeze_step=2), warmup=4,
+        touched=touched_adam_onebit)
 
 
 def zero_one_adam_setup(ctx):
@@ -545,7 +560,7 @@ def zero_one_adam_setup(ctx):
     # timed step is 0/1 Adam's communicating step (1-bit sync of the accumulated update)
     # as in the first 32678 steps after the freeze.
     return optimizer_step(ctx, lambda params, named: hq.ZeroOneAdam(
-        params, lr=1e-4, named_parameters=named, var_freeze_step=1), warmup=4,
+        params, lr=ONEBIT_ADAM_LR, named_parameters=named, var_freeze_step=1), warmup=4,
         touched=touched_zero_one_adam)
 
 
@@ -728,6 +743,7 @@ def measure(args):
     times = {name: [] for name in names}         # the method's own repeats
     pairs = {name: {k: [] for k in kept} for name in paired}  # the kept ones, interleaved with it
     kinds = {name: [] for name in names}
+    skips = {name: 0 for name in names}  # timed calls whose step was skipped (non-finite)
     sent = {name: [] for name in names}
     copy_times = []
 
@@ -738,6 +754,8 @@ def measure(args):
             sent[name].append(step.bytes_counter() - before)
         if step.kind:
             kinds[name].append(step.kind())
+        if step.skipped and step.skipped():
+            skips[name] += 1
         log(ctx, f"repeat {rep + 1}/{args.repeats} {label:34s} {1e3 * elapsed:9.1f} ms (rank 0)")
         return elapsed
 
@@ -792,6 +810,7 @@ def measure(args):
             "sent_bytes": statistics.median(step_sent) if step_sent else cost[name]["sent"],
             "touched_bytes": cost[name]["touched"],
             "kinds": sorted(set(kinds[name])),
+            "skipped_steps": skips[name],
             "doc": METHODS[name].doc,
         }
     return ctx, result

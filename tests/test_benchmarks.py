@@ -57,6 +57,12 @@ def test_summary_uses_the_slowest_rank_and_the_roofline_terms():
     table = bench_cluster.markdown_table({"summary": s, "raw": raw, "rate": "1gbit", "hosts": 2,
                                           "slots": 1, "case": "buffer"})
     assert "| ef_sign | 300.0 | 8.33x | 1.67x |" in table
+    assert "skipped" not in table
+    # A timed step that an optimizer skipped (not finite) did less work: the row says so.
+    raw["methods"]["ef_sign"]["skipped_steps"] = 2
+    table = bench_cluster.markdown_table({"summary": bench_cluster.summarize(raw, rate_bps=1e9), "raw": raw,
+                                          "rate": "1gbit", "hosts": 2, "slots": 1, "case": "buffer"})
+    assert "| ef_sign **2 timed step(s) skipped, not finite** | 300.0 |" in table
 
 
 def test_paired_baseline_floor_and_share_of_the_ideal():

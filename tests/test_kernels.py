@@ -252,7 +252,8 @@ def _elementwise_results(backend, x, m, v, u, w, wd):
             *ew.adam_descend(backend, x, m, v, 1e-3, 1e-6, wd, acc=u),
             ew.precondition(backend, u, v, 1e-8),
             *ew.zero_one_sync_result(backend, x, u, w, v, 1e-8, 0.0123),
-            *ew.zero_one_sync_result(backend, x, None, w, v, 1e-8, 0.0123)]
+            *ew.zero_one_sync_result(backend, x, None, w, v, 1e-8, 0.0123),
+            *ew.zero_one_sync_input(backend, x, m, w, v, u, 0.9, 1e-3, 1e-8, wd)]
 
 
 @pytest.mark.parametrize("d", SIZES)

@@ -198,7 +198,8 @@ def _elementwise(B, x, m, v, u, w, lr):
     return [ew.ema(B, m, x, 0.9), ew.ema(B, v, x, 0.999, square=True), ew.precondition(B, u, v, 1e-8),
             ew.descend(B, x, w, lr, 0.01), ew.adam_descend(B, x, m, v, lr, 1e-8, 0.01),
             *ew.adam_descend(B, x, m, v, lr, 1e-6, 0.0, acc=u),
-            *ew.zero_one_sync_result(B, x, u, w, v, 1e-8, lr)]
+            *ew.zero_one_sync_result(B, x, u, w, v, 1e-8, lr),
+            *ew.zero_one_sync_input(B, x, m, w, v, u, 0.9, lr, 1e-8, 0.01)]
 
 
 def test_adam_family_primitives_equal_the_oracle_eagerly():
@@ -216,7 +217,8 @@ def test_adam_family_fuses_in_graphs_with_a_tensor_learning_rate():
 
     @tf.function(autograph=False)
     def fn(lr, *t):
-        for name in ("ema", "precondition", "descend", "adam_descend", "zero_one_sync_result"):
+        for name in ("ema", "precondition", "descend", "adam_descend", "zero_one_sync_result",
+                     "zero_one_sync_input"):
             routed[name] = TF.kernel(name, *t[:3]) is not None
         return _elementwise(TF, *t[:5], lr)
     got = fn(tf.constant(1e-3), *[tf.constant(a) for a in inputs])

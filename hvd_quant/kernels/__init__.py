@@ -30,7 +30,8 @@ primitive                  generic twin                                    used 
 ``ema``                    ``optimizers.elementwise.ema``                  1-bit Adam, 0/1 Adam
 ``descend``                ``optimizers.elementwise.descend``              BinSGDM
 ``adam_descend``           ``optimizers.elementwise.adam_descend``         1-bit Adam, 0/1 Adam
-``precondition``           ``optimizers.elementwise.precondition``         0/1 Adam (sync)
+``precondition``           ``optimizers.elementwise.precondition``         0/1 Adam (final sync)
+``zero_one_sync_input``    ``optimizers.elementwise.zero_one_sync_input``  0/1 Adam (sync)
 ``zero_one_sync_result``   ``optimizers.elementwise.zero_one_sync_result`` 0/1 Adam (sync)
 ``uniform``                ``Backend.uniform``                             random draws
 ========================== =============================================== ===========================
@@ -59,7 +60,7 @@ NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sum
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
          "rebinarize", "binsgdm_encode", "uniform", "all_finite", "ema", "descend", "adam_descend",
-         "precondition", "zero_one_sync_result")
+         "precondition", "zero_one_sync_input", "zero_one_sync_result")
 
 _cpu = None
 _state = {"checked": False, "ok": False, "why": "", "prepared": False}
@@ -151,6 +152,7 @@ def _warm_flavour(k):
     k.ema(x.copy(), x, 0.9, in_place=True)
     k.zero_one_sync_result(x, k.precondition(x, v, 1e-8), x, v, 1e-8, 0.1)
     k.zero_one_sync_result(x, None, x, v, 1e-8, 0.1)
+    k.zero_one_sync_input(x, x, x, v, x, 0.9, 0.1, 1e-8, 0.0)
     for index_dtype in (np.int32, np.int64):  # Keras' embedding gradients: int32 or int64 rows
         k.add_rows(np.zeros((4, 6), np.float32), np.array([1, 3], index_dtype), x[:12].reshape(2, 6))
 

@@ -941,6 +941,30 @@ def precondition(u, v, eps, out=None):
 
 
 @_twin
+def _zero_one_sync_input(x, m, g, v, u, beta, rest, lr, eps, wd, has_wd, base, w):
+    # _ema, _adam_descend, then _precondition and the base - u of _zero_one_sync_result,
+    # per element: the same float32 operations in the same order.
+    for i in prange(x.size):
+        mi = m[i] * beta + g[i] * rest
+        delta = _adam_delta(x[i], mi, v[i], lr, eps, wd, has_wd)
+        ui = u[i] - delta
+        base[i] = (x[i] - delta) - ui
+        w[i] = ui * (np.sqrt(v[i]) + eps)
+
+
+def zero_one_sync_input(x, m, g, v, u, beta, lr, eps, weight_decay, base=None, w=None):
+    """``elementwise.zero_one_sync_input``: with ``m' = m * beta + g * (1 - beta)`` and
+    Adam's ``delta`` from ``m'``, the pair ``((x - delta) - (u - delta), (u - delta) *
+    (sqrt(v) + eps))`` (into ``base`` / ``w`` if given; neither may share memory with an
+    input)."""
+    base = np.empty_like(x) if base is None else base
+    w = np.empty_like(x) if w is None else w
+    _zero_one_sync_input(x, m, g, v, u, np.float32(beta), np.float32(1.0 - beta), np.float32(lr),
+                         np.float32(eps), np.float32(weight_decay), weight_decay > 0.0, base, w)
+    return base, w
+
+
+@_twin
 def _zero_one_sync_result(base, u, w, v, eps, lrs, synced, momentum):
     has_u = u.size > 0
     for i in prange(synced.size):

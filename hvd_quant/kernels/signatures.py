@@ -89,6 +89,8 @@ SIGNATURES = {
                                       lambda a, numel: numel(a["x"]) if a["acc"] is not None else 0)),
                               scalars=("lr", "eps", "weight_decay")),
     "precondition": Signature((_f32("out", "u"),), scalars=("eps",)),
+    "zero_one_sync_input": Signature((_f32("base", "x"), _f32("w", "x")),
+                                     scalars=("beta", "lr", "eps", "weight_decay")),
     "zero_one_sync_result": Signature((_f32("synced", "w"), _f32("momentum", "w")), scalars=("eps", "lrs")),
 }
 

@@ -91,7 +91,8 @@ widens its float32 learning rates exactly before adding them.
 from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
 from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
                    scales_option, tensor_sizes)
-from .elementwise import adam_descend, ema, precondition, zero_one_sync_result
+from .elementwise import (adam_descend, ema, precondition, zero_one_sync_input,
+                          zero_one_sync_result)
 
 
 def _plus_lr(B, total, lr):
@@ -290,12 +291,18 @@ class ZeroOneAdamRule(Rule):
                 return keep_if(B, ok, x, ctx.x)
 
             def sync():
-                m, x, u = moment_and_step(False)
+                # The same step as a local one, but only what the sync needs of it: the
+                # last sync's parameters x' - u' and w = u' * (sqrt(v) + eps), in one pass
+                # (the new momentum, x' and u' are not kept: the sync replaces them).
+                base, w = zero_one_sync_input(
+                    B, ctx.x, st.slot("exp_avg"), ctx.g, st.slot("exp_avg_sq"),
+                    st.slot("momentum_accumulator"), beta1, ctx.lr, eps, wd,
+                    out=(ctx.buffer("x"), ctx.buffer("w")))
                 if n > 1:
                     st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
                 else:
                     st.count("local", 0.0)
-                return self._sync(ctx, x, u, lrs, "sync", dict(schedule, step=step, lrs=0.0))
+                return self._sync(ctx, base, None, w, lrs, "sync", dict(schedule, step=step, lrs=0.0))
 
             return B.cond(step % interval == 0, sync, local)
 
@@ -347,32 +354,40 @@ class ZeroOneAdamRule(Rule):
         The new flat parameters (float32).
         """
         B, st = ctx.B, ctx.state
-        return B.cond(self.sync_pending(B, st), lambda: self._sync(
-            ctx, ctx.x, st.slot("momentum_accumulator"), st.scalar("lrs"), "final_sync", {"lrs": 0.0}),
-            lambda: ctx.x)
 
-    def _sync(self, ctx, x, u, lrs, phase, scalars):
-        """A sync of the accumulator ``u`` (DeepSpeed's ``zoadam.py`` ``step()``, the branch
-        under ``state['step'] % state['local_step_interval'] == 0``): ``w = u * (sqrt(v) +
-        eps)`` through the compressed allreduce, then back to the parameters of the last
-        sync and the average, ``u = 0``; ``scalars`` are committed with it. Returns the
-        synced parameters (``ctx.x`` on a non-finite step)."""
+        def final():
+            u = st.slot("momentum_accumulator")
+            w = precondition(B, u, st.slot("exp_avg_sq"), ctx.hp["eps"], out=ctx.buffer("w"))
+            return self._sync(ctx, ctx.x, u, w, st.scalar("lrs"), "final_sync", {"lrs": 0.0})
+        return B.cond(self.sync_pending(B, st), final, lambda: ctx.x)
+
+    def _sync(self, ctx, base, u, w, lrs, phase, scalars):
+        """A sync (DeepSpeed's ``zoadam.py`` ``step()``, the branch under ``state['step'] %
+        state['local_step_interval'] == 0``) of ``w = u * (sqrt(v) + eps)``, the
+        preconditioned accumulator, which is this step's own temporary: through the
+        compressed allreduce, then back to the parameters of the last sync, ``base - u``
+        (``base`` alone when ``u`` is None), plus the average; the accumulator is reset;
+        ``scalars`` are committed with it. Returns the synced parameters (``ctx.x`` on a
+        non-finite step)."""
         B, st = ctx.B, ctx.state
         v, eps = st.slot("exp_avg_sq"), ctx.hp["eps"]
-        w = precondition(B, u, v, eps, out=ctx.buffer("w"))
         if ctx.comm.size > 1:
-            w, ok = self._compress(ctx, w, phase, into=w)  # w is this step's own temporary
+            w, ok = self._compress(ctx, w, phase, into=w)
         else:
             ok = B.all_finite(w)
         # DeepSpeed's x - u undoes the local steps up to rounding, which differs per rank;
         # exact_sync keeps the last sync's parameters instead, so ranks agree bit for bit.
-        # synced = base + w / (sqrt(v) + eps), new momentum -(w / lrs).
-        synced_into = ctx.buffer("synced")
-        out = (synced_into, ctx.buffer("momentum")) if synced_into is not None else None
-        synced, momentum = (
-            zero_one_sync_result(B, st.slot("synced_params"), None, w, v, eps, _divisor(B, lrs), out=out)
-            if self.exact_sync else
-            zero_one_sync_result(B, x, u, w, v, eps, _divisor(B, lrs), out=out))
+        # synced = base + w / (sqrt(v) + eps), new momentum -(w / lrs). A kept step writes
+        # them straight into the parameters and the momentum where the adapter allows it
+        # (its commit then copies nothing), else into kept buffers.
+        if self.exact_sync:
+            base, u = st.slot("synced_params"), None
+        # (A final sync reads the parameters themselves: the result goes elsewhere.)
+        synced_into = ctx.into_x(ok) if base is not ctx.x else None
+        momentum_into = ctx.into_slot("exp_avg", ok)
+        out = (ctx.buffer("synced") if synced_into is None else synced_into,
+               ctx.buffer("momentum") if momentum_into is None else momentum_into)
+        synced, momentum = zero_one_sync_result(B, base, u, w, v, eps, _divisor(B, lrs), out=out)
         extra = {"synced_params": synced} if self.exact_sync else {}
         st.commit(ok, {"exp_avg": momentum, "momentum_accumulator": ctx.zeros(), **extra}, scalars)
         return keep_if(B, ok, synced, ctx.x)
