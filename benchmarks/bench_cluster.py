@@ -289,7 +289,6 @@ def main(argv=None):
 
     runs, failures = [], []
     start = time.monotonic()
-    done = 0
     for hosts in hosts_list:
         for slots in slots_list:
             status = run_layout(args, hosts, slots, rates, cases, estimates, jobs, out_dir, runs, failures, start)

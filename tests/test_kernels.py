@@ -21,7 +21,7 @@ from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, 
 from hvd_quant.core.hierarchical import rebinarize
 from hvd_quant.core.rng import CounterRNG, draws
 from hvd_quant.core.runner import CompressorRunner
-from hvd_quant.core.segments import compensate_sums, compensate_sums_signs, segment_bounds
+from hvd_quant.core.segments import compensate_sums, compensate_sums_signs
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import elementwise as ew
 
