@@ -80,11 +80,13 @@ def summarize(raw):
             "ideal_s": ideal, "speedup": fp32 / t, "ideal_speedup": fp32 / ideal if ideal > 0 else None,
             "pct_of_ideal": 100.0 * (fp32 - t) / saving if saving > 0 else None,
             "target": target_of(label), "kinds": sorted({k for m in mine for k in m["kinds"]}),
+            "skipped_steps": max(m.get("skipped_steps", 0) for m in mine),
             "spread_s": [min(slowest([m["times_s"] for m in mine])), max(slowest([m["times_s"] for m in mine]))],
         }
         row = rows[label]
         row["meets_target"] = (None if row["target"] is None else
-                               row["speedup"] >= row["target"] and (row["pct_of_ideal"] or 0) >= TARGET_PCT)
+                               row["speedup"] >= row["target"] and (row["pct_of_ideal"] or 0) >= TARGET_PCT
+                               and not row["skipped_steps"])  # skipped steps did less work
     return {"methods": rows, "fp32_s": statistics.median(all_fp32) if all_fp32 else None,
             "floor_s": statistics.median(all_floor) if all_floor else None}
 
@@ -109,6 +111,8 @@ def markdown(raw, summary):
                                                    + ("met" if r["meets_target"] else "**missed**"))
         pct = "–" if r["pct_of_ideal"] is None else f"{r['pct_of_ideal']:.0f}%"
         kinds = f" ({'/'.join(r['kinds'])})" if r["kinds"] else ""
+        if r.get("skipped_steps"):  # a skipped (non-finite) step does less work: not comparable
+            kinds += f" **{r['skipped_steps']} timed step(s) skipped, not finite**"
         lines.append(f"| {label}{kinds} | {1e3 * r['median_s']:.0f} | {1e3 * r['fp32_s']:.0f} | "
                      f"{1e3 * r['floor_s']:.0f} | {r['sent_mb']:.2f} | {1e3 * r['wire_s']:.0f} | "
                      f"{1e3 * r['ideal_s']:.0f} | {r['speedup']:.2f}x | "

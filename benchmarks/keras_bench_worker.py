@@ -117,8 +117,9 @@ class Method:
             opt = hq.DistributedOptimizer(keras.optimizers.Adam(args.lr), compression=hq.Compression.none)
         elif label.startswith("opt="):
             name = label[len("opt="):]
-            opt = {"onebit_adam": lambda: hq.OnebitAdam(args.lr, freeze_step=2),
-                   "zero_one_adam": lambda: hq.ZeroOneAdam(args.lr, var_freeze_step=1),
+            lr = args.onebit_adam_lr
+            opt = {"onebit_adam": lambda: hq.OnebitAdam(lr, freeze_step=2),
+                   "zero_one_adam": lambda: hq.ZeroOneAdam(lr, var_freeze_step=1),
                    "binsgdm": lambda: hq.BinSGDM(args.lr)}[name]()
             self.warmup = {"onebit_adam": 4, "zero_one_adam": 3, "binsgdm": 2}[name]
         else:
@@ -168,6 +169,12 @@ class Method:
     def kind(self):
         kind = getattr(self.opt, "last_step_kind", None)
         return kind if isinstance(kind, str) else ""
+
+    def skipped(self):
+        """Steps the optimizer skipped so far (values not finite: such a step does less
+        work, so timed ones are reported); 0 for optimizers that never skip."""
+        count = getattr(self.opt, "skipped_steps", None)
+        return int(float(count)) if count is not None else 0
 
 
 def barrier():
@@ -234,6 +241,7 @@ def measure(args):
             f"{sent / 1e6:.2f} MB sent per step; last step {method.kind() or '-'}")
         times = {label: [], "fp32": [], "floor": []}
         kinds = set()
+        skipped_before = method.skipped()
         for rep in range(args.repeats):
             order = [label, "fp32", "floor"]
             order = order[rep % 3:] + order[:rep % 3]
@@ -245,8 +253,11 @@ def measure(args):
                     kinds.add(method.kind())
             log(f"  round {rep + 1}/{args.repeats}: " + ", ".join(
                 f"{name} {1e3 * statistics.median(times[name][-args.chunk:]):.0f} ms" for name in (label, "fp32", "floor")))
+        skipped = method.skipped() - skipped_before
+        if skipped:
+            log(f"{label}: {skipped} timed step(s) skipped (values not finite): not comparable")
         results[label] = {"times_s": times[label], "fp32_s": times["fp32"], "floor_s": times["floor"],
-                          "sent_bytes": sent, "kinds": sorted(kinds)}
+                          "sent_bytes": sent, "kinds": sorted(kinds), "skipped_steps": skipped}
         del method
         gc.collect()
         RESULTS.release()
@@ -272,6 +283,13 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=VOCAB, help="tokens in the embedding and the head "
                                                               "(a smaller model for a quick look)")
     p.add_argument("--lr", type=float, default=1e-4)
+    # Their variance is frozen after one or two steps (so that every timed step is a 1-bit
+    # one), and Adam's step is then many times the learning rate: with --chunk 3, 15 of 15
+    # timed steps were skipped (values not finite) at 1e-4, 9 at 1e-5, none at 1e-7
+    # (2026-11-26). A skipped step does less work; the job reports any. See also
+    # cluster_worker.ONEBIT_ADAM_LR.
+    p.add_argument("--onebit-adam-lr", type=float, default=1e-7,
+                   help="learning rate of OnebitAdam and ZeroOneAdam (default 1e-7)")
     p.add_argument("--out", default="", help="rank 0 writes the raw results here (JSON)")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]

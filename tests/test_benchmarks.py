@@ -252,3 +252,9 @@ def test_keras_benchmark_speed_up_and_share_of_the_ideal(tmp_path):
     table = bench_keras.write_outputs(tmp_path, raw, ["bench_keras.py"])
     assert "| ef_sign | 400 | 2100 | 300 | 12.50 | 100 | 400 | 5.25x | 5.25x | 100% | 3.5x, 85%: met |" in table
     assert (tmp_path / "speedup.png").stat().st_size > 0 and (tmp_path / "results.json").exists()
+    # Skipped (non-finite) timed steps did less work: flagged, and no target is met with them.
+    rank1["ef_sign"]["skipped_steps"] = 3
+    ef = bench_keras.summarize(raw)["methods"]["ef_sign"]
+    assert ef["skipped_steps"] == 3 and not ef["meets_target"]
+    table = bench_keras.write_outputs(tmp_path, raw, ["bench_keras.py"])
+    assert "| ef_sign **3 timed step(s) skipped, not finite** | 400 |" in table and "**missed**" in table
