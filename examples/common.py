@@ -172,7 +172,10 @@ class Reporter:
                   + (f"  comm rounds {int(rounds)}" if rounds is not None else "")
                   + (f"  steps {_kinds_text(row['kind_counts'])}" if kinds is not None else ""), flush=True)
 
-    def finish(self, fp32_bytes_per_step):
+    def finish(self, fp32_bytes_per_step, skipped_steps=None):
+        """The run's summary (printed by rank 0, and written to ``--json``).
+        ``skipped_steps``: steps a 1-bit optimizer left out because values were not
+        finite (None for optimizers that never skip)."""
         summary = {"label": self.label, "ranks": self.size, "compression": self.args.compression,
                    "options": parse_options(self.args.option), "path": self.args.path,
                    "epochs": self.args.epochs, "seed": self.args.seed,
@@ -187,6 +190,7 @@ class Reporter:
                    # the whole run (every epoch has the same steps): warm-ups included
                    "mean_bytes_per_step": float(np.mean([h["bytes_per_step"] for h in self.history])),
                    "fp32_allreduce_bytes_per_step": fp32_bytes_per_step,
+                   "skipped_steps": None if skipped_steps is None else int(skipped_steps),
                    "mean_step_time_ms": float(np.mean([h["step_time_ms"] for h in self.history])),
                    # the second half of the epochs: no tracing, warm-ups mostly over
                    "late_step_time_ms": float(np.mean([h["step_time_ms"]
@@ -198,7 +202,9 @@ class Reporter:
             print(f"[{self.label}] final test accuracy {summary['final_test_accuracy']:.4f}; "
                   f"{summary['bytes_per_step']:,.0f} bytes/step/rank in the last epoch "
                   f"({ratio:.1f}x fewer than an fp32 allreduce), {summary['mean_bytes_per_step']:,.0f} on average"
-                  + (f"; {rounds} communication rounds" if rounds is not None else ""), flush=True)
+                  + (f"; {rounds} communication rounds" if rounds is not None else "")
+                  + (f"; {skipped_steps} step(s) skipped (values not finite)" if skipped_steps else ""),
+                  flush=True)
             if self.args.json:
                 with open(self.args.json, "w") as f:
                     json.dump(summary, f, indent=1)

@@ -182,7 +182,8 @@ def print_table(args, results, where):
         bt = base.get("time_to_target_s")
         up = f"{bt / t:.2f}x" if t and bt else "–"
         rounds = r.get("comm_rounds")
-        print(f"| {label(r)} | {r['final_test_accuracy']:.4f} | {sent:,.0f} | {ratio:.1f}x | "
+        skipped = f" ({r['skipped_steps']} steps skipped: not finite)" if r.get("skipped_steps") else ""
+        print(f"| {label(r)}{skipped} | {r['final_test_accuracy']:.4f} | {sent:,.0f} | {ratio:.1f}x | "
               f"{'–' if rounds is None else rounds} | {r['mean_step_time_ms']:.1f} | {late:.1f} | {step_up:.2f}x | "
               f"{tt} | {up} | {r['train_time_s']:.1f} |")
 

@@ -133,7 +133,7 @@ def main():
         loss = float(hvd.allreduce(torch.tensor(np.mean(losses)), name=f"loss{epoch}"))
         kinds = collections.Counter(opt.step_kinds) if hasattr(opt, "step_kinds") else None
         report.epoch(epoch, loss, acc, sent, step_time, steps, getattr(opt, "comm_rounds", None), kinds)
-    report.finish(fp32_bytes)
+    report.finish(fp32_bytes, getattr(opt, "skipped_steps", None))
 
 
 def _bytes(opt, compression, ddp_bytes=None, steps=0):

@@ -95,7 +95,7 @@ def main():
         acc = float(np.mean(np.argmax(logits, 1) == y_test))
         loss = float(hvd.allreduce(tf.constant(np.mean(losses)), name=f"loss{epoch}"))
         report.epoch(epoch, loss, acc, sent, step_time, steps, rounds, kinds)
-    report.finish(fp32_bytes)
+    report.finish(fp32_bytes, int(float(opt.skipped_steps)) if one_bit else None)
 
 
 def _check_bytes(args):
