@@ -80,6 +80,10 @@ def test_unpack_scaled_sum_is_bit_exact(d, rows, threads):
     for b in (None, base):
         np.testing.assert_array_equal(unpack_scaled_sum(K, packed, scales, counts, d, base=b),
                                       unpack_scaled_sum(B, packed, scales, counts, d, base=b))
+    # Decoded over base itself (onebit's server stage): the same floats.
+    buf = base.copy()
+    assert unpack_scaled_sum(K, packed, scales, counts, d, base=buf, out=buf) is buf
+    np.testing.assert_array_equal(buf, unpack_scaled_sum(B, packed, scales, counts, d, base=base))
 
 
 @pytest.mark.parametrize("d", SIZES)

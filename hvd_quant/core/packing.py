@@ -101,8 +101,8 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None):
     base : float32 tensor of ``numel`` elements or None
         Added after the sum (a server-side residual, say).
     out : float32 tensor of ``numel`` elements or None
-        Written with the result on the fast path (no fresh buffer); the generic path
-        ignores it. Use the returned tensor either way.
+        Written with the result on the fast path (no fresh buffer); it may be ``base``
+        itself. The generic path ignores it. Use the returned tensor either way.
 
     Notes
     -----

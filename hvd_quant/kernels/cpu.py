@@ -276,10 +276,13 @@ def _unpack_scaled_sum(packed, scales, bounds, base, out):
         for k in prange((end - first + UNPACK_PIECE - 1) // UNPACK_PIECE):
             a = first + k * UNPACK_PIECE
             b = min(end, a + UNPACK_PIECE)
+            # The piece of base is read first (into the L1 cache), so that out may be base
+            # itself: onebit's server stage decodes over its residual, with no new buffer.
+            kept = base[8 * a:8 * b].copy() if has_base else base
             for r in range(rows):
                 _unpack_row(packed[r][a:b], col[r], r > 0, out[8 * a:8 * b])
             if has_base:
-                _add_into(out[8 * a:8 * b], base[8 * a:8 * b])
+                _add_into(out[8 * a:8 * b], kept)
     for b in _general_bytes(bounds):
         for i in range(8 * b, min(d, 8 * b + 8)):
             s = _segment_of(bounds, i)
@@ -294,7 +297,7 @@ def _unpack_scaled_sum(packed, scales, bounds, base, out):
 def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None):
     """``packing.unpack_scaled_sum``: ``sum_r scales[r, seg(i)] * sign_r(i)`` for rows
     ``r`` of packed sign bytes, summed in row order in float32, plus ``base`` (if given)
-    after the sum."""
+    after the sum; ``out`` may be ``base`` itself."""
     out = np.empty(d, np.float32) if out is None else out
     if d == 0:
         return out
