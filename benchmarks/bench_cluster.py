@@ -140,6 +140,7 @@ def markdown_table(run):
             f"model step, {cfg['numel']:,} parameters, batch {cfg['batch']}")
     settings = [f"torch {cfg['threads']} intra-op thread(s) per rank" if cfg.get("threads") else None,
                 cfg.get("kernel_threads"), "THP_MEM_ALLOC_ENABLE=1" if cfg.get("thp") else None,
+                "torch Adam with fused=True (--adam-fused)" if cfg.get("adam_fused") else None,
                 f"CPUs per host {cfg['cpus']}" if cfg.get("cpus") else None]
     lines = [f"### {run['rate']}, {run['hosts']} hosts x {run['slots']} rank(s), {run['case']} ({what})", "",
              f"median of {cfg['repeats']} repeats (slowest rank per repeat); copy bandwidth "

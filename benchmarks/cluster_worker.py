@@ -351,8 +351,10 @@ def optimizer_step(ctx, make_optimizer, warmup=3, touched=touched_sgd_step, buff
 
 
 def adam(params, args):
-    """The base optimizer of every fp32 and compressor row (the 1-bit optimizers replace it)."""
-    return torch.optim.Adam(params, lr=args.lr)
+    """The base optimizer of every fp32 and compressor row (the 1-bit optimizers replace it):
+    torch's default Adam, or its fused CPU kernel with ``--adam-fused`` (the tuning guide's
+    tip, reported in the table's settings)."""
+    return torch.optim.Adam(params, lr=args.lr, **({"fused": True} if args.adam_fused else {}))
 
 
 # --- Horovod's own allreduce ------------------------------------------------------------------
@@ -787,6 +789,7 @@ def measure(args):
     result = {
         "config": {"case": args.case, "ranks": size, "local_size": hvd.local_size(), "numel": ctx.numel,
                    "repeats": args.repeats, "threads": threads, "threads_arg": args.threads,
+                   "adam_fused": bool(args.adam_fused),
                    "kernel_threads": kernel_threads.describe(), "seed": args.seed,
                    "protocol": "paired",
                    "hosts": int(os.environ.get("HVDQ_CLUSTER_HOSTS", 0)) or None,
@@ -829,6 +832,9 @@ def main(argv=None):
                         "cores / ranks on this host)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--adam-fused", action="store_true",
+                   help="torch.optim.Adam(fused=True) for the fp32, DDP, compressor and floor rows "
+                        "(default: torch's default Adam, as a user's script has it)")
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dim", type=int, default=384)
