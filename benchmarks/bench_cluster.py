@@ -133,6 +133,13 @@ def summarize(raw, rate_bps):
     return {"copy_s": copy_s, "copy_gbps": copy_bw / 1e9, "compute_floor_s": floor, "methods": rows}
 
 
+def skipped_label(count):
+    """What a table row's name gets when ``count`` of its timed steps were skipped by the
+    optimizer (values not finite): such a step does less work, so the row is not
+    comparable. Empty for none."""
+    return f" **{count} timed step(s) skipped, not finite**" if count else ""
+
+
 def markdown_table(run):
     """One markdown table for one job (``run`` as stored in results.json)."""
     s, cfg = run["summary"], run["raw"]["config"]
@@ -158,9 +165,7 @@ def markdown_table(run):
     def pct(v):
         return f"{v:.0f}%" if v is not None else "–"
     for name, r in s["methods"].items():
-        kinds = f" ({'/'.join(r['kinds'])})" if r["kinds"] else ""
-        if r.get("skipped_steps"):  # a skipped (non-finite) step does less work: not comparable
-            kinds += f" **{r['skipped_steps']} timed step(s) skipped, not finite**"
+        kinds = (f" ({'/'.join(r['kinds'])})" if r["kinds"] else "") + skipped_label(r.get("skipped_steps"))
         lines.append(f"| {name}{kinds} | {1e3 * r['median_s']:.1f} | {x(r['speedup_vs_horovod_fp32'])} | "
                      f"{x(r['speedup_vs_ddp_powersgd'])} | {r['sent_mb']:.2f} | {1e3 * r['ideal_s']:.1f} | "
                      f"{pct(r['pct_of_ideal'])} | {pct(r['pct_of_roofline'])} |")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from hvd_quant.cluster import ClusterUnavailable, EmulatedCluster, JobTimeout, format_rate, parse_rate  # noqa: E402
 
-from bench_cluster import ProgressFilter  # noqa: E402  (benchmarks/ is on the path as the script's folder)
+from bench_cluster import ProgressFilter, skipped_label  # noqa: E402  (benchmarks/ is on the path as the script's folder)
 
 #: Speed-up targets against the fp32 allreduce (issue 19), with 85% of the ideal saving.
 TARGETS = {"ef_sign": 3.5, "marsit": 3.5, "onebit": 3.5, "opt=onebit_adam": 3.5, "opt=zero_one_adam": 3.5,
@@ -110,9 +110,7 @@ def markdown(raw, summary):
         target = "–" if r["target"] is None else (f"{r['target']:.1f}x, {TARGET_PCT:.0f}%: "
                                                    + ("met" if r["meets_target"] else "**missed**"))
         pct = "–" if r["pct_of_ideal"] is None else f"{r['pct_of_ideal']:.0f}%"
-        kinds = f" ({'/'.join(r['kinds'])})" if r["kinds"] else ""
-        if r.get("skipped_steps"):  # a skipped (non-finite) step does less work: not comparable
-            kinds += f" **{r['skipped_steps']} timed step(s) skipped, not finite**"
+        kinds = (f" ({'/'.join(r['kinds'])})" if r["kinds"] else "") + skipped_label(r.get("skipped_steps"))
         lines.append(f"| {label}{kinds} | {1e3 * r['median_s']:.0f} | {1e3 * r['fp32_s']:.0f} | "
                      f"{1e3 * r['floor_s']:.0f} | {r['sent_mb']:.2f} | {1e3 * r['wire_s']:.0f} | "
                      f"{1e3 * r['ideal_s']:.0f} | {r['speedup']:.2f}x | "

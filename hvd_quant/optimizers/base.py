@@ -182,14 +182,18 @@ class StepContext:
         ``x`` when it is writable, the step is kept and the verdict is this group's alone
         (not :attr:`GroupState.deferred`: a skip in another group must leave ``x`` as it
         was), else None (a fresh buffer, see :meth:`x_buffer`)."""
-        return self.x if self.x_writable and not self.state.deferred and bool(ok) else None
+        return self.x if self._writes_in_place(ok) else None
 
     def into_slot(self, name, ok):
         """Where a step whose verdict is ``ok`` may write the new value of slot ``name``
         in place (0/1 Adam's momentum after a sync): the slot itself on the same terms as
         :meth:`into_x` (the adapter lets kernels write its memory, the step is kept and
         the verdict is this group's alone), else None. Its commit then copies nothing."""
-        return self.state.slot(name) if self.x_writable and not self.state.deferred and bool(ok) else None
+        return self.state.slot(name) if self._writes_in_place(ok) else None
+
+    def _writes_in_place(self, ok):
+        # x_writable first: in a graph (TensorFlow) it is False and ``ok`` is a tensor.
+        return self.x_writable and not self.state.deferred and bool(ok)
 
     def x_buffer(self):
         """Where new parameters go when not into ``x``: while the verdict is open (several
