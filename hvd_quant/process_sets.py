@@ -10,6 +10,8 @@ Without them, each row/column hop is routed through one global alltoall instead
 (:class:`hvd_quant.core.comm.RoutedGroup`); results are identical either way.
 """
 
+from .core.hierarchical import horovod_ranks_per_node
+
 _CREATED = []  # every ProcessSet made here; hvd.init() fills in their ids
 
 
@@ -89,6 +91,13 @@ class ProcessSetTorus:
         self.rank = self.process_set.rank()
         self.size = self.process_set.size()
         self.__dict__.pop("_torus", None)
+
+    def ranks_per_node(self):
+        """Ranks per host from Horovod's local and cross sizes (the global process set
+        only, with every host holding as many ranks, numbered host by host; else None)."""
+        if self.process_set.process_set_id != 0:
+            return None
+        return horovod_ranks_per_node(self._horovod)
 
     def subgroups(self, rows):
         """Row and column rings of a torus: over Horovod process sets when they were

@@ -421,3 +421,43 @@ def test_compressed_reduction_identical_to_loopback(can_run, tmp_path):
     assert cluster == loopback
     assert set(cluster[0]) == {"none", "ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2",
                                "global_qsgd_exp", "onebit", "horovod_fp32"}
+
+
+MARSIT_HOSTS = """
+import hashlib, json, sys
+import torch
+import horovod.torch as hvd
+import hvd_quant.torch as hq
+
+hvd.init()
+torch.set_num_threads(1)
+out = {"ranks_per_node": hq.HorovodTorchComm().ranks_per_node()}
+for label, options in [("default", {}), ("torus", {"topology": "torus", "torus_rows": 2}),
+                       ("ring", {"topology": "ring"})]:
+    w = torch.nn.Parameter(torch.zeros(10_000))
+    opt = hq.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)],
+                                  compression=hq.Compression.marsit(seed=3, **options))
+    w.grad = torch.randn(10_000, generator=torch.Generator().manual_seed(hvd.rank()))
+    opt.synchronize()
+    out[label] = hashlib.sha256(w.grad.numpy().tobytes()).hexdigest()
+with open(f"{sys.argv[1]}/rank{hvd.rank()}.json", "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_marsit_follows_the_hosts(can_run, tmp_path):
+    """2 hosts x 2 ranks: Horovod's local and cross sizes give 2 ranks per host, and
+    Marsit's default topology is the torus of the hosts (the same bits as
+    ``topology="torus", torus_rows=2``, not the ring's), identical on every rank."""
+    from horovod_launch import load_rank_results
+
+    script = tmp_path / "marsit_hosts.py"
+    script.write_text(MARSIT_HOSTS)
+    with EmulatedCluster(hosts=2, slots=2, rate="1gbit", log=quiet) as c:
+        c.run_horovod([PY, script, tmp_path], timeout=150, check=True,
+                      env={"PYTHONPATH": str(ROOT), "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"})
+    ranks = load_rank_results(tmp_path, 4)
+    assert all(r == ranks[0] for r in ranks), ranks
+    assert ranks[0]["ranks_per_node"] == 2
+    assert ranks[0]["default"] == ranks[0]["torus"] != ranks[0]["ring"]

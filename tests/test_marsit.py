@@ -11,7 +11,8 @@ from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import pack_signs, packed_sign_bytes, unpack_signs
 from hvd_quant.core.ring import chunk_bounds, ring_allreduce, torus_allreduce
-from hvd_quant.core.runner import CompressorRunner
+from hvd_quant.core.hierarchical import ranks_per_node_of
+from hvd_quant.core.runner import CompressorRunner, RankDisagreement
 from hvd_quant.core.simulate import ThreadWorld
 
 B = NumpyBackend()
@@ -395,3 +396,68 @@ def test_a_failing_ring_waits_for_the_residual_helper(monkeypatch):
     with pytest.raises(RuntimeError, match="did not complete"):
         runner.reduce(x, SoloComm(), "g", SEGMENTS)
     assert handles == [[True]]  # the helper was started, and joined before the error left
+
+
+# --- topology="auto": a torus along the hosts when the layout is known ------------------
+def run_on_hosts(compressor, xs, ranks_per_node):
+    """One step on a thread world whose communicators report ``ranks_per_node[rank]``
+    (what Horovod's local and cross sizes give a real job); the first-step agreement
+    check runs too. Returns (outs, meters)."""
+    n = len(xs)
+    runners = [CompressorRunner(compressor, B) for _ in range(n)]
+    world = ThreadWorld(n)
+
+    def body(c):
+        c.ranks_per_node = lambda: ranks_per_node[c.rank]
+        runners[c.rank].check_once(c, "g")
+        return runners[c.rank].reduce(xs[c.rank], c, "g", SEGMENTS)
+    return world.run(body), world.meters
+
+
+@pytest.mark.parametrize("n,k", [(4, 2), (6, 3), (6, 2)])
+def test_auto_topology_is_the_torus_of_the_hosts(n, k):
+    xs = random_xs(n, 1)[0]
+    auto, _ = run_on_hosts(MarsitCompressor(), xs, [k] * n)
+    torus, _ = run_on_hosts(MarsitCompressor(topology="torus", torus_rows=n // k), xs, [None] * n)
+    for a, t in zip(auto, torus):
+        np.testing.assert_array_equal(a, t)
+    assert MarsitCompressor().layout(_Layout(n, k)) == n // k
+    assert CascadingSignCompressor().layout(_Layout(n, k)) == n // k  # the same hops as its baseline
+
+
+@pytest.mark.parametrize("layout", [[None] * 4, [1] * 4, [4] * 4])
+def test_auto_topology_is_a_ring_without_hosts_to_follow(layout):
+    """Unknown layout, one rank per host, or one host: the plain ring."""
+    xs = random_xs(4, 1)[0]
+    auto, _ = run_on_hosts(MarsitCompressor(), xs, layout)
+    ring, _ = run_on_hosts(MarsitCompressor(topology="ring"), xs, layout)
+    for a, r in zip(auto, ring):
+        np.testing.assert_array_equal(a, r)
+
+
+def test_auto_topology_on_uneven_hosts_fails_fast_and_says_why():
+    """Ranks that derive different layouts (hosts of 1, 3 and 2 ranks can look even from
+    one rank) are stopped by the agreement check before any hop, on every rank."""
+    with pytest.raises(RankDisagreement, match="node layout.*topology='ring'"):
+        run_on_hosts(MarsitCompressor(), random_xs(6, 1)[0], [None, None, None, None, 2, None])
+    # An explicit topology derives nothing from the hosts: no disagreement.
+    run_on_hosts(MarsitCompressor(topology="ring"), random_xs(6, 1)[0], [None] * 4 + [2, None])
+
+
+class _Layout:
+    def __init__(self, size, k):
+        self.size, self._k = size, k
+
+    def ranks_per_node(self):
+        return self._k
+
+
+def test_ranks_per_node_of_needs_even_hosts_numbered_host_by_host():
+    # 2 hosts x 2 ranks, rank = cross_rank * local_size + local_rank.
+    assert ranks_per_node_of(3, 1, 2, 1, 2, size=4) == 2
+    assert ranks_per_node_of(1, 1, 2, 1, 2, size=4) is None  # numbered round-robin
+    assert ranks_per_node_of(0, 0, 4, 0, 1, size=4) is None  # one host
+    assert ranks_per_node_of(0, 0, 1, 0, 4, size=4) is None  # one rank per host
+    # Hosts of 3 and 1 ranks: 3 x 2 != 4 and 3 x 1 != 4 on the first host.
+    assert ranks_per_node_of(0, 0, 3, 0, 2, size=4) is None
+    assert ranks_per_node_of(1, 1, 3, 0, 1, size=4) is None

@@ -72,6 +72,15 @@ class Communicator:
         ``source = rank - 1``, modulo ``size``)."""
         raise NotImplementedError
 
+    def ranks_per_node(self):
+        """Optional hook: ``k`` when this communicator's ranks lie node by node, ``k``
+        contiguous ranks on each of ``size // k`` nodes (more than one node, more than one
+        rank each); ``None`` when they do not or it is not known (the default). Methods
+        that can follow the node boundary read it (Marsit's ``topology="auto"``); ranks
+        that derive different layouts from it are stopped by the first-step agreement
+        check (``CompressorRunner.check_once``)."""
+        return None
+
     def subgroups(self, rows):
         """Optional hook: the row and column communicators of a 2D torus of this
         communicator's ranks, ``(row_comm, col_comm)``. Used by torus allreduce

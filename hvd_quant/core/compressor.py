@@ -104,6 +104,12 @@ class Compressor:
     def validate(self, world_size):
         """Raise ``ValueError`` when the options cannot work with ``world_size`` ranks."""
 
+    def layout(self, comm):
+        """What this compressor derives from ``comm``'s node layout (e.g. Marsit's torus
+        rows with ``topology="auto"``), or ``None`` when nothing. Every rank must derive
+        the same: the first-step agreement check compares it across ranks."""
+        return None
+
     def reduce(self, x, ctx):
         """Return every rank's estimate of ``mean_over_ranks(x)`` (flat float32).
 

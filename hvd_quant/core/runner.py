@@ -176,19 +176,24 @@ class CompressorRunner:
         structure, values = digests()
         if self.scope:
             structure = digest63(structure, self.scope)
-        row = np.array([self.compressor.fingerprint(), structure, values], dtype=np.int64)
+        layout = digest63(repr(self.compressor.layout(comm)))
+        row = np.array([self.compressor.fingerprint(), structure, values, layout], dtype=np.int64)
         gathered = comm.allgather(self.backend.constant(row, "int64"), f"hvd_quant.check.{key}")
         check_agreement(
-            self.backend.to_numpy(gathered).reshape(comm.size, 3),
+            self.backend.to_numpy(gathered).reshape(comm.size, 4),
             ["the compressor or its options", "the model's parameter names/shapes/dtypes",
-             "the model's parameter values"],
+             "the model's parameter values", "the node layout the compressor derives"],
             [f"This rank uses {self.compressor!r}; pass the same compression to every rank.",
              "Build the same model on every rank, and create the optimizers/tapes that use "
              "hvd_quant compression in the same order on every rank.",
              "Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), "
              "root_rank=0) for torch, hvd_quant.tensorflow.broadcast_variables(model.variables, "
              "root_rank=0) for TensorFlow (Keras 2 or 3), or "
-             "hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0) in model.fit."])
+             "hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0) in model.fit.",
+             f"This rank derives {self.compressor.layout(comm)!r} from its host's ranks "
+             "(hvd.local_size(), hvd.cross_size()); hosts seem to hold different numbers of "
+             "ranks. Choose the topology explicitly, the same on every rank (for Marsit: "
+             "topology='ring', or 'torus' with torus_rows)."])
         self._checked.add(key)
 
     def reset_checks(self, world_size=None):

@@ -22,6 +22,8 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
 
     allreduce_int_dtypes = ("int8", "int32", "int64")
 
+    _horovod = hvd  # ProcessSetTorus.ranks_per_node reads the layout from it
+
     def __init__(self, process_set=None):
         super().__init__()
         self.process_set = process_set if process_set is not None else hvd.global_process_set

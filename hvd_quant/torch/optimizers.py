@@ -82,7 +82,7 @@ import horovod.torch as hvd
 
 from ..core.runner import RankDisagreement, check_agreement, digest63, values_digest63
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
-from ..core.hierarchical import ranks_per_node_of
+from ..core.hierarchical import horovod_ranks_per_node
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
 from ..optimizers.binsgdm import single_beta
@@ -366,9 +366,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._comm.refresh()
         new = (self._comm.rank, self._comm.size)
         if getattr(self, "_auto_ranks_per_node", False):
-            self._rule = BinSGDMRule(ranks_per_node=ranks_per_node_of(
-                hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()),
-                seed=self._seed)
+            self._rule = BinSGDMRule(ranks_per_node=horovod_ranks_per_node(hvd), seed=self._seed)
         self._rule.validate(new[1])
         self._groups = {}
         self._checked = False
@@ -541,8 +539,7 @@ class BinSGDM(RuleOptimizer):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:
-            ranks_per_node = ranks_per_node_of(hvd.rank(), hvd.local_rank(), hvd.local_size(),
-                                               hvd.cross_rank(), hvd.cross_size())
+            ranks_per_node = horovod_ranks_per_node(hvd)
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
                          named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense)
