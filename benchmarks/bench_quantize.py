@@ -22,7 +22,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 from hvd_quant import kernels
