@@ -29,7 +29,8 @@ Per step, per rank::
 
     p     = x + e                         # e = residual ("residual" state), 0 at first
     bits  = pack_signs(p)                 # 1 bit per element (x >= 0 -> 1)
-    s_hat = unpack(ring_allreduce(bits, MarsitSelect))   # identical on every rank
+    s_hat = unpack(ring_allreduce(bits, MarsitSelect))   # identical on every rank; a torus
+                                                         # along the hosts where they are known
     alpha = mean over ranks of mean|p| per parameter  (one small float32 allgather,
             summed in rank order so every rank gets the same bits)
             or a constant (no float on the wire)
