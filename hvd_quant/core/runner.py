@@ -176,8 +176,9 @@ class CompressorRunner:
         structure, values = digests()
         if self.scope:
             structure = digest63(structure, self.scope)
-        layout = digest63(repr(self.compressor.layout(comm)))
-        row = np.array([self.compressor.fingerprint(), structure, values, layout], dtype=np.int64)
+        layout = self.compressor.layout(comm)
+        row = np.array([self.compressor.fingerprint(), structure, values, digest63(repr(layout))],
+                       dtype=np.int64)
         gathered = comm.allgather(self.backend.constant(row, "int64"), f"hvd_quant.check.{key}")
         check_agreement(
             self.backend.to_numpy(gathered).reshape(comm.size, 4),
@@ -190,7 +191,7 @@ class CompressorRunner:
              "root_rank=0) for torch, hvd_quant.tensorflow.broadcast_variables(model.variables, "
              "root_rank=0) for TensorFlow (Keras 2 or 3), or "
              "hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0) in model.fit.",
-             f"This rank derives {self.compressor.layout(comm)!r} from its host's ranks "
+             f"This rank derives {layout!r} from its host's ranks "
              "(hvd.local_size(), hvd.cross_size()); hosts seem to hold different numbers of "
              "ranks. Choose the topology explicitly, the same on every rank (for Marsit: "
              "topology='ring', or 'torus' with torus_rows)."])
