@@ -55,17 +55,17 @@ def node_layout(world_size, ranks_per_node):
     return world_size // k, k
 
 
-def ranks_per_node_of(rank, local_rank, local_size, cross_rank, cross_size, size=None):
+def ranks_per_node_of(rank, local_rank, local_size, cross_rank, cross_size, size):
     """Ranks per node from Horovod's local and cross ranks when ranks are laid out node by
-    node (``rank = cross_rank * local_size + local_rank``) and, given ``size``, every node
-    seems to hold as many (``local_size * cross_size == size``); ``None`` (flat) otherwise
-    or with one node or one rank per node.
+    node (``rank = cross_rank * local_size + local_rank``) and every node seems to hold as
+    many (``local_size * cross_size == size``); ``None`` (flat) otherwise or with one node
+    or one rank per node.
 
     A rank sees only its own node, so an uneven layout can still look even from some
     ranks (hosts of 1, 3 and 2 ranks: the first rank of the third host sees 2 x 3 = 6);
     whoever relies on the answer agreeing must check it across ranks (the compressors'
     first-step agreement check does, see ``CompressorRunner.check_once``)."""
-    if size is not None and local_size * cross_size != size:
+    if local_size * cross_size != size:
         return None
     if local_size > 1 and cross_size > 1 and rank == cross_rank * local_size + local_rank:
         return local_size
