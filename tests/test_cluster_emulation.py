@@ -429,7 +429,8 @@ import torch
 import horovod.torch as hvd
 import hvd_quant.torch as hq
 
-hvd.init()
+three = hvd.ProcessSet([0, 1, 2])  # 2 ranks of host 0, 1 of host 1: no even layout
+hvd.init(process_sets=[three])
 torch.set_num_threads(1)
 out = {"ranks_per_node": hq.HorovodTorchComm().ranks_per_node()}
 for label, options in [("default", {}), ("torus", {"topology": "torus", "torus_rows": 2}),
@@ -440,6 +441,15 @@ for label, options in [("default", {}), ("torus", {"topology": "torus", "torus_r
     w.grad = torch.randn(10_000, generator=torch.Generator().manual_seed(hvd.rank()))
     opt.synchronize()
     out[label] = hashlib.sha256(w.grad.numpy().tobytes()).hexdigest()
+w = torch.nn.Parameter(torch.zeros(10_000))
+out["binsgdm_global"] = hq.BinSGDM([w], lr=0.1)._rule.ranks_per_node
+if three.included():  # the automatic layout is the set's (flat), not the world's 2 per host
+    opt = hq.BinSGDM([w], lr=0.1, named_parameters=[("w", w)], process_set=three)
+    w.grad = torch.randn(10_000, generator=torch.Generator().manual_seed(hvd.rank()))
+    opt.step()
+    out["binsgdm_set"] = [opt._rule.ranks_per_node,
+                          hashlib.sha256(w.detach().numpy().tobytes()).hexdigest()]
+hvd.allreduce(torch.zeros(1), name="done")  # rank 3 must not leave while the set works
 with open(f"{sys.argv[1]}/rank{hvd.rank()}.json", "w") as f:
     json.dump(out, f)
 """
@@ -449,7 +459,8 @@ with open(f"{sys.argv[1]}/rank{hvd.rank()}.json", "w") as f:
 def test_marsit_follows_the_hosts(can_run, tmp_path):
     """2 hosts x 2 ranks: Horovod's local and cross sizes give 2 ranks per host, and
     Marsit's default topology is the torus of the hosts (the same bits as
-    ``topology="torus", torus_rows=2``, not the ring's), identical on every rank."""
+    ``topology="torus", torus_rows=2``, not the ring's), identical on every rank. BinSGDM's
+    automatic hierarchy follows the hosts too, but only on the global process set."""
     from horovod_launch import load_rank_results
 
     script = tmp_path / "marsit_hosts.py"
@@ -458,6 +469,12 @@ def test_marsit_follows_the_hosts(can_run, tmp_path):
         c.run_horovod([PY, script, tmp_path], timeout=150, check=True,
                       env={"PYTHONPATH": str(ROOT), "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"})
     ranks = load_rank_results(tmp_path, 4)
+    assert "binsgdm_set" not in ranks[3]
+    ranks[3]["binsgdm_set"] = ranks[0].get("binsgdm_set")
     assert all(r == ranks[0] for r in ranks), ranks
     assert ranks[0]["ranks_per_node"] == 2
     assert ranks[0]["default"] == ranks[0]["torus"] != ranks[0]["ring"]
+    # BinSGDM's automatic layout: the hosts on the global set; flat on a set of 3 ranks
+    # that spans the hosts unevenly (it once took the world's 2 and refused: 3 % 2 != 0).
+    assert ranks[0]["binsgdm_global"] == 2
+    assert ranks[0]["binsgdm_set"][0] is None

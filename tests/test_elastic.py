@@ -579,3 +579,27 @@ def test_tf_elastic_refuses_what_cannot_survive_a_reset():
     b._hq_rule = type(b._hq_rule)(ranks_per_node=2, seed=0)
     with pytest.raises(ValueError):
         b.elastic_reset()
+    # An automatic ranks_per_node is the layout of the optimizer's own process set: flat
+    # on a set that is not the global one, even where the world has 2 ranks per host.
+    class ThreeRanks:  # stands for hvd.ProcessSet([0, 1, 2]) of a 2 x 2 job
+        process_set_id = 1
+
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 3
+
+    two_by_two = dict(rank=0, local_rank=0, local_size=2, cross_rank=0, cross_size=2, size=4)
+    original = {name: getattr(hvd, name) for name in two_by_two}
+    try:
+        for name, value in two_by_two.items():
+            setattr(hvd, name, lambda value=value: value)
+        assert hq.BinSGDM(learning_rate=0.01)._hq_rule.ranks_per_node == 2  # (the world's)
+        b = hq.BinSGDM(learning_rate=0.01, process_set=ThreeRanks())
+        assert b._hq_rule.ranks_per_node is None
+        b.elastic_reset()
+        assert b._hq_rule.ranks_per_node is None
+    finally:
+        for name, fn in original.items():
+            setattr(hvd, name, fn)

@@ -61,7 +61,6 @@ from keras.optimizers import LossScaleOptimizer
 
 from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
-from ..core.hierarchical import horovod_ranks_per_node
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
 from ..optimizers.binsgdm import single_beta
 from . import kernels
@@ -246,8 +245,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         comm.refresh()
         new = (comm.rank, comm.size)
         if getattr(self, "_hq_auto_ranks_per_node", False):
-            import horovod.tensorflow as hvd
-            self._hq_rule = BinSGDMRule(ranks_per_node=horovod_ranks_per_node(hvd), seed=self._hq_rule.seed)
+            self._hq_rule = BinSGDMRule(ranks_per_node=comm.ranks_per_node(), seed=self._hq_rule.seed)
         self._hq_rule.validate(new[1])
         if not self.built:
             return
@@ -419,9 +417,9 @@ class BinSGDM(RuleOptimizer):
                  **kwargs):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
-        if auto:
-            import horovod.tensorflow as hvd
-            ranks_per_node = horovod_ranks_per_node(hvd)
+        if auto:  # the layout of the ranks this optimizer reduces over, not of the world
+            from .comm import HorovodTFComm
+            ranks_per_node = HorovodTFComm(process_set).ranks_per_node()
         super().__init__(BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed), learning_rate,
                          {"betas": (beta,), "eps": 0.0, "weight_decay": weight_decay}, name,
                          process_set, sparse_as_dense=sparse_as_dense, **kwargs)

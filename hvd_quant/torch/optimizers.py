@@ -82,7 +82,6 @@ import horovod.torch as hvd
 
 from ..core.runner import RankDisagreement, check_agreement, digest63, values_digest63
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
-from ..core.hierarchical import horovod_ranks_per_node
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
 from ..optimizers.binsgdm import single_beta
@@ -366,7 +365,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._comm.refresh()
         new = (self._comm.rank, self._comm.size)
         if getattr(self, "_auto_ranks_per_node", False):
-            self._rule = BinSGDMRule(ranks_per_node=horovod_ranks_per_node(hvd), seed=self._seed)
+            self._rule = BinSGDMRule(ranks_per_node=self._comm.ranks_per_node(), seed=self._seed)
         self._rule.validate(new[1])
         self._groups = {}
         self._checked = False
@@ -528,8 +527,9 @@ class BinSGDM(RuleOptimizer):
     allreduce. See :mod:`hvd_quant.optimizers.binsgdm` (a reconstruction).
 
     ``ranks_per_node``: ranks per node of the hierarchy; ``None`` takes Horovod's local
-    size when ranks are laid out node by node (``rank = cross_rank * local_size +
-    local_rank``), else the flat 1-bit allgather. For the intra- and inter-node groups to
+    size when the global process set is used and ranks are laid out node by node (``rank =
+    cross_rank * local_size + local_rank``, every node alike), else the flat 1-bit allgather
+    (another ``process_set`` may hold any ranks of any nodes). For the intra- and inter-node groups to
     run over Horovod process sets, register them at start-up:
     ``hvd.init(process_sets=hvd_quant.node_process_sets(ranks_per_node, size))``.
     """
@@ -538,8 +538,8 @@ class BinSGDM(RuleOptimizer):
                  weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
-        if auto:
-            ranks_per_node = horovod_ranks_per_node(hvd)
+        if auto:  # the layout of the ranks this optimizer reduces over, not of the world
+            ranks_per_node = HorovodTorchComm(process_set).ranks_per_node()
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
                          named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense)
