@@ -201,7 +201,6 @@ def measure(args):
     threads = set_threads()  # before TensorFlow's runtime starts
     hvd.init()
     import keras
-    import hvd_quant.tensorflow as hq
     from hvd_quant import kernels
     from hvd_quant.kernels.buffers import RESULTS
 
