@@ -102,7 +102,7 @@ from common import powersgd_bytes  # noqa: E402  (PowerSGD's byte model, shared 
 
 import hvd_quant  # noqa: E402
 import hvd_quant.torch as hq  # noqa: E402
-from hvd_quant.core.onebit import compressed_allreduce, padded_size  # noqa: E402
+from hvd_quant.core.onebit import compressed_allreduce_compensated, padded_size  # noqa: E402
 from hvd_quant.torch.backend import TorchBackend  # noqa: E402
 from hvd_quant.torch.comm import HorovodTorchComm  # noqa: E402
 
@@ -286,11 +286,12 @@ def touched_integer(wire_bytes_per_element):
 
 
 def touched_onebit(d, n):
-    """DeepSpeed's compressed allreduce: worker RMS scale (read x, e: 2F), sign + pack +
-    residual (read 2F, write e F), server stage on F/n (read e_s, write sum, read sum twice,
-    write e_s: 5F/n), decode (write F); bit buffers (1/32 F each) neglected."""
+    """DeepSpeed's compressed allreduce, with the server's state kept compensated (as
+    hvd_quant runs it): worker RMS scale (read x, e: 2F), sign + pack + residual (read 2F,
+    write e F), server stage on F/n (read c_s, write the new c_s, read it for the scale and
+    the signs: 3F/n), decode (write F); bit buffers (1/32 F each) neglected."""
     D = padded_size(d, n)
-    return 4 * (6 * D + 5 * D / n)
+    return 4 * (6 * D + 3 * D / n)
 
 
 def touched_adam_onebit(d, n):
@@ -523,13 +524,13 @@ def onebit_allreduce_setup(ctx):
     B, comm = TorchBackend(), HorovodTorchComm()
     d, n = ctx.numel, ctx.size
     total = padded_size(d, n)
-    state = {"we": torch.zeros(total), "se": torch.zeros(total // n)}
+    state = {"we": torch.zeros(total), "cs": torch.zeros(total // n), "ss": torch.zeros(1)}
     g = ctx.weight.grad.reshape(-1)
 
     def run():
         # Decoded straight into the gradient (out=g), as hvd_quant's optimizer does.
-        out, state["we"], state["se"], _ = compressed_allreduce(B, comm, g, state["we"], state["se"],
-                                                                "bench.onebit", out=g)
+        out, state["we"], state["cs"], state["ss"], _ = compressed_allreduce_compensated(
+            B, comm, g, state["we"], state["cs"], state["ss"], "bench.onebit", out=g)
         if out.data_ptr() != g.data_ptr():  # padded buffers decode into one of their own
             g.copy_(out)
     return Step(run=run, prepare=ctx.restore_grad, bytes_counter=lambda: comm.meter.bytes_sent,

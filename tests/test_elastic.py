@@ -366,7 +366,9 @@ def test_store_adapt_world_resizes_only_buffer_slots():
     with pytest.warns(UserWarning, match="restarts from zero"):
         runner.adapt_world(1, 3, resize=resize)
     sizes3 = runner.buffer_sizes(segments, 3)
-    assert sizes3 != sizes1 and sorted(resized) == sorted(sizes3.values())
+    # Slots whose size changed are replaced; the server scale (1 element) is zeroed in place.
+    assert sizes3 != sizes1 and sorted(resized) == sorted(v for k, v in sizes3.items() if v != sizes1[k])
+    assert sizes3["server_scale"] == sizes1["server_scale"] == 1
     assert all(B.read(v).sum() == 0 for v in runner.store.variables())
     assert 1 in runner._rng  # this rank number's stream was made up front
     view = runner.context(type("C", (), {"rank": 1, "size": 3})(), "g", segments).state
@@ -463,9 +465,10 @@ def test_tf_state_commits_restores_and_syncs_by_the_rule(monkeypatch):
     shared = {id(v) for v in sent[-1]}
     kept = {v.path for v in state._all_variables() if id(v) not in shared}
     # Per rank: the compressor's error feedback and stream position, 0/1 Adam's padded
-    # error buffers. Shared: model, momentum, 0/1 Adam's moments and counters.
+    # error buffers (and server scales). Shared: model, momentum, 0/1 Adam's moments and counters.
     assert kept == {v.path for v in o1._per_rank} | {"zero_one_adam/hvd_quant_worker_error",
-                                                     "zero_one_adam/hvd_quant_server_error"}
+                                                     "zero_one_adam/hvd_quant_server_error",
+                                                     "zero_one_adam/hvd_quant_server_scale"}
     assert {"zero_one_adam/hvd_quant_exp_avg", "zero_one_adam/hvd_quant_momentum_accumulator",
             "zero_one_adam/hvd_quant_step"} <= {v.path for v in sent[-1]}
     assert any("momentum" in v.path for v in sent[-1])

@@ -209,13 +209,14 @@ def test_checkpoint_restores_error_feedback_by_name(job):
 
 
 def test_checkpoint_restores_onebit_errors(job):
-    """Compression.onebit: worker and server errors (buffer slots) saved per rank and world
-    size; a restored run continues bit for bit."""
+    """Compression.onebit: worker and server errors (buffer slots; the server's as its
+    compensated values and scale) saved per rank and world size; a restored run continues
+    bit for bit."""
     for rank in job["ranks"]:
         ckpt = _ok(rank["checkpoint_onebit"])
         np.testing.assert_array_equal(ckpt["uninterrupted"], ckpt["restored"])
         tag = f"/rank{rank['rank']}of{job['size']}/"
-        assert sorted(k.rsplit("/", 1)[1] for k in ckpt["state_keys"]) == ["server_error", "worker_error"]
+        assert sorted(k.rsplit("/", 1)[1] for k in ckpt["state_keys"]) == ["server_error", "server_scale", "worker_error"]
         assert all(k.startswith("hvd_quant.buffer/") and tag in k for k in ckpt["state_keys"])
 
 

@@ -19,7 +19,8 @@ import hvd_quant
 from hvd_quant import kernels
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.handle import CompressorHandle
-from hvd_quant.core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
+from hvd_quant.core.onebit import (compressed_allreduce, compressed_allreduce_bytes,
+                                   compressed_allreduce_compensated, padded_size, server_residual)
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.core.state import BUFFER_PREFIX, StateStore, buffer_key
@@ -66,10 +67,13 @@ def by_hand(backend, xs, steps):
 
 
 def errors(runner):
-    """(worker error, server error) of a runner with one buffer."""
+    """(worker error, server error) of a runner with one buffer, the server's in
+    DeepSpeed's form: the compressor keeps its compensated values and their scale."""
     state = runner.state_dict()
     get = lambda slot: next(v for k, v in state.items() if k.endswith("/" + slot))  # noqa: E731
-    return get("worker_error"), get("server_error")
+    server, scale = get("server_error"), get("server_scale")
+    assert scale.shape == (1,)
+    return get("worker_error"), server - np.where(server >= 0, scale, -scale)
 
 
 # --- the compressor equals the core collective -------------------------------------------------
@@ -143,7 +147,8 @@ def test_registry_and_options():
     comp = hvd_quant.get("onebit")
     assert "onebit" in hvd_quant.available()
     assert comp.stateful and not comp.multi_hop and comp.horovod_wire_dtype is None
-    assert comp.buffer_state_sizes(1001, 3) == {"worker_error": 1008, "server_error": 336}
+    assert comp.buffer_state_sizes(1001, 3) == {"worker_error": 1008, "server_error": 336,
+                                                "server_scale": 1}
     assert comp.fingerprint() == hvd_quant.get("onebit").fingerprint() != hvd_quant.get("ef_sign").fingerprint()
     with pytest.raises(ValueError, match="bad options"):
         hvd_quant.get("onebit", bits=2)
@@ -171,7 +176,7 @@ def test_non_finite_on_one_rank_leaves_state_untouched(n, bad):
 
     for out, before, after, sent in world.run(body):
         assert np.isnan(out).all() and out.shape == (d,)
-        assert before.keys() == after.keys() and len(before) == 2
+        assert before.keys() == after.keys() and len(before) == 3
         for key in before:
             np.testing.assert_array_equal(before[key], after[key], err_msg=key)
         assert sent == pytest.approx(hvd_quant.get("onebit").wire_bytes(d, n))  # no extra collective
@@ -209,7 +214,7 @@ def test_state_dict_round_trip_resumes_exactly(n, d):
     saved = [handle.state_dict(o) for o in owners]
     for r, state in enumerate(saved):
         total = padded_size(d, n)
-        assert sorted(state) == sorted(buffer_key(segs(d), (r, n), k) for k in ("server_error", "worker_error"))
+        assert sorted(state) == sorted(buffer_key(segs(d), (r, n), k) for k in ("server_error", "server_scale", "worker_error"))
         assert state[buffer_key(segs(d), (r, n), "worker_error")].shape == (total,)
         assert state[buffer_key(segs(d), (r, n), "server_error")].shape == (total // n,)
     uninterrupted, _ = run_compressor(runners, xs, range(2, 5))
@@ -250,6 +255,62 @@ def test_torch_style_state_dict_values_load():
     a, _ = run_compressor(runners, xs, [2, 3])
     b, _ = run_compressor(restored, xs, [2, 3])
     np.testing.assert_array_equal(a[1][1], b[1][1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("counts", [[1000], [4096 * 70 + 5], [100, 37, 163], [150_000, 3, 49_997]])
+def test_compensated_server_state_gives_deepspeeds_bits(backend, n, counts):
+    """The server's state kept as compensated values and scales (what the compressor keeps)
+    gives the plain function's outputs and worker errors bit for bit, and its residual is
+    the plain function's server error, over steps, per-tensor scales and a non-finite
+    step (state untouched)."""
+    d, k, steps = sum(counts), len(counts), 5
+    xs = data(n, d, steps=steps, seed=11)
+    xs[1][2][3] = np.inf
+    total = padded_size(counts, n)
+
+    def body(c):
+        w1, e1 = np.zeros(total, np.float32), np.zeros(total // n, np.float32)
+        w2, c2, s2 = np.zeros(total, np.float32), np.zeros(total // n, np.float32), np.zeros(k, np.float32)
+        for s in range(steps):
+            before = (c2.copy(), s2.copy())
+            o1, w1, e1, f1 = compressed_allreduce(backend, c, xs[c.rank][s].copy(), w1, e1, f"a{s}",
+                                                  counts=counts)
+            o2, w2, c2, s2, f2 = compressed_allreduce_compensated(
+                backend, c, xs[c.rank][s].copy(), w2, c2, s2, f"b{s}", counts=counts)
+            assert bool(f1) == bool(f2) == (s != 2)
+            np.testing.assert_array_equal(o1, o2)
+            np.testing.assert_array_equal(w1, w2)
+            np.testing.assert_array_equal(e1, server_residual(backend, c2, s2, counts, n))
+            if s == 2:
+                np.testing.assert_array_equal(c2, before[0])
+                np.testing.assert_array_equal(s2, before[1])
+        return True
+    assert all(ThreadWorld(n).run(body))
+
+
+def test_a_server_error_saved_as_a_residual_resumes_exactly():
+    """A checkpoint of the residual form (DeepSpeed's, or this compressor before it kept
+    compensated values: no ``server_scale``) resumes bit for bit: a residual is the
+    compensated state with zero scale."""
+    n, d = 3, 1001
+    xs = data(n, d, steps=4)
+    plain = by_hand(B, xs, range(2))  # the residual form after 2 steps
+    expected = by_hand(B, xs, range(4))
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    for r, runner in enumerate(runners):
+        runner.load_state_dict({buffer_key(segs(d), (r, n), "worker_error"): plain[r][1],
+                                buffer_key(segs(d), (r, n), "server_error"): plain[r][2]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs, _ = run_compressor(runners, xs, range(2, 4))
+    for r in range(n):
+        for s in (2, 3):
+            np.testing.assert_array_equal(outs[r][s - 2], expected[r][0][s])
+        w, e = errors(runners[r])
+        np.testing.assert_array_equal(w, expected[r][1])
+        np.testing.assert_array_equal(e, expected[r][2])
 
 
 def test_state_of_another_world_size_or_rank_is_dropped():
@@ -298,7 +359,7 @@ def test_state_of_another_buffer_layout_waits_for_it():
     kept = other.state_dict()
     for key, value in saved.items():  # not this buffer's: kept for the next save
         np.testing.assert_array_equal(kept[key], value)
-    assert len(kept) == 4 and all(k.startswith(BUFFER_PREFIX) for k in kept)
+    assert len(kept) == 6 and all(k.startswith(BUFFER_PREFIX) for k in kept)
 
 
 def test_a_live_world_change_restarts_the_errors():
@@ -330,7 +391,7 @@ def test_owner_made_variables_are_built_for_the_world_size():
     for r, runner in enumerate(runners):
         runner.build(r, [("fused0", segs(d))], size=n)
     assert made == {"fused0_worker_error": (padded_size(d, n),),
-                    "fused0_server_error": (padded_size(d, n) // n,)}
+                    "fused0_server_error": (padded_size(d, n) // n,), "fused0_server_scale": (1,)}
     xs = data(n, d)
     outs, _ = run_compressor(runners, xs, range(3))
     expected = by_hand(B, xs, range(3))

@@ -156,7 +156,8 @@ def test_a_rank_without_a_gradient_counts_zeros(job):
 
 
 @pytest.mark.parametrize("key", ["checkpoint/phase_a", "checkpoint/phase_b", "checkpoint/onebit_adam",
-                                 "checkpoint/binsgdm"])
+                                 "checkpoint/binsgdm", "checkpoint/phase_b_earlier",
+                                 "checkpoint/onebit_adam_earlier"])
 def test_checkpoints_restore_bit_identically(job, key):
     if job["k"]:
         pytest.skip("checked in the flat jobs")

@@ -34,9 +34,14 @@ Bytes sent per rank (the :class:`~hvd_quant.core.comm.WireMeter` cost model):
 allreduce, whatever the number of tensors.
 
 State, per rank and per buffer: the worker error (``D`` elements) and this rank's chunk of
-the server error (``D / n``). Both depend on the world size and the rank, so they are
-*buffer slots* (see :mod:`hvd_quant.core.state`): saved whole under
-``"hvd_quant.buffer/<layout>/rank<r>of<n>/worker_error"`` and ``.../server_error``, restored
+the server's state (``D / n``), kept compensated: ``server_error`` holds ``c_s`` and
+``server_scale`` its ``sigma_s``; DeepSpeed's server error is ``c_s - sigma_s * sign(c_s)``
+(:func:`~hvd_quant.core.onebit.compressed_allreduce_compensated`: the same results with
+fewer passes over memory; a residual saved by an earlier version resumes exactly, as the
+compensated state with zero scale). They depend on the world size and the rank, so they
+are *buffer slots* (see :mod:`hvd_quant.core.state`): saved whole under
+``"hvd_quant.buffer/<layout>/rank<r>of<n>/worker_error"``, ``.../server_error`` and
+``.../server_scale``, restored
 only on the same rank of a world of the same size, otherwise dropped (with a warning) and
 restarted from zero, as DeepSpeed does on every checkpoint load. In Keras they are
 optimizer variables of fixed shape (``..._fused0_worker_error``); a checkpoint taken at
@@ -49,7 +54,7 @@ added (:mod:`hvd_quant.core.onebit`).
 """
 
 from ..core.compressor import Compressor
-from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
+from ..core.onebit import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
 
 
 class OnebitCompressor(Compressor):
@@ -63,7 +68,8 @@ class OnebitCompressor(Compressor):
     Attributes
     ----------
     buffer_slots : tuple of str
-        ``("worker_error", "server_error")``: per-buffer state of ``D`` and ``D / n``
+        ``("worker_error", "server_error", "server_scale")``: per-buffer state of ``D``,
+        ``D / n`` and 1
         elements (:meth:`buffer_state_sizes`), saved per rank and world size.
 
     Notes
@@ -78,20 +84,23 @@ class OnebitCompressor(Compressor):
     name = "onebit"
     stateful = True
     state_slots = ()  # nothing per element: both error buffers are buffer slots
-    buffer_slots = ("worker_error", "server_error")
+    buffer_slots = ("worker_error", "server_error", "server_scale")
 
     def buffer_state_sizes(self, numel, world_size):
         total = padded_size(numel, world_size)
-        return {"worker_error": total, "server_error": total // world_size}
+        return {"worker_error": total, "server_error": total // world_size, "server_scale": 1}
 
     def reduce(self, x, ctx):
         B = ctx.backend
         worker_error = ctx.state.get("worker_error")
-        server_error = ctx.state.get("server_error")
-        out, worker_error, server_error, _ = compressed_allreduce(
-            B, ctx.comm, x, worker_error, server_error, ctx.collective_name("onebit"), out=ctx.out)
+        server_state = ctx.state.get("server_error")
+        server_scale = ctx.state.get("server_scale")
+        out, worker_error, server_state, server_scale, _ = compressed_allreduce_compensated(
+            B, ctx.comm, x, worker_error, server_state, server_scale, ctx.collective_name("onebit"),
+            out=ctx.out)
         ctx.state.set("worker_error", worker_error)
-        ctx.state.set("server_error", server_error)
+        ctx.state.set("server_error", server_state)
+        ctx.state.set("server_scale", server_scale)
         return out
 
     def wire_bytes(self, numel, world_size, segments=1):

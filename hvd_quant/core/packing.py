@@ -89,7 +89,7 @@ def unpack_signs(B, packed, numel):
     return B.slice(B.reshape(B.lookup(SIGN_TABLE, packed), (-1,)), 0, numel)
 
 
-def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None):
+def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None, base_scales=None):
     """``sum_r scales[r, seg(i)] * sign_r(i)`` over the ``R`` rows of packed sign bits.
 
     Parameters
@@ -100,6 +100,11 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None):
         Segment sizes (summing to ``numel``).
     base : float32 tensor of ``numel`` elements or None
         Added after the sum (a server-side residual, say).
+    base_scales : float32 tensor of ``len(counts)`` scales or None
+        With ``base``: add the residual ``base - where(base >= 0, scale, -scale)`` of
+        ``base``'s segments instead (as :func:`sign_pack_residual` computes it, the same
+        floats), so that a state kept as compensated values and their scale is folded
+        in without a pass that writes the residual (onebit's server stage).
     out : float32 tensor of ``numel`` elements or None
         Written with the result on the fast path (no fresh buffer); it may be ``base``
         itself. The generic path ignores it. Use the returned tensor either way.
@@ -113,7 +118,8 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None):
     rows = B.numel(packed) // nbytes if nbytes else 0
     fast = B.kernel("unpack_scaled_sum", packed, scales)
     if fast is not None:
-        return fast(packed, scales, segment_bounds(counts), numel, base=base, out=out)
+        return fast(packed, scales, segment_bounds(counts), numel, base=base, out=out,
+                    base_scales=base_scales)
     total = None
     for r in range(rows):
         signs = unpack_signs(B, B.slice(packed, r * nbytes, (r + 1) * nbytes), numel)
@@ -121,6 +127,9 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None):
         total = part if total is None else total + part
     if total is None:
         total = B.zeros(numel)
+    if base is not None and base_scales is not None:
+        fold = expand_segments(B, base_scales, counts)
+        base = base - B.where(B.greater_equal(base, B.zeros(1)), fold, -fold)
     return total if base is None else total + base
 
 

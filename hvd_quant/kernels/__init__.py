@@ -118,6 +118,8 @@ def _warm_flavour(k):
     k.sign_pack_residual(x, x.copy(), np.ones(2, np.float32), bounds)
     k.unpack_scaled_sum(np.stack([bits, bits]), np.ones((2, 2), np.float32), bounds, 24,
                         base=np.zeros(24, np.float32))
+    k.unpack_scaled_sum(np.stack([bits, bits]), np.ones((2, 2), np.float32), bounds, 24,
+                        base=np.zeros(24, np.float32), base_scales=np.ones(2, np.float32))
     k.unpack_scaled_sum(bits, np.ones(2, np.float32), bounds, 24)
     k.compensate_sums(x, x.copy(), bounds)
     k.compensate_sums(x, None, bounds, squares=True)

@@ -261,7 +261,7 @@ UNPACK_PIECE = 512
 
 
 @_twin
-def _unpack_scaled_sum(packed, scales, bounds, base, out):
+def _unpack_scaled_sum(packed, scales, bounds, base, base_scales, out):
     # Per piece, row 0 is written, rows 1.. are added, then base: the generic twin's order,
     # so the same floats. The output is written from memory once and re-read from the
     # cache per row. (A per-row table of the 8 signed scales of every byte value, summed
@@ -270,15 +270,19 @@ def _unpack_scaled_sum(packed, scales, bounds, base, out):
     d = out.size
     rows = packed.shape[0]
     has_base = base.size > 0
+    folds = base_scales.size > 0
     for s in range(scales.shape[1]):
         first, end = (bounds[s] + 7) // 8, bounds[s + 1] // 8
         col = np.ascontiguousarray(scales[:, s])
+        fold = base_scales[s] if folds else np.float32(0)
         for k in prange((end - first + UNPACK_PIECE - 1) // UNPACK_PIECE):
             a = first + k * UNPACK_PIECE
             b = min(end, a + UNPACK_PIECE)
             # The piece of base is read first (into the L1 cache), so that out may be base
-            # itself: onebit's server stage decodes over its residual, with no new buffer.
+            # itself: onebit's server stage decodes over its state, with no new buffer.
             kept = base[8 * a:8 * b].copy() if has_base else base
+            if folds:
+                _residual_in_place(kept, fold)
             for r in range(rows):
                 _unpack_row(packed[r][a:b], col[r], r > 0, out[8 * a:8 * b])
             if has_base:
@@ -290,20 +294,37 @@ def _unpack_scaled_sum(packed, scales, bounds, base, out):
             for r in range(1, rows):
                 acc += _signed(packed[r, b], i - 8 * b, scales[r, s])
             if has_base:
-                acc += base[i]
+                v = base[i]
+                if folds:
+                    v = v - (base_scales[s] if v >= np.float32(0) else -base_scales[s])
+                acc += v
             out[i] = acc
 
 
-def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None):
+@njit(**_OPTS)
+def _residual_in_place(p, sc):
+    """``p - where(p >= 0, sc, -sc)`` over ``p``: the residual that ``_sign_pack_residual``
+    writes, the same float32 operation."""
+    for i in range(p.size):
+        v = p[i]
+        p[i] = v - (sc if v >= np.float32(0) else -sc)
+
+
+def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None, base_scales=None):
     """``packing.unpack_scaled_sum``: ``sum_r scales[r, seg(i)] * sign_r(i)`` for rows
     ``r`` of packed sign bytes, summed in row order in float32, plus ``base`` (if given)
-    after the sum; ``out`` may be ``base`` itself."""
+    after the sum; with ``base_scales`` (one float32 per segment), plus the residual
+    ``base - where(base >= 0, base_scale, -base_scale)`` instead. ``out`` may be ``base``
+    itself."""
     out = np.empty(d, np.float32) if out is None else out
     if d == 0:
         return out
     packed = np.ascontiguousarray(packed).reshape(-1, (d + 7) // 8)
     scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(packed.shape[0], -1)
-    _unpack_scaled_sum(packed, scales, bounds, np.empty(0, np.float32) if base is None else base, out)
+    folds = (np.empty(0, np.float32) if base is None or base_scales is None
+             else np.ascontiguousarray(base_scales, dtype=np.float32).reshape(-1))
+    _unpack_scaled_sum(packed, scales, bounds, np.empty(0, np.float32) if base is None else base,
+                       folds, out)
     return out
 
 

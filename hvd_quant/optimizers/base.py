@@ -236,11 +236,16 @@ class Rule:
     non_freeze_refusal : str or None
         Why the rule refuses DeepSpeed's ``non_freeze`` param groups (see
         :func:`non_freeze_flag`), or None when it supports them (``ctx.hp["non_freeze"]``).
+    zero_if_missing : tuple of str
+        Slots that a checkpoint of an earlier version may lack and that then start from
+        zeros with the same result (the 1-bit allreduce's server scales: a server error
+        saved as a residual is the compensated state with zero scales).
     """
 
     name = "abstract"
     param_slots = ()
     per_rank_slots = ()
+    zero_if_missing = ()
     non_freeze_refusal = "it has no freeze for a param group to opt out of"
 
     def __init__(self, **options):

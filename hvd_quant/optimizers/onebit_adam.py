@@ -56,7 +56,7 @@ Deliberate departures from DeepSpeed, and why:
   rather than the engine's allreduce.
 """
 
-from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
+from ..core.onebit import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
 from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
                    scales_option, tensor_sizes)
 from .elementwise import adam_descend, ema
@@ -80,7 +80,8 @@ class OnebitAdamRule(Rule):
 
     name = "onebit_adam"
     param_slots = ("exp_avg", "exp_avg_sq")
-    per_rank_slots = ("worker_error", "server_error")
+    per_rank_slots = ("worker_error", "server_error", "server_scale")
+    zero_if_missing = ("server_scale",)
     non_freeze_refusal = None  # DeepSpeed's OnebitAdam.step reads group['non_freeze']
 
     def __init__(self, freeze_step=100000, scales="tensor"):
@@ -91,8 +92,10 @@ class OnebitAdamRule(Rule):
         self.scales = scales
 
     def extra_slots(self, counts, world_size):
-        total = padded_size(compressed_counts(self.scales, counts), world_size)
-        return {"worker_error": total, "server_error": total // world_size}
+        tensors = compressed_counts(self.scales, counts)
+        total = padded_size(tensors, world_size)
+        return {"worker_error": total, "server_error": total // world_size,
+                "server_scale": len(tensors)}
 
     def scalars(self):
         return {"step": 0, "initialized": 0, "frozen": 0}
@@ -112,11 +115,12 @@ class OnebitAdamRule(Rule):
         non_freeze = ctx.hp.get("non_freeze", False)  # a Python bool (checked by the adapter)
 
         def compress(value, into=None):
-            out, worker, server, finite = compressed_allreduce(
+            out, worker, server, server_scale, finite = compressed_allreduce_compensated(
                 B, comm, value, ctx.writable_slot("worker_error"), ctx.writable_slot("server_error"),
-                ctx.collective_name("momentum"), compressed_counts(self.scales, ctx.counts), out=into)
+                ctx.writable_slot("server_scale"), ctx.collective_name("momentum"),
+                compressed_counts(self.scales, ctx.counts), out=into)
             # The error buffers are already left untouched on a non-finite step.
-            st.commit(True, {"worker_error": worker, "server_error": server})
+            st.commit(True, {"worker_error": worker, "server_error": server, "server_scale": server_scale})
             return out, finite
 
         def masked(m):

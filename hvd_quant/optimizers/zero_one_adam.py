@@ -88,7 +88,7 @@ group['lr']``; the sync divides by it in float32, as torch does with a Python sc
 widens its float32 learning rates exactly before adding them.
 """
 
-from ..core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size
+from ..core.onebit import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
 from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
                    scales_option, tensor_sizes)
 from .elementwise import (adam_descend, ema, precondition, zero_one_sync_input,
@@ -148,7 +148,8 @@ class ZeroOneAdamRule(Rule):
     name = "zero_one_adam"
     param_slots = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
     # Momentum and accumulator follow each rank's gradients between syncs.
-    per_rank_slots = ("exp_avg", "momentum_accumulator", "worker_error", "server_error")
+    per_rank_slots = ("exp_avg", "momentum_accumulator", "worker_error", "server_error", "server_scale")
+    zero_if_missing = ("server_scale",)
     non_freeze_refusal = (
         "DeepSpeed's ZeroOneAdam.step (runtime/fp16/onebit/zoadam.py) never reads the flag "
         "(only OnebitAdam.step in onebit/adam.py does), so such a group would be frozen like any "
@@ -171,8 +172,10 @@ class ZeroOneAdamRule(Rule):
         self.scales = scales
 
     def extra_slots(self, counts, world_size):
-        total = padded_size(compressed_counts(self.scales, counts), world_size)
-        slots = {"worker_error": total, "server_error": total // world_size}
+        tensors = compressed_counts(self.scales, counts)
+        total = padded_size(tensors, world_size)
+        slots = {"worker_error": total, "server_error": total // world_size,
+                 "server_scale": len(tensors)}
         if self.exact_sync:
             slots["synced_params"] = sum(tensor_sizes(counts))
         return slots
@@ -246,8 +249,8 @@ class ZeroOneAdamRule(Rule):
             return keep_if(B, ok, x, ctx.x)
 
         def freeze(x):
-            slots = {"worker_error": B.zeros(B.numel(st.slot("worker_error"))),
-                     "server_error": B.zeros(B.numel(st.slot("server_error")))}
+            slots = {name: B.zeros(B.numel(st.slot(name)))
+                     for name in ("worker_error", "server_error", "server_scale")}
             if self.exact_sync:  # Phase B starts from these (identical) parameters
                 slots["synced_params"] = x
             st.commit(True, slots, {"frozen": 1})
@@ -315,11 +318,12 @@ class ZeroOneAdamRule(Rule):
         """DeepSpeed's ``compressed_allreduce`` of ``value`` with the group's error buffers
         (decoded into ``into`` where possible), then ``exp_avg_mask``: ``(average, finite)``."""
         B, st = ctx.B, ctx.state
-        out, worker, server, finite = compressed_allreduce(
+        out, worker, server, server_scale, finite = compressed_allreduce_compensated(
             B, ctx.comm, value, ctx.writable_slot("worker_error"), ctx.writable_slot("server_error"),
-            ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts), out=into)
+            ctx.writable_slot("server_scale"), ctx.collective_name(phase),
+            compressed_counts(self.scales, ctx.counts), out=into)
         # The error buffers are already left untouched on a non-finite step.
-        st.commit(True, {"worker_error": worker, "server_error": server})
+        st.commit(True, {"worker_error": worker, "server_error": server, "server_scale": server_scale})
         return (out * ctx.mask if ctx.mask is not None else out), finite
 
     def sync_pending(self, B, st):

@@ -676,6 +676,9 @@ def _write_back(params, flat):
 
 def _check_saved_group(saved, rule, counts, world_size, gi):
     slots, _ = initial_state(rule, counts, world_size)
+    for name in rule.zero_if_missing:  # a checkpoint of an earlier version
+        if name in slots and name not in saved["slots"]:
+            saved["slots"][name] = torch.from_numpy(slots[name].copy())
     for name, zeros in slots.items():
         have = saved["slots"].get(name)
         if have is None or have.numel() != zeros.size:

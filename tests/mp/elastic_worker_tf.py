@@ -179,7 +179,7 @@ def zeroone_reference():
             opt = OracleOptimizer(ZeroOneAdamRule(**ZEROONE), init["x"], comm, hp,
                                   counts=[D_IN * D_OUT, D_OUT])  # kernel, bias
             for k, v in init.get("slots", {}).items():
-                if k not in ("worker_error", "server_error"):
+                if k not in ("worker_error", "server_error", "server_scale"):  # restart from zero (the world changed)
                     opt.state.slots[k] = v.copy()
             opt.state.scalars.update(init.get("scalars", {}))
             for step in range(start, stop):

@@ -103,14 +103,25 @@ def train(name):
             "rounds": opt.comm_rounds, "calls": per_step}
 
 
-def checkpoint(name, at):
+def checkpoint(name, at, earlier=False):
     """Stop at step ``at``, save (per rank), restore into fresh objects, continue: the result
-    must equal an uninterrupted run bit for bit."""
+    must equal an uninterrupted run bit for bit. ``earlier``: the checkpoint rewritten as
+    versions before the compensated server state saved it (the server error as DeepSpeed's
+    residual, no ``server_scale``)."""
     params, opt, _ = run(name, steps=at)
     buf = io.BytesIO()
     torch.save({"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
+    if earlier:
+        from hvd_quant.core.onebit import server_residual
+        from hvd_quant.torch.backend import TorchBackend
+
+        for gi, group in enumerate(opt.param_groups):
+            slots = saved["opt"]["state"][f"hvd_quant.group{gi}"]["slots"]
+            counts = [p.numel() for p in group["params"]]  # scales="tensor": one per tensor
+            slots["server_error"] = server_residual(TorchBackend(), slots["server_error"],
+                                                    slots.pop("server_scale"), counts, hvd.size())
     fresh = make_params()
     with torch.no_grad():
         for p, v in zip(fresh, saved["params"]):
@@ -320,6 +331,8 @@ if RANKS_PER_NODE is None:
     record("checkpoint/phase_a", lambda: checkpoint("zero_one_adam", 5))
     record("checkpoint/phase_b", lambda: checkpoint("zero_one_adam", 13))
     record("checkpoint/onebit_adam", lambda: checkpoint("onebit_adam", 9))
+    record("checkpoint/phase_b_earlier", lambda: checkpoint("zero_one_adam", 13, earlier=True))
+    record("checkpoint/onebit_adam_earlier", lambda: checkpoint("onebit_adam", 9, earlier=True))
     record("checkpoint/binsgdm", lambda: checkpoint("binsgdm", 7))
     record("lr_disagreement", lr_disagreement)
     record("schedule_disagreement", schedule_disagreement)
