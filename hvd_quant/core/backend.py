@@ -52,8 +52,10 @@ class Backend:
         raise NotImplementedError
 
     def bitcast(self, x, dtype):
-        """Reinterpret the bits of ``x`` as ``dtype`` of the same width (e.g. float32 to
-        int32), element by element; no value conversion."""
+        """Reinterpret the bits of ``x`` as ``dtype`` (e.g. float32 to int32), element by
+        element; no value conversion. Between widths (float32 to uint8 and back) the last
+        dimension changes as numpy's ``view`` and ``tf.bitcast`` change it: 4 bytes per
+        float, and back from a last dimension of 4 (reshape to the shape you need)."""
         raise NotImplementedError
 
     def to_numpy(self, x):
