@@ -34,7 +34,11 @@ class TorchBackend(Backend):
         return x.to(_DTYPES[dtype])
 
     def bitcast(self, x, dtype):
-        return x.view(_DTYPES[dtype])
+        target = _DTYPES[dtype]
+        size = torch.empty(0, dtype=target).element_size()
+        if (x.storage_offset() * x.element_size()) % size:  # a view into a wider type must
+            x = x.clone()                                      # start on its boundary
+        return x.view(target)
 
     def to_numpy(self, x):
         return x.detach().cpu().numpy()
