@@ -35,9 +35,8 @@ class TorchBackend(Backend):
 
     def bitcast(self, x, dtype):
         target = _DTYPES[dtype]
-        size = torch.empty(0, dtype=target).element_size()
-        if (x.storage_offset() * x.element_size()) % size:  # a view into a wider type must
-            x = x.clone()                                      # start on its boundary
+        if (x.storage_offset() * x.element_size()) % target.itemsize:  # a view into a wider
+            x = x.clone()                                                 # type starts on its boundary
         return x.view(target)
 
     def to_numpy(self, x):
