@@ -59,7 +59,7 @@ import numpy as np
 
 from .packing import packed_sign_bytes, sign_pack_residual, sign_residual, unpack_scaled_sum
 from .pipeline import start_allgather, start_alltoall
-from .segments import compensate_sums, compensate_sums_signs, expand_segments
+from .segments import compensate_sums, compensate_sums_signs
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -170,8 +170,7 @@ def server_residual(B, server_state, server_scale, counts, world_size):
     """DeepSpeed's server error ``c_s - sigma_s * sign(c_s)`` of a compensated server state
     (:func:`compressed_allreduce_compensated`), per tensor of ``counts``."""
     chunks = [padded_size(int(c), world_size) // world_size for c in counts]
-    scale = expand_segments(B, server_scale, chunks)
-    return server_state - B.where(B.greater_equal(server_state, B.zeros(1)), scale, -scale)
+    return sign_residual(B, server_state, None, server_scale, chunks)
 
 
 def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, counts, out):

@@ -128,8 +128,7 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None, bas
     if total is None:
         total = B.zeros(numel)
     if base is not None and base_scales is not None:
-        fold = expand_segments(B, base_scales, counts)
-        base = base - B.where(B.greater_equal(base, B.zeros(1)), fold, -fold)
+        base = sign_residual(B, base, None, base_scales, counts)
     return total if base is None else total + base
 
 
