@@ -80,24 +80,27 @@ GRAPH_LABELS = ("ef_sign", "marsit", "global_qsgd", "global_qsgd_exp", "onebit")
 
 
 def reduce_cases_graph():
-    """reduce_cases of the largest size inside a tf.function per compressor (state in
-    variables), with fresh runners whose random streams resume where reduce_cases' were
-    at that size: the same values as its eager run, bit for bit. (One reduction per
-    graph: two ring reductions in one tf.function hang, see the README's known limits.)"""
-    out = {}
+    """reduce_cases of the largest size inside one tf.function for all GRAPH_LABELS (state
+    in variables), with fresh runners whose random streams resume where reduce_cases' were
+    at that size: the same values as its eager run, bit for bit. One graph holds every
+    reduction, two of them ring reductions (marsit, global_qsgd_exp) whose hops TensorFlow
+    may run in any order: each rank still completes them (no hang) with the eager values."""
     d = GRAPH_SIZE
+    runners, comms = {}, {}
     for label, name, options in cases.COMPRESSORS:
         if label not in GRAPH_LABELS:
             continue
         runner = CompressorRunner(__import__("hvd_quant").get(name, **options), B, seed=7,
                                   make_variable=lambda n, init: tf.Variable(init))
-        comm = Comm()
         runner.build(RANK, [(f"{label}.{d}", cases.segments(d))], size=SIZE)
         runner.load_rng_state(RNG_BEFORE.get(label, {}))
-        step = tf.function(lambda x, runner=runner, comm=comm, label=label: runner.reduce(
-            x, comm, f"{label}.{d}", cases.segments(d)), autograph=False)
-        out[label] = {str(d): [B.to_numpy(step(tensor(cases.rank_input(RANK, d, s)))).astype(np.float64).tolist()
-                               for s in range(cases.STEPS)]}
+        runners[label], comms[label] = runner, Comm()
+    step = tf.function(lambda x: [runner.reduce(x, comms[label], f"{label}.{d}", cases.segments(d))
+                                  for label, runner in runners.items()], autograph=False)
+    out = {label: {str(d): []} for label in runners}
+    for s in range(cases.STEPS):
+        for label, y in zip(runners, step(tensor(cases.rank_input(RANK, d, s)))):
+            out[label][str(d)].append(B.to_numpy(y).astype(np.float64).tolist())
     return out
 
 
