@@ -5,7 +5,6 @@ read its per-rank results and compare them with each other and with the numpy or
 (the same algorithms on :class:`~hvd_quant.core.simulate.ThreadWorld`).
 """
 
-import json
 import subprocess
 import time
 
