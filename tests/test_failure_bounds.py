@@ -24,7 +24,7 @@ DEADLINE = 10
 BOUND = DEADLINE + 20  # seconds from the failure to the end of the job
 # One case per kind of collective at 2 ranks: the step's first collective of the ring
 # (scale allgather), Global-QSGD (max allreduce), each 1-bit optimizer's round (the
-# 1-bit allreduce's scale allgather, BinSGDM's flat allgather), a compiled Keras train
+# 1-bit allreduce's alltoall, BinSGDM's flat allgather), a compiled Keras train
 # step, and a dead rank. At 3 ranks (the peers of the hung rank then wait on different
 # neighbours) the hangs part-way through a step: inside a ring hop and inside the 1-bit
 # allreduce's alltoall; the watchdog's message names the collective.

@@ -17,7 +17,7 @@ chunk of ``D / n`` elements is a whole number of bytes:
        e_worker = c - sigma_w * sign(c)            (sign(0) = +1)
        bits     = packbits(c >= 0), cut into n chunks
 
-   ``alltoall``: chunk ``j`` of every rank goes to rank ``j``; ``allgather`` of ``sigma_w``.
+   ``alltoall``: chunk ``j`` of every rank goes to rank ``j``, with ``sigma_w``.
 2. **server** (rank ``j`` owns chunk ``j``)::
 
        c_s      = sum_r (sigma_w[r] * (1/n)) * sign_r[chunk j] + e_server   (rows in rank order)
@@ -25,16 +25,17 @@ chunk of ``D / n`` elements is a whole number of bytes:
        e_server = c_s - sigma_s * sign(c_s)
        bits_s   = packbits(c_s >= 0)
 
-   ``allgather`` of ``bits_s`` and of ``sigma_s``. (:func:`compressed_allreduce_compensated`
+   ``allgather`` of ``bits_s`` with ``sigma_s``. (:func:`compressed_allreduce_compensated`
    keeps ``c_s`` and ``sigma_s`` instead of ``e_server``, and folds ``e_server`` into the
    next step's decode: the same numbers with fewer passes over the chunk.)
 3. **output**, identical on every rank: chunk ``j`` is ``sigma_s[j] * sign(bits_s[j])``,
    cut back to ``d`` elements.
 
 Bytes sent per rank (the :class:`~hvd_quant.core.comm.WireMeter` cost model): the
-alltoall ``(n - 1) / n * D / 8``, the server allgather ``(n - 1) * D / (8 n)``, and two
-allgathers of one float32: about ``2 (n - 1) / n * D / 8``, 32 times less than an fp32
-allreduce's ``2 (n - 1) / n * 4 D``.
+alltoall ``(n - 1) / n * D / 8``, the server allgather ``(n - 1) * D / (8 n)``, and one
+float32 scale to each other rank in each: about ``2 (n - 1) / n * D / 8``, 32 times less
+than an fp32 allreduce's ``2 (n - 1) / n * 4 D``. The scales travel in the same
+collectives as the signs (DeepSpeed gathers them separately): two collectives per call.
 
 Per-tensor scales in one collective (``counts``): DeepSpeed's ``step()`` calls
 ``compressed_allreduce`` once per parameter tensor, each with its own error buffers and so
@@ -43,14 +44,13 @@ parameter group into one tensor, is there one scale per group. Passing the tenso
 as ``counts`` gives exactly the per-tensor results (each tensor padded by the rule above,
 its error buffers concatenated in tensor order) with one set of collectives for all
 tensors: tensor ``i``'s chunk ``j`` goes to rank ``j``, so the alltoall sends rank ``j``
-the concatenation of every tensor's chunk ``j``, and the scale gathers carry one float32
-per tensor.
+the concatenation of every tensor's chunk ``j``, and each collective carries one float32
+scale per tensor.
 
-Non-finite input: a rank whose ``c`` holds inf or NaN has a non-finite ``sigma_w``; the
-scales are gathered before any error buffer changes, so every rank sees it, leaves both
-error buffers exactly as they were, and returns NaN for the whole buffer. (DeepSpeed
-gathers the scales after the sign alltoall; the order of independent collectives does
-not change any result.)
+Non-finite input: a rank whose ``c`` holds inf or NaN has a non-finite ``sigma_w``; every
+rank receives every ``sigma_w`` with the signs, before any error buffer changes, so every
+rank sees it, leaves both error buffers exactly as they were, and returns NaN for the
+whole buffer.
 """
 
 import math
@@ -185,20 +185,21 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     buf = _pad_tensors(B, x, counts, padded)
 
     # Phase 1 (worker): one pass gives the sums of squares and the sign bits (a sign does
-    # not depend on the scale). The RMS scales go first, so every rank knows whether the
-    # step is finite before any error buffer changes; the signs follow (n rows, row r:
-    # every tensor's chunk r, in tensor order; row j goes to rank j), and the worker error
-    # is updated while they travel (asynchronously where the communicator can).
+    # not depend on the scale). One alltoall carries the signs and the RMS scales: row j,
+    # for rank j, is every tensor's chunk j of the signs (in tensor order), then this
+    # rank's scales (4 bytes per tensor). Every rank then holds every rank's scales, so it
+    # knows whether the step is finite before any error buffer changes. (A scale allgather
+    # beside the alltoall ran before it in Horovod, one more collective per bucket.)
     sums, bits = compensate_sums_signs(B, buf, worker_error, padded, squares=True)
     worker_scale = rms_scales(B, buf, worker_error, padded, sums=sums)
-    scale_handle = start_allgather(comm, worker_scale, f"{name}.worker_scale")  # n rows of len(counts)
-    signs_handle = start_alltoall(comm, _rank_major(B, bits, chunks, n), f"{name}.worker_signs")
-    worker_scales = scale_handle.wait()
+    width, scale_bytes = chunk // 8, 4 * len(counts)
+    sent = B.concat_columns([B.reshape(_rank_major(B, bits, chunks, n), (n, width)),
+                             B.reshape(B.concat([_float_bytes(B, worker_scale)] * n), (n, scale_bytes))])
+    table = B.reshape(start_alltoall(comm, B.reshape(sent, (-1,)), f"{name}.worker_signs").wait(),
+                      (n, width + scale_bytes))
+    received = B.reshape(B.slice_columns(table, 0, width), (-1,))  # n rows: rank r's chunk
+    worker_scales = _bytes_float(B, B.reshape(B.slice_columns(table, width, width + scale_bytes), (-1,)))
     finite = B.all_finite(worker_scales)
-    worker_error = B.cond(
-        finite, lambda: sign_residual(B, buf, worker_error, worker_scale, padded, out=worker_error),
-        lambda: worker_error)
-    received = signs_handle.wait()
 
     # Phase 2 (server): average this rank's chunks, add the server error, re-sign them.
     # The sum is decoded over the server's state itself where the backend allows (no new
@@ -226,11 +227,15 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     # allgather carries both (each rank's scales as 4 bytes per tensor after its signs):
     # two gathers of different dtypes ran one after the other in Horovod, and the second
     # added 1-2 ms to every bucket on the emulated 10 Gbit/s link (profiled 2026-11-26).
-    width = packed_sign_bytes(chunk)
+    # The worker error is updated while they travel.
     row = B.concat([server_bits, _float_bytes(B, server_scale_sent)])
-    table = B.reshape(start_allgather(comm, row, f"{name}.server_signs").wait(), (n, -1))
+    gather = start_allgather(comm, row, f"{name}.server_signs")
+    worker_error = B.cond(
+        finite, lambda: sign_residual(B, buf, worker_error, worker_scale, padded, out=worker_error),
+        lambda: worker_error)
+    table = B.reshape(gather.wait(), (n, width + scale_bytes))
     all_bits = B.reshape(B.slice_columns(table, 0, width), (-1,))
-    server_scales = _bytes_float(B, B.reshape(B.slice_columns(table, width, width + 4 * len(counts)), (-1,)))
+    server_scales = _bytes_float(B, B.reshape(B.slice_columns(table, width, width + scale_bytes), (-1,)))
 
     def decode():
         tensor_bits, tensor_scales = _tensor_major(B, all_bits, server_scales, chunks, n)
@@ -318,4 +323,4 @@ def compressed_allreduce_bytes(numel, world_size):
     tensors = 1 if isinstance(numel, int) else len(numel)
     return ((n - 1) / n * (total // 8)      # alltoall of the worker signs
             + (n - 1) * (total // n // 8)   # allgather of the server signs
-            + 2 * (n - 1) * 4.0 * tensors)  # allgathers of the float32 scales
+            + 2 * (n - 1) * 4.0 * tensors)  # the float32 scales, one per tensor in each

@@ -9,7 +9,7 @@ global_qsgd, onebit_adam, zero_one_adam, binsgdm (torch), or keras_ef_sign (Kera
 * ``hang_in_hop``: rank 1 runs step 3 up to its first ring hop (``sendrecv``) and stops
   there, after the scale allgather: the others wait inside a hop of the ring;
 * ``hang_in_alltoall``: rank 1 stops at its first ``alltoall(_async)`` of step 3 (the 1-bit
-  allreduce's exchange of signs, after the worker-scale allgather).
+  allreduce's exchange of signs and scales).
 
 The job must end by itself (the deadline, or horovodrun reacting to the dead rank).
 """
