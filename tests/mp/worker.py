@@ -36,7 +36,7 @@ else:
         return tf.constant(a)
 
 from hvd_quant.core import ring
-from hvd_quant.core.runner import CompressorRunner, RankDisagreement
+from hvd_quant.core.runner import CompressorRunner
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
