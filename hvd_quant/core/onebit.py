@@ -192,13 +192,10 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     # beside the alltoall ran before it in Horovod, one more collective per bucket.)
     sums, bits = compensate_sums_signs(B, buf, worker_error, padded, squares=True)
     worker_scale = rms_scales(B, buf, worker_error, padded, sums=sums)
-    width, scale_bytes = chunk // 8, 4 * len(counts)
-    sent = B.concat_columns([B.reshape(_rank_major(B, bits, chunks, n), (n, width)),
-                             B.reshape(B.concat([_float_bytes(B, worker_scale)] * n), (n, scale_bytes))])
-    table = B.reshape(start_alltoall(comm, B.reshape(sent, (-1,)), f"{name}.worker_signs").wait(),
-                      (n, width + scale_bytes))
-    received = B.reshape(B.slice_columns(table, 0, width), (-1,))  # n rows: rank r's chunk
-    worker_scales = _bytes_float(B, B.reshape(B.slice_columns(table, width, width + scale_bytes), (-1,)))
+    width = packed_sign_bytes(chunk)
+    sent = _with_scales(B, B.reshape(_rank_major(B, bits, chunks, n), (n, width)), n, worker_scale)
+    received, worker_scales = _split_scales(  # n rows: rank r's chunk, rank r's scales
+        B, start_alltoall(comm, sent, f"{name}.worker_signs").wait(), n, width, len(counts))
     finite = B.all_finite(worker_scales)
 
     # Phase 2 (server): average this rank's chunks, add the server error, re-sign them.
@@ -228,14 +225,12 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     # two gathers of different dtypes ran one after the other in Horovod, and the second
     # added 1-2 ms to every bucket on the emulated 10 Gbit/s link (profiled 2026-11-26).
     # The worker error is updated while they travel.
-    row = B.concat([server_bits, _float_bytes(B, server_scale_sent)])
+    row = _with_scales(B, B.reshape(server_bits, (1, width)), 1, server_scale_sent)
     gather = start_allgather(comm, row, f"{name}.server_signs")
     worker_error = B.cond(
         finite, lambda: sign_residual(B, buf, worker_error, worker_scale, padded, out=worker_error),
         lambda: worker_error)
-    table = B.reshape(gather.wait(), (n, width + scale_bytes))
-    all_bits = B.reshape(B.slice_columns(table, 0, width), (-1,))
-    server_scales = _bytes_float(B, B.reshape(B.slice_columns(table, width, width + scale_bytes), (-1,)))
+    all_bits, server_scales = _split_scales(B, gather.wait(), n, width, len(counts))
 
     def decode():
         tensor_bits, tensor_scales = _tensor_major(B, all_bits, server_scales, chunks, n)
@@ -256,6 +251,21 @@ def _float_bytes(B, x):
 def _bytes_float(B, b):
     """Inverse of :func:`_float_bytes`."""
     return B.reshape(B.bitcast(B.reshape(b, (-1, 4)), "float32"), (-1,))
+
+
+def _with_scales(B, rows, k, scales):
+    """What one collective carries: each of the ``k`` rows of packed signs (uint8, ``k x
+    width``) followed by the bytes of the float32 ``scales``, flat."""
+    scale_rows = B.reshape(B.concat([_float_bytes(B, scales)] * k), (k, -1))
+    return B.reshape(B.concat_columns([rows, scale_rows]), (-1,))
+
+
+def _split_scales(B, received, n, width, count):
+    """Inverse of :func:`_with_scales` for ``n`` rows of ``width`` sign bytes and ``count``
+    scales: the signs (flat, row after row) and the scales (flat, ``n`` rows of ``count``)."""
+    table = B.reshape(received, (n, width + 4 * count))
+    signs = B.reshape(B.slice_columns(table, 0, width), (-1,))
+    return signs, _bytes_float(B, B.reshape(B.slice_columns(table, width, width + 4 * count), (-1,)))
 
 
 def _pad_tensors(B, x, counts, padded):
