@@ -17,7 +17,7 @@ from hvd_quant.compressors import global_qsgd as gq
 from hvd_quant.compressors.marsit import MarsitSelect
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, sign_residual,
-                                    unpack_lanes, unpack_scaled_sum)
+                                    unpack_lanes, unpack_scaled_sum, unpack_sum_residual)
 from hvd_quant.core.hierarchical import rebinarize
 from hvd_quant.core.rng import CounterRNG, draws
 from hvd_quant.core.runner import CompressorRunner
@@ -84,6 +84,29 @@ def test_unpack_scaled_sum_is_bit_exact(d, rows, threads):
     buf = base.copy()
     assert unpack_scaled_sum(K, packed, scales, counts, d, base=buf, out=buf) is buf
     np.testing.assert_array_equal(buf, unpack_scaled_sum(B, packed, scales, counts, d, base=base))
+
+
+@pytest.mark.parametrize("d", SIZES)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_unpack_sum_residual_is_the_two_passes_bit_for_bit(d, rows, threads):
+    # ef_sign's decode with its residual: the same floats as unpack_scaled_sum then
+    # sign_residual, also when the mean goes into x itself and the residual into e.
+    counts = split(d)
+    packed = np.concatenate([pack_signs(B, data(d, 10 + r)) for r in range(rows)])
+    scales = np.random.default_rng(3).random(rows * 3).astype(np.float32)
+    own = np.array([0.5, 2.0, 0.25], np.float32)
+    x, e = data(d, 1, specials=True), data(d, 2)
+    for resid in (e, None):
+        want = (unpack_scaled_sum(B, packed, scales, counts, d), sign_residual(B, x, resid, own, counts))
+        for got in (unpack_sum_residual(K, packed, scales, counts, d, x, resid, own),
+                    unpack_sum_residual(B, packed, scales, counts, d, x, resid, own)):
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+    xb, eb = x.copy(), e.copy()
+    mean, res = unpack_sum_residual(K, packed, scales, counts, d, xb, eb, own, out=xb, resid_out=eb)
+    assert mean is xb and res is eb
+    np.testing.assert_array_equal(xb, unpack_scaled_sum(B, packed, scales, counts, d))
+    np.testing.assert_array_equal(eb, sign_residual(B, x, e, own, counts))
 
 
 @pytest.mark.parametrize("d", SIZES)

@@ -23,7 +23,8 @@ from hvd_quant.compressors import global_qsgd as gq  # noqa: E402
 from hvd_quant.compressors.marsit import MarsitSelect  # noqa: E402
 from hvd_quant.core.backend import NumpyBackend  # noqa: E402
 from hvd_quant.core.hierarchical import rebinarize  # noqa: E402
-from hvd_quant.core.packing import pack_signs, sign_pack_residual, sign_residual, unpack_scaled_sum  # noqa: E402
+from hvd_quant.core.packing import (pack_signs, sign_pack_residual, sign_residual, unpack_scaled_sum,  # noqa: E402
+                                    unpack_sum_residual)
 from hvd_quant.core.rng import CounterRNG  # noqa: E402
 from hvd_quant.core.runner import CompressorRunner  # noqa: E402
 from hvd_quant.core.segments import compensate_sums, compensate_sums_signs  # noqa: E402
@@ -120,6 +121,11 @@ def test_unpack_scaled_sum_equals_the_oracle(mode, rows):
           unpack_scaled_sum(NP, packed, scales, COUNTS, D))
     equal(run_tf(mode, lambda p, s, b: unpack_scaled_sum(TF, p, s, COUNTS, D, base=b), packed, scales, base),
           unpack_scaled_sum(NP, packed, scales, COUNTS, D, base=base))
+    own = np.array([0.5, 2.0, 0.25], np.float32)
+    got = run_tf(mode, lambda p, s, a, b, o: unpack_sum_residual(TF, p, s, COUNTS, D, a, b, o, out=a, resid_out=b),
+                 packed, scales, base, data(D, 5), own)
+    equal(got[0], unpack_scaled_sum(NP, packed, scales, COUNTS, D))
+    equal(got[1], sign_residual(NP, base, data(D, 5), own, COUNTS))
 
 
 class Comm:

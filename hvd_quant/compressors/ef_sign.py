@@ -16,10 +16,13 @@ them in rank order, so all ranks hold bit-identical results. Bytes sent per rank
 ``(n-1) * (ceil(d/8) + 4*S)`` under the ring-allgather cost model, against
 ``2 (n-1)/n * 4d`` for an fp32 allreduce.
 
-Phases, in the order that lets the wire overlap the CPU: one pass over ``x`` and ``e``
-gives the scale sums *and* the sign bits (a sign does not depend on the scale); the
-scales and then the bits are sent (asynchronously where the communicator can); the
-residual pass runs while the bits are on the wire; then every contribution is decoded.
+Phases: one pass over ``x`` and ``e`` gives the scale sums *and* the sign bits (a sign
+does not depend on the scale); the scales and then the bits are sent (asynchronously
+where the communicator can); then one more pass decodes every contribution and writes
+the new residual (fused primitive ``unpack_sum_residual``). Two passes over the buffer,
+not three: a separate residual pass while the bits were on the wire read ``x`` and ``e``
+once more, and on a rank with one core (several ranks per host) the CPU it used was the
+backward pass's, not idle time.
 
 Non-finite input: a NaN or inf in ``p`` makes its segment's scale non-finite; the scales
 are gathered before any residual is touched, so every rank sees it first. Such a step
@@ -28,7 +31,7 @@ was (its bits are still sent, so that every rank issues the same collectives).
 """
 
 from ..core.compressor import Compressor
-from ..core.packing import packed_sign_bytes, sign_residual, unpack_scaled_sum
+from ..core.packing import packed_sign_bytes, unpack_sum_residual
 from ..core.pipeline import start_allgather
 from ..core.segments import compensate_sums_signs, segment_means
 
@@ -56,20 +59,19 @@ class EFSignCompressor(Compressor):
         bits_handle = start_allgather(comm, bits, ctx.collective_name("signs"))
         all_scales = scale_handle.wait()
         finite = B.all_finite(all_scales)
-
-        # Phase 3, while the bits travel: the new residual, kept only on a finite step.
-        residual = B.cond(finite, lambda: sign_residual(B, x, residual, scales, counts, out=residual),
-                          lambda: residual)
-        ctx.state.set("residual", residual)
         all_bits = bits_handle.wait()
 
-        # Phase 4: decode every rank's contribution in rank order (into ctx.out where
-        # given: x is not read any more). Scales are divided by n before the sum, so
-        # values near the float32 maximum do not overflow it.
-        return B.cond(finite,
-                      lambda: unpack_scaled_sum(B, all_bits, B.divide(all_scales, float(n)), counts, d,
-                                                out=ctx.out),
-                      lambda: B.full(d, float("nan")))
+        # Phase 3: decode every rank's contribution in rank order (into ctx.out where
+        # given: it may be x) and, in the same pass, the new residual (kept only on a
+        # finite step). Scales are divided by n before the sum, so values near the
+        # float32 maximum do not overflow it.
+        mean, residual = B.cond(
+            finite,
+            lambda: unpack_sum_residual(B, all_bits, B.divide(all_scales, float(n)), counts, d,
+                                        x, residual, scales, out=ctx.out, resid_out=residual),
+            lambda: (B.full(d, float("nan")), residual))
+        ctx.state.set("residual", residual)
+        return mean
 
     def wire_bytes(self, numel, world_size, segments=1):
         return float((world_size - 1) * (packed_sign_bytes(numel) + 4 * segments))

@@ -132,6 +132,25 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None, bas
     return total if base is None else total + base
 
 
+def unpack_sum_residual(B, packed, scales, counts, numel, x, e, own_scales, out=None,
+                        resid_out=None):
+    """:func:`unpack_scaled_sum` of the rows (no base) and this rank's residual
+    :func:`sign_residual` of ``p = x + e`` with its own scales, together.
+
+    For a method that decodes after its bits have arrived and has not written its
+    residual yet (ef_sign): the fast path does both in one pass over memory, which reads
+    ``x`` once instead of twice when the result goes into ``x`` itself. The same floats
+    as the two calls. Fused primitive ``unpack_sum_residual``; ``out`` may be ``x`` and
+    ``resid_out`` may be ``e`` on the fast path. Returns ``(sum, residual)``.
+    """
+    fast = B.kernel("unpack_sum_residual", packed, scales, x, e, own_scales)
+    if fast is not None:
+        return fast(packed, scales, segment_bounds(counts), numel, x, e, own_scales, out=out,
+                    resid_out=resid_out)
+    residual = sign_residual(B, x, e, own_scales, counts, out=resid_out)  # reads x: first
+    return unpack_scaled_sum(B, packed, scales, counts, numel, out=out), residual
+
+
 def lanes_per_word(width):
     """How many ``width``-bit lanes fit in one int32 word."""
     if width not in (2, 4, 8, 16):

@@ -15,6 +15,7 @@ primitive                  generic twin                                    used 
 ``compensate_sums``        ``core.segments.compensate_sums``               ef_sign, marsit, onebit
 ``compensate_sums_signs``  ``core.segments.compensate_sums_signs``         ef_sign, marsit, onebit
 ``sign_residual``          ``core.packing.sign_residual``                  ef_sign, marsit, onebit
+``unpack_sum_residual``    ``core.packing.unpack_sum_residual``            ef_sign
 ``absmax_finite``          ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
 ``quantize_lanes``         ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
 ``quantize_ints``          ``compressors.global_qsgd.quantize``            global_qsgd (native ints)
@@ -56,7 +57,7 @@ from . import threads
 
 #: Every fused primitive with a fast CPU kernel.
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
-         "compensate_sums_signs", "sign_residual",
+         "compensate_sums_signs", "sign_residual", "unpack_sum_residual",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
          "rebinarize", "binsgdm_encode", "uniform", "all_finite", "ema", "descend", "adam_descend",
@@ -129,6 +130,10 @@ def _warm_flavour(k):
         k.sign_residual(x, e, np.ones(2, np.float32), bounds, out=e)
         k.sign_residual(x, e, np.ones(2, np.float32), bounds, out=e, serial=True)
         k.sign_residual(x, e, np.ones(2, np.float32), bounds, serial=True)
+        k.unpack_sum_residual(np.stack([bits, bits]), np.ones((2, 2), np.float32), bounds, 24,
+                              x.copy(), e, np.ones(2, np.float32), resid_out=e)
+        k.unpack_sum_residual(np.stack([bits, bits]), np.ones((2, 2), np.float32), bounds, 24,
+                              x, e, np.ones(2, np.float32))
     k.absmax_finite(x)
     for width in (8, 16):
         w = k.quantize_lanes(x, 1.0, 1.0, 3, 1, width, True)

@@ -328,6 +328,59 @@ def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None, base_scale
     return out
 
 
+# The decode and this rank's error-feedback residual in one pass (ef_sign): the residual
+# pass reads x and e and writes e, the decode writes out, which is x itself when the mean
+# goes back into the gradient; a write to memory not in the cache reads it first, so
+# the two separate passes read x twice. Here each piece's residual is written first (x
+# and e are read into the cache), then the rows are decoded over the same piece.
+@_twin
+def _unpack_sum_residual(packed, scales, bounds, x, e, has_e, own, in_place, resid, out):
+    d = out.size
+    rows = packed.shape[0]
+    for s in range(scales.shape[1]):
+        first, end = (bounds[s] + 7) // 8, bounds[s + 1] // 8
+        col = np.ascontiguousarray(scales[:, s])
+        sc = own[s]
+        for k in prange((end - first + UNPACK_PIECE - 1) // UNPACK_PIECE):
+            a = first + k * UNPACK_PIECE
+            b = min(end, a + UNPACK_PIECE)
+            if in_place:
+                _residual_piece_in_place(x[8 * a:8 * b], e[8 * a:8 * b], sc)
+            else:
+                _residual_piece(x[8 * a:8 * b], e[8 * a:8 * b] if has_e else e, has_e, sc,
+                                resid[8 * a:8 * b])
+            for r in range(rows):
+                _unpack_row(packed[r][a:b], col[r], r > 0, out[8 * a:8 * b])
+    for b in _general_bytes(bounds):
+        for i in range(8 * b, min(d, 8 * b + 8)):
+            s = _segment_of(bounds, i)
+            p = x[i] + e[i] if has_e else x[i]
+            resid[i] = p - (own[s] if p >= np.float32(0) else -own[s])
+            acc = _signed(packed[0, b], i - 8 * b, scales[0, s])
+            for r in range(1, rows):
+                acc += _signed(packed[r, b], i - 8 * b, scales[r, s])
+            out[i] = acc
+
+
+def unpack_sum_residual(packed, scales, bounds, d, x, e, own_scales, out=None, resid_out=None):
+    """``packing.unpack_sum_residual``: :func:`unpack_scaled_sum` (no base) and
+    :func:`sign_residual` of ``p = x + e`` with this rank's ``own_scales``, in one pass;
+    the same floats as the two calls. ``out`` may be ``x`` itself and ``resid_out`` may
+    be ``e`` itself. Returns ``(sum, residual)``."""
+    out = np.empty(d, np.float32) if out is None else out
+    in_place = (e is not None and resid_out is not None and resid_out.size == e.size
+                and resid_out.ctypes.data == e.ctypes.data)
+    resid = e if in_place else (np.empty_like(x) if resid_out is None else resid_out)
+    if d == 0:
+        return out, resid
+    packed = np.ascontiguousarray(packed).reshape(-1, (d + 7) // 8)
+    scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(packed.shape[0], -1)
+    own = np.ascontiguousarray(own_scales, dtype=np.float32).reshape(-1)
+    _unpack_sum_residual(packed, scales, bounds, x, np.empty(0, np.float32) if e is None else e,
+                         e is not None, own, in_place, resid, out)
+    return out, resid
+
+
 # --- sums that set scales -----------------------------------------------------------------
 # The float64 sums of a block may be reassociated (``fastmath`` reassoc only: inf and NaN
 # still propagate): LLVM then keeps several vector accumulators instead of one serial

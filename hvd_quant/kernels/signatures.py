@@ -66,6 +66,8 @@ SIGNATURES = {
     "compensate_sums_signs": Signature((Output(None, "float64", _segments),
                                         Output("bits_out", "uint8", _bytes("x")))),
     "sign_residual": Signature((_f32("out", "x"),)),
+    "unpack_sum_residual": Signature((Output("out", "float32", lambda a, numel: int(a["d"])),
+                                      _f32("resid_out", "x"))),
     "absmax_finite": Signature((Output(None, "float32", None), Output(None, "bool", None))),
     "quantize_lanes": Signature((Output("out", "int32", _lane_words),), scalars=("pre", "scale", "key")),
     "quantize_ints": Signature((Output("out", lambda a: str(a["dtype"]), _size("x")),),
