@@ -264,9 +264,10 @@ def touched_powersgd(d, n):
 
 
 def touched_sign(d, n):
-    """ef_sign / marsit: scale pass over g + e (read 2F), sign + pack + residual (read 2F,
-    write e F, write bits F/32), n packed inputs decoded into the output (read n F/32,
-    write F)."""
+    """ef_sign / marsit: scale sums and packed signs of g + e in one pass (read 2F, write
+    bits F/32), then the residual and the decode of the packed inputs into the output
+    (read 2F and the gathered bits, write e and the output: 2F; one fused pass for
+    ef_sign, a residual pass beside the ring and then the decode for marsit)."""
     return 4 * d * (6 + (2 * n - 1) / 32)
 
 
@@ -287,9 +288,10 @@ def touched_integer(wire_bytes_per_element):
 
 def touched_onebit(d, n):
     """DeepSpeed's compressed allreduce, with the server's state kept compensated (as
-    hvd_quant runs it): worker RMS scale (read x, e: 2F), sign + pack + residual (read 2F,
-    write e F), server stage on F/n (read c_s, write the new c_s, read it for the scale and
-    the signs: 3F/n), decode (write F); bit buffers (1/32 F each) neglected."""
+    hvd_quant runs it): worker sums of squares and signs (read x, e: 2F), server stage on
+    F/n (read c_s, write the new c_s, read it for the scale and the signs: 3F/n), then the
+    worker residual and the decode in one pass (read x, e, write e and the output: 4F);
+    bit buffers (1/32 F each) neglected."""
     D = padded_size(d, n)
     return 4 * (6 * D + 3 * D / n)
 

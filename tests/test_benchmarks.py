@@ -88,6 +88,31 @@ def test_paired_baseline_floor_and_share_of_the_ideal():
     assert "2 hosts x 2 rank(s)" in table
 
 
+def test_the_roofline_caps_a_compressors_share_of_the_ideal():
+    """Model case: a compressor's memory passes come on top of the floor, so its roofline
+    reaches only part of the ideal saving: the ceiling column. A 1-bit optimizer's byte
+    model counts the update that replaces the floor's own, so it gets no ceiling."""
+    raw = raw_result(case="model", copy_s=0.01, numel=1000, methods={
+        "horovod_fp32": ([[2.0] * 3, [2.0] * 3], 1e8, 0.0),
+        "local": ([[0.5] * 3, [0.5] * 3], 0.0, 0.0),
+        "ef_sign": ([[0.9] * 3, [0.9] * 3], 1e6, 1.6e5),  # 0.2 s at 8e5 B/s read + written
+        "binsgdm": ([[0.7] * 3, [0.7] * 3], 1e6, 1.6e5),
+    })
+    raw["methods"]["binsgdm"]["kinds"] = ["onebit"]
+    s = bench_cluster.summarize(raw, rate_bps=1e8)
+    ef = s["methods"]["ef_sign"]
+    memory = 1.6e5 / (2 * 4000 / 0.01)
+    assert memory == pytest.approx(0.2)
+    assert ef["roofline_s"] == pytest.approx(0.5 + 0.08 + memory)
+    assert ef["ceiling_pct_of_ideal"] == pytest.approx(100 * (2.0 - 0.58 - memory) / (2.0 - 0.58))
+    assert s["methods"]["binsgdm"]["ceiling_pct_of_ideal"] is None
+    assert s["methods"]["horovod_fp32"]["ceiling_pct_of_ideal"] is None
+    table = bench_cluster.markdown_table({"summary": s, "raw": raw, "rate": "100mbit", "hosts": 2,
+                                          "slots": 1, "case": "model"})
+    assert "roofline's % of ideal |" in table
+    assert f"| {ef['ceiling_pct_of_ideal']:.0f}% |" in table.split("| ef_sign |")[1].splitlines()[0]
+
+
 def test_model_roofline_adds_the_measured_compute_floor():
     raw = raw_result(case="model", methods={
         "horovod_fp32": ([[2.0] * 3, [2.0] * 3], 1e6, 0.0),

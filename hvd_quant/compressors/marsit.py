@@ -53,9 +53,9 @@ when ``scale="mean_abs"`` (``(n - 1) * 4`` bytes per parameter), or a 4-byte all
 from ..core.comm import all_ranks_finite, identical_sum, rank_order_sum
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
-from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, sign_residual,
-                            unpack_scaled_sum, unpack_signs)
-from ..core.pipeline import beside, start_allgather
+from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, unpack_scaled_sum,
+                            unpack_signs, unpack_sum_residual)
+from ..core.pipeline import start_allgather
 from ..core.ring import ring_allreduce, torus_allreduce
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
 
@@ -224,11 +224,10 @@ class MarsitCompressor(Compressor):
         # the non-finite flag. A constant alpha sends no float: then the flag costs one
         # 4-byte allreduce of its own, unless check_finite=False.
         # The default (mean_abs, local compensation) packs the bits in the same pass as
-        # the scale sums, so that the residual pass can run beside the ring's hops.
-        early_bits = self.scale == "mean_abs" and self.compensation == "local"
-        if early_bits:
-            # The ring carries bits only, so it need not wait for alpha: the scale gather
-            # is started here and waited for beside the ring (phase 2).
+        # the scale sums: the ring carries bits only, so it need not wait for alpha, whose
+        # gather is started here and waited for after the ring (phase 4).
+        fused = self.scale == "mean_abs" and self.compensation == "local"
+        if fused:
             sums, bits = compensate_sums_signs(B, x, residual, counts)
             local = segment_means(B, sums, counts)
             alpha_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
@@ -241,52 +240,46 @@ class MarsitCompressor(Compressor):
             finite = (all_ranks_finite(B, comm, x, ctx.collective_name("finite")) if self.check_finite
                       else B.all_finite(alpha))
 
-        # Phase 2: sign bits of p = x + e (already packed on the default path); with local
-        # compensation the new residual p - alpha * sign(p). Kept only on a finite step.
+        # Phase 2 (other settings): sign bits of p = x + e; with local compensation the new
+        # residual p - alpha * sign(p) in the same pass, kept only on a finite step.
         nbytes = packed_sign_bytes(d)
-        pending = None
-        if early_bits:
-            # On a helper thread while the ring runs: wait for the scales, sum them in rank
-            # order (alpha), and write the new residual p - alpha * sign(p), kept only on a
-            # finite step (every rank knows the verdict from alpha).
-            keep = residual
-
-            def scale_and_residual():
-                alpha = rank_order_sum(B, alpha_handle.wait(), n)
-                finite = B.all_finite(alpha)
-                new = B.cond(finite, lambda: sign_residual(B, x, keep, alpha, counts, out=keep, serial=True),
-                             lambda: keep)
-                return new, alpha, finite
-            pending = beside(B, scale_and_residual, x, residual)
-        elif self.compensation == "local":
+        if not fused and self.compensation == "local":
             bits, residual = B.cond(
                 finite, lambda: sign_pack_residual(B, x, residual, alpha, counts, out=residual),
                 lambda: (B.zeros(nbytes, "uint8"), residual))
             ctx.state.set("residual", residual)
-        else:
+        elif not fused:
             p = x if residual is None else x + residual
             bits = pack_signs(B, p)
 
         # Phase 3: multi-hop allreduce of the sign bits, 1 bit per element on every hop.
         name = ctx.collective_name("signs")
         rows = self.layout(comm)
-        try:
-            if rows is not None:
-                row_comm, col_comm = comm.subgroups(rows)
-                agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
-            else:
-                agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
-        finally:
-            # Joined on every exit path: a ring that failed (a dead peer, the deadline)
-            # must not leave the helper writing the residual while the caller goes on.
-            joined = pending.wait() if pending is not None else None
-        if pending is not None:
-            new_residual, alpha, finite = joined
-            ctx.state.set("residual", new_residual)  # before decoding into ctx.out, which x may share
-        out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d, out=ctx.out),
-                     lambda: B.full(d, float("nan")))
+        if rows is not None:
+            row_comm, col_comm = comm.subgroups(rows)
+            agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
+        else:
+            agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
 
-        # Phase 4: global compensation, against the aggregated result every rank shares.
+        # Phase 4: decode alpha * s_hat (into ctx.out where given: it may be x). On the
+        # default path the new residual p - alpha * sign(p) is written in the same pass
+        # (fused primitive unpack_sum_residual), kept only on a finite step: one read of x
+        # and e, where a residual pass beside the ring's hops read them once more, with the
+        # CPU of the backward pass on a rank that has one core (several ranks per host).
+        if fused:
+            alpha = rank_order_sum(B, alpha_handle.wait(), n)
+            finite = B.all_finite(alpha)
+            out, residual = B.cond(
+                finite,
+                lambda: unpack_sum_residual(B, agg, alpha, counts, d, x, residual, alpha, out=ctx.out,
+                                            resid_out=residual),
+                lambda: (B.full(d, float("nan")), residual))
+            ctx.state.set("residual", residual)
+        else:
+            out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d, out=ctx.out),
+                         lambda: B.full(d, float("nan")))
+
+        # Phase 5: global compensation, against the aggregated result every rank shares.
         if self.compensation == "global":
             ctx.state.set("residual", B.cond(finite, lambda: p - out, lambda: residual))
         return out

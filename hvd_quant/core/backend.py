@@ -32,11 +32,6 @@ class Backend:
     """
 
     name = "abstract"
-    #: Whether a fused kernel may run on a helper thread while the caller goes on
-    #: (:func:`hvd_quant.core.pipeline.beside`); False where ops must be built on the
-    #: calling thread (TensorFlow graphs).
-    helper_threads = True
-
     # --- construction and conversion ---------------------------------------------------
     def zeros(self, n, dtype="float32"):
         raise NotImplementedError

@@ -57,7 +57,8 @@ import math
 
 import numpy as np
 
-from .packing import packed_sign_bytes, sign_pack_residual, sign_residual, unpack_scaled_sum
+from .packing import (packed_sign_bytes, sign_pack_residual, sign_residual, unpack_scaled_sum,
+                      unpack_sum_residual)
 from .pipeline import start_allgather, start_alltoall
 from .segments import compensate_sums, compensate_sums_signs
 
@@ -224,22 +225,25 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     # allgather carries both (each rank's scales as 4 bytes per tensor after its signs):
     # two gathers of different dtypes ran one after the other in Horovod, and the second
     # added 1-2 ms to every bucket on the emulated 10 Gbit/s link (profiled 2026-11-26).
-    # The worker error is updated while they travel.
+    # The worker error is written in the decode's pass (fused primitive
+    # unpack_sum_residual), which reads x and the error once where a residual pass while
+    # the gather travelled read them once more; with one core per rank (several ranks per
+    # host) that pass took its CPU from the backward pass, not from idle time.
     row = _with_scales(B, B.reshape(server_bits, (1, width)), 1, server_scale_sent)
-    gather = start_allgather(comm, row, f"{name}.server_signs")
-    worker_error = B.cond(
-        finite, lambda: sign_residual(B, buf, worker_error, worker_scale, padded, out=worker_error),
-        lambda: worker_error)
-    all_bits, server_scales = _split_scales(B, gather.wait(), n, width, len(counts))
+    all_bits, server_scales = _split_scales(
+        B, start_allgather(comm, row, f"{name}.server_signs").wait(), n, width, len(counts))
 
     def decode():
         tensor_bits, tensor_scales = _tensor_major(B, all_bits, server_scales, chunks, n)
         per_chunk = [c for c in chunks for _ in range(n)]
+        # The worker's scale of each tensor, once per chunk of it: the decode's segments.
+        own = B.reshape(B.concat_columns([B.reshape(worker_scale, (-1, 1))] * n), (-1,))
         into = out if total == d else None  # padded: decoded into a buffer of its own
-        return _unpad_tensors(B, unpack_scaled_sum(B, tensor_bits, tensor_scales, per_chunk, total,
-                                                   out=into), counts, padded)
+        mean, new_error = unpack_sum_residual(B, tensor_bits, tensor_scales, per_chunk, total, buf,
+                                              worker_error, own, out=into, resid_out=worker_error)
+        return _unpad_tensors(B, mean, counts, padded), new_error
 
-    result = B.cond(finite, decode, lambda: B.full(d, float("nan")))
+    result, worker_error = B.cond(finite, decode, lambda: (B.full(d, float("nan")), worker_error))
     return result, worker_error, server_error, server_scale, finite
 
 

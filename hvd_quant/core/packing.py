@@ -63,15 +63,14 @@ def sign_pack_residual(B, x, e, scales, counts, out=None):
     return pack_signs(B, p), p - B.where(B.greater_equal(p, B.zeros(1)), scale, -scale)
 
 
-def sign_residual(B, x, e, scales, counts, out=None, serial=False):
+def sign_residual(B, x, e, scales, counts, out=None):
     """The error-feedback residual ``p - scale * sign(p)`` of ``p = x + e`` alone, for a
     method whose bits were packed by :func:`~hvd_quant.core.segments.compensate_sums_signs`
     (so they could go on the wire before this pass). Fused primitive ``sign_residual``;
-    ``out`` (typically ``e``) may receive it in place on the fast path; ``serial`` keeps
-    the kernel on the calling thread (see :func:`hvd_quant.core.pipeline.beside`)."""
+    ``out`` (typically ``e``) may receive it in place on the fast path."""
     fast = B.kernel("sign_residual", x, e, scales)
     if fast is not None:
-        return fast(x, e, scales, segment_bounds(counts), out=out, serial=serial)
+        return fast(x, e, scales, segment_bounds(counts), out=out)
     p = x if e is None else x + e
     scale = expand_segments(B, scales, counts)
     return p - B.where(B.greater_equal(p, B.zeros(1)), scale, -scale)

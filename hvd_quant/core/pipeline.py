@@ -1,6 +1,6 @@
 """Overlap: reduce fused buckets while backward runs, and pipeline chunks of one buffer.
 
-Three mechanisms, all framework-agnostic (the torch optimizer and the compressors use
+Two mechanisms, both framework-agnostic (the torch optimizer and the compressors use
 them):
 
 :class:`BucketPipeline`
@@ -28,10 +28,6 @@ them):
     quantizes with the draws of its own element indices, so every level, and the sum,
     is bit-identical to the unchunked method). Other compressors fall back to their own
     ``reduce`` (see :func:`supports_chunking`).
-
-:func:`beside`
-    Inside one collective: a fused CPU kernel (e.g. Marsit's residual update) runs on a
-    helper thread while the caller's collectives (the ring's hops) are on the wire.
 
 Asynchronous collectives: a communicator may offer ``allgather_async(x, name)``,
 ``alltoall_async(x, name)`` and ``allreduce_async(x, op, name)`` returning a handle with
@@ -181,36 +177,6 @@ def start_allgather(comm, x, name):
     if hasattr(comm, "allgather_async"):
         return comm.allgather_async(x, name)
     return _Done(comm.allgather(x, name))
-
-
-_BESIDE = {}
-_BESIDE_LOCK = threading.Lock()
-
-
-def beside(B, fn, *tensors, kernel="sign_residual"):
-    """Run ``fn`` on a helper thread while the caller goes on (e.g. with a chain of ring
-    hops), where that is safe: ``fn``'s work is the fused CPU kernel ``kernel``, which
-    releases the GIL, and ``tensors`` are its inputs. Elsewhere (no such kernel for these
-    tensors: CUDA tensors, the oracle) or where the backend builds ops on the calling
-    thread only (TensorFlow, whose executor overlaps the kernel with the collectives by
-    itself), ``fn`` runs now, in order. Returns a handle; ``wait()`` gives ``fn``'s result
-    or raises its error. The caller must wait on every exit path, its errors included."""
-    if not B.helper_threads or B.kernel(kernel, *tensors) is None:
-        return _Done(fn())
-    with _BESIDE_LOCK:  # bucket threads may get here at once: one pool
-        if "pool" not in _BESIDE:
-            from concurrent.futures import ThreadPoolExecutor
-            _BESIDE["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvd_quant-beside")
-    future = _BESIDE["pool"].submit(fn)
-    return _Waiting(future)
-
-
-class _Waiting:
-    def __init__(self, future):
-        self._future = future
-
-    def wait(self):
-        return self._future.result()
 
 
 def start_alltoall(comm, x, name):

@@ -10,12 +10,12 @@ asks ``B.kernel(name, *tensors)`` first and uses the fast one when the backend o
 primitive                  generic twin                                    used by
 ========================== =============================================== ===========================
 ``sign_pack``              ``core.packing.pack_signs``                     every sign method
-``sign_pack_residual``     ``core.packing.sign_pack_residual``             ef_sign, marsit, onebit
-``unpack_scaled_sum``      ``core.packing.unpack_scaled_sum``              ef_sign, marsit, onebit
-``compensate_sums``        ``core.segments.compensate_sums``               ef_sign, marsit, onebit
+``sign_pack_residual``     ``core.packing.sign_pack_residual``             marsit, onebit
+``unpack_scaled_sum``      ``core.packing.unpack_scaled_sum``              marsit, onebit, BinSGDM
+``compensate_sums``        ``core.segments.compensate_sums``               global_qsgd, marsit, onebit
 ``compensate_sums_signs``  ``core.segments.compensate_sums_signs``         ef_sign, marsit, onebit
-``sign_residual``          ``core.packing.sign_residual``                  ef_sign, marsit, onebit
-``unpack_sum_residual``    ``core.packing.unpack_sum_residual``            ef_sign
+``sign_residual``          ``core.packing.sign_residual``                  onebit (server residual)
+``unpack_sum_residual``    ``core.packing.unpack_sum_residual``            ef_sign, marsit, onebit
 ``absmax_finite``          ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
 ``quantize_lanes``         ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
 ``quantize_ints``          ``compressors.global_qsgd.quantize``            global_qsgd (native ints)
@@ -128,8 +128,6 @@ def _warm_flavour(k):
         k.compensate_sums_signs(x, e, bounds)
         k.sign_residual(x, e, np.ones(2, np.float32), bounds)
         k.sign_residual(x, e, np.ones(2, np.float32), bounds, out=e)
-        k.sign_residual(x, e, np.ones(2, np.float32), bounds, out=e, serial=True)
-        k.sign_residual(x, e, np.ones(2, np.float32), bounds, serial=True)
         k.unpack_sum_residual(np.stack([bits, bits]), np.ones((2, 2), np.float32), bounds, 24,
                               x.copy(), e, np.ones(2, np.float32), resid_out=e)
         k.unpack_sum_residual(np.stack([bits, bits]), np.ones((2, 2), np.float32), bounds, 24,

@@ -81,6 +81,17 @@ def _twin(fn):
 
 
 # --- random draws (hvd_quant.core.rng) ---------------------------------------------------
+def _same(a, b):
+    """Whether ``a`` and ``b`` are the same buffer (an output given as one of the inputs)."""
+    return a is not None and b is not None and a.size == b.size and a.ctypes.data == b.ctypes.data
+
+
+def _as_rows(packed, scales, d):
+    """Packed sign rows ``(rows, ceil(d / 8))`` and their float32 scales ``(rows, S)``."""
+    packed = np.ascontiguousarray(packed).reshape(-1, (d + 7) // 8)
+    return packed, np.ascontiguousarray(scales, dtype=np.float32).reshape(packed.shape[0], -1)
+
+
 @njit(inline="always", **_OPTS)
 def _mix32(x):
     x ^= x >> _S16
@@ -319,8 +330,7 @@ def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None, base_scale
     out = np.empty(d, np.float32) if out is None else out
     if d == 0:
         return out
-    packed = np.ascontiguousarray(packed).reshape(-1, (d + 7) // 8)
-    scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(packed.shape[0], -1)
+    packed, scales = _as_rows(packed, scales, d)
     folds = (np.empty(0, np.float32) if base is None or base_scales is None
              else np.ascontiguousarray(base_scales, dtype=np.float32).reshape(-1))
     _unpack_scaled_sum(packed, scales, bounds, np.empty(0, np.float32) if base is None else base,
@@ -368,13 +378,11 @@ def unpack_sum_residual(packed, scales, bounds, d, x, e, own_scales, out=None, r
     the same floats as the two calls. ``out`` may be ``x`` itself and ``resid_out`` may
     be ``e`` itself. Returns ``(sum, residual)``."""
     out = np.empty(d, np.float32) if out is None else out
-    in_place = (e is not None and resid_out is not None and resid_out.size == e.size
-                and resid_out.ctypes.data == e.ctypes.data)
+    in_place = _same(resid_out, e)
     resid = e if in_place else (np.empty_like(x) if resid_out is None else resid_out)
     if d == 0:
         return out, resid
-    packed = np.ascontiguousarray(packed).reshape(-1, (d + 7) // 8)
-    scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(packed.shape[0], -1)
+    packed, scales = _as_rows(packed, scales, d)
     own = np.ascontiguousarray(own_scales, dtype=np.float32).reshape(-1)
     _unpack_sum_residual(packed, scales, bounds, x, np.empty(0, np.float32) if e is None else e,
                          e is not None, own, in_place, resid, out)
@@ -537,23 +545,20 @@ def _residual_piece_in_place(x, e, sc):
         e[i] = p - (sc if p >= np.float32(0) else -sc)
 
 
-def sign_residual(x, e, scales, bounds, out=None, serial=False):
+def sign_residual(x, e, scales, bounds, out=None):
     """``packing.sign_residual``: the error-feedback residual ``p - where(p >= 0, scale,
     -scale)`` of ``p = x + e`` without the bits (:func:`compensate_sums_signs` packed
-    them); into ``out``, which may be ``e`` itself. ``serial``: one thread, no parallel
-    region (for a call from a helper thread)."""
+    them); into ``out``, which may be ``e`` itself."""
     scales = np.ascontiguousarray(scales, dtype=np.float32)
-    in_place = e is not None and out is not None and out.ctypes.data == e.ctypes.data and out.size == e.size
+    in_place = _same(out, e)
     resid = e if in_place else (np.empty_like(x) if out is None else out)
     e_arr = np.empty(0, np.float32) if e is None else e
     if not x.size:
         return resid
-    # serial: the serial twin whatever the flavour in use, because a helper thread must not
-    # enter numba's threading layer while the caller's thread may be in it.
     if in_place:
-        (_sign_residual_in_place.serial if serial else _sign_residual_in_place)(x, e, scales, bounds)
+        _sign_residual_in_place(x, e, scales, bounds)
     else:
-        (_sign_residual.serial if serial else _sign_residual)(x, e_arr, scales, bounds, resid)
+        _sign_residual(x, e_arr, scales, bounds, resid)
     return resid
 
 
@@ -983,10 +988,6 @@ def _adam_descend_in_place(x, m, v, lr, eps, wd, has_wd, acc):
             acc[i] = acc[i] - delta
 
 
-def _same(a, b):
-    return a.size == b.size and a.ctypes.data == b.ctypes.data
-
-
 def adam_descend(x, m, v, lr, eps, weight_decay, acc=None, x_out=None, acc_out=None):
     """``elementwise.adam_descend``: ``(x - delta, acc - delta)`` (``acc``'s part empty
     when it is None) with ``delta = lr * (m / (sqrt(v) + eps) + weight_decay * x)``,
@@ -994,8 +995,7 @@ def adam_descend(x, m, v, lr, eps, weight_decay, acc=None, x_out=None, acc_out=N
     themselves (both, when ``acc`` is given)."""
     args = (np.float32(lr), np.float32(eps), np.float32(weight_decay), weight_decay > 0.0)
     empty = np.empty(0, np.float32)
-    if (x_out is not None and _same(x_out, x)
-            and (acc is None or (acc_out is not None and _same(acc_out, acc)))):
+    if _same(x_out, x) and (acc is None or _same(acc_out, acc)):
         _adam_descend_in_place(x, m, v, *args, empty if acc is None else acc)
         return x, (empty if acc is None else acc)
     x_out = np.empty_like(x) if x_out is None else x_out

@@ -40,9 +40,6 @@ class TFCounterRNG(CounterRNG):
 
 class TFBackend(Backend):
     name = "tensorflow"
-    # Graph ops must be built on the thread that traces; TensorFlow's executor overlaps a
-    # kernel with the collectives in flight by itself (see hvd_quant.core.pipeline.beside).
-    helper_threads = False
 
     def zeros(self, n, dtype="float32"):
         return tf.zeros([n], dtype=dtype)
