@@ -32,6 +32,7 @@ class Backend:
     """
 
     name = "abstract"
+
     # --- construction and conversion ---------------------------------------------------
     def zeros(self, n, dtype="float32"):
         raise NotImplementedError

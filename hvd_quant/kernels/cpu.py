@@ -80,7 +80,7 @@ def _twin(fn):
     return _Twin(fn)
 
 
-# --- random draws (hvd_quant.core.rng) ---------------------------------------------------
+# --- buffers given to the wrappers ---------------------------------------------------------
 def _same(a, b):
     """Whether ``a`` and ``b`` are the same buffer (an output given as one of the inputs)."""
     return a is not None and b is not None and a.size == b.size and a.ctypes.data == b.ctypes.data
@@ -92,6 +92,7 @@ def _as_rows(packed, scales, d):
     return packed, np.ascontiguousarray(scales, dtype=np.float32).reshape(packed.shape[0], -1)
 
 
+# --- random draws (hvd_quant.core.rng) ---------------------------------------------------
 @njit(inline="always", **_OPTS)
 def _mix32(x):
     x ^= x >> _S16
