@@ -45,6 +45,13 @@ def split(d):
     return [a, 0, d - a]
 
 
+def sign_rows(d, rows):
+    """``rows`` ranks' packed signs of ``d`` elements, one after the other, and their
+    scales (one per rank and segment of :func:`split`)."""
+    packed = np.concatenate([pack_signs(B, data(d, 10 + r)) for r in range(rows)])
+    return packed, np.random.default_rng(3).random(rows * 3).astype(np.float32)
+
+
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
     kernels.set_threads(request.param)  # 1: the serial twins; 2: the parallel ones
@@ -74,8 +81,7 @@ def test_sign_pack_and_residual_are_bit_exact(d, threads):
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_unpack_scaled_sum_is_bit_exact(d, rows, threads):
     counts = split(d)
-    packed = np.concatenate([pack_signs(B, data(d, 10 + r)) for r in range(rows)])
-    scales = np.random.default_rng(3).random(rows * 3).astype(np.float32)
+    packed, scales = sign_rows(d, rows)
     base = data(d, 4)
     for b in (None, base):
         np.testing.assert_array_equal(unpack_scaled_sum(K, packed, scales, counts, d, base=b),
@@ -89,11 +95,10 @@ def test_unpack_scaled_sum_is_bit_exact(d, rows, threads):
 @pytest.mark.parametrize("d", SIZES)
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_unpack_sum_residual_is_the_two_passes_bit_for_bit(d, rows, threads):
-    # ef_sign's decode with its residual: the same floats as unpack_scaled_sum then
+    # The decode with this rank's residual (ef_sign, marsit, onebit): the same floats as unpack_scaled_sum then
     # sign_residual, also when the mean goes into x itself and the residual into e.
     counts = split(d)
-    packed = np.concatenate([pack_signs(B, data(d, 10 + r)) for r in range(rows)])
-    scales = np.random.default_rng(3).random(rows * 3).astype(np.float32)
+    packed, scales = sign_rows(d, rows)
     own = np.array([0.5, 2.0, 0.25], np.float32)
     x, e = data(d, 1, specials=True), data(d, 2)
     for resid in (e, None):

@@ -339,11 +339,11 @@ def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None, base_scale
     return out
 
 
-# The decode and this rank's error-feedback residual in one pass (ef_sign): the residual
-# pass reads x and e and writes e, the decode writes out, which is x itself when the mean
-# goes back into the gradient; a write to memory not in the cache reads it first, so
-# the two separate passes read x twice. Here each piece's residual is written first (x
-# and e are read into the cache), then the rows are decoded over the same piece.
+# The decode and this rank's error-feedback residual in one pass (ef_sign, marsit, onebit's
+# worker): the residual pass reads x and e and writes e, the decode writes out, which is x
+# itself when the mean goes back into the gradient; a write to memory not in the cache
+# reads it first, so the two separate passes read x twice. Here each piece's residual is
+# written first (x and e are read into the cache), then the rows are decoded over it.
 @_twin
 def _unpack_sum_residual(packed, scales, bounds, x, e, has_e, own, in_place, resid, out):
     d = out.size
