@@ -266,8 +266,8 @@ def touched_powersgd(d, n):
 def touched_sign(d, n):
     """ef_sign / marsit: scale sums and packed signs of g + e in one pass (read 2F, write
     bits F/32), then the residual and the decode of the packed inputs into the output
-    (read 2F and the gathered bits, write e and the output: 2F; one fused pass for
-    ef_sign, a residual pass beside the ring and then the decode for marsit)."""
+    (read 2F and the gathered bits, write e and the output: 2F; one fused pass,
+    ``unpack_sum_residual``, after the gather for ef_sign and after the ring for marsit)."""
     return 4 * d * (6 + (2 * n - 1) / 32)
 
 

@@ -78,7 +78,17 @@ def forget_stale_sets():
 
 class ProcessSetTorus:
     """Mixin for Horovod communicators (torch and TF): torus rows and columns over
-    registered process sets, else the routed default of ``Communicator.subgroups``."""
+    registered process sets, else the routed default of ``Communicator.subgroups``.
+
+    A subclass sets ``_horovod`` (``horovod.torch`` or ``horovod.tensorflow``) and is
+    made with ``process_set=None``: Horovod's global process set."""
+
+    def __init__(self, process_set=None):
+        super().__init__()
+        self.process_set = (process_set if process_set is not None
+                            else self._horovod.global_process_set)
+        self.rank = self.process_set.rank()
+        self.size = self.process_set.size()
 
     def refresh(self):
         """Re-read ``rank`` and ``size`` from the process set and forget the cached torus

@@ -56,13 +56,12 @@ Deliberate departures from DeepSpeed, and why:
   rather than the engine's allreduce.
 """
 
-from ..core.onebit import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
-from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
-                   scales_option, tensor_sizes)
+from .base import full_precision_mean, keep_if, scales_option
 from .elementwise import adam_descend, ema
+from .onebit_rounds import OnebitRoundsRule
 
 
-class OnebitAdamRule(Rule):
+class OnebitAdamRule(OnebitRoundsRule):
     """DeepSpeed's ``OnebitAdam`` update for one flat parameter group.
 
     Parameters
@@ -80,8 +79,7 @@ class OnebitAdamRule(Rule):
 
     name = "onebit_adam"
     param_slots = ("exp_avg", "exp_avg_sq")
-    per_rank_slots = ("worker_error", "server_error", "server_scale")
-    zero_if_missing = ("server_scale",)
+    per_rank_slots = OnebitRoundsRule.error_slots
     non_freeze_refusal = None  # DeepSpeed's OnebitAdam.step reads group['non_freeze']
 
     def __init__(self, freeze_step=100000, scales="tensor"):
@@ -91,21 +89,8 @@ class OnebitAdamRule(Rule):
         self.freeze_step = freeze_step
         self.scales = scales
 
-    def extra_slots(self, counts, world_size):
-        tensors = compressed_counts(self.scales, counts)
-        total = padded_size(tensors, world_size)
-        return {"worker_error": total, "server_error": total // world_size,
-                "server_scale": len(tensors)}
-
     def scalars(self):
         return {"step": 0, "initialized": 0, "frozen": 0}
-
-    def wire_bytes(self, kind, numel, world_size):
-        if kind == "full":
-            return full_precision_bytes(sum(tensor_sizes(numel)), world_size)
-        if kind in ("onebit", "init"):
-            return compressed_allreduce_bytes(compressed_counts(self.scales, numel), world_size)
-        return 0.0
 
     def step(self, ctx):
         B, st, comm = ctx.B, ctx.state, ctx.comm
@@ -115,13 +100,7 @@ class OnebitAdamRule(Rule):
         non_freeze = ctx.hp.get("non_freeze", False)  # a Python bool (checked by the adapter)
 
         def compress(value, into=None):
-            out, worker, server, server_scale, finite = compressed_allreduce_compensated(
-                B, comm, value, ctx.writable_slot("worker_error"), ctx.writable_slot("server_error"),
-                ctx.writable_slot("server_scale"), ctx.collective_name("momentum"),
-                compressed_counts(self.scales, ctx.counts), out=into)
-            # The error buffers are already left untouched on a non-finite step.
-            st.commit(True, {"worker_error": worker, "server_error": server, "server_scale": server_scale})
-            return out, finite
+            return self.compressed_mean(ctx, value, "momentum", into)
 
         def masked(m):
             # Applied with any number of ranks, as DeepSpeed does.

@@ -88,11 +88,10 @@ group['lr']``; the sync divides by it in float32, as torch does with a Python sc
 widens its float32 learning rates exactly before adding them.
 """
 
-from ..core.onebit import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
-from .base import (Rule, compressed_counts, full_precision_bytes, full_precision_mean, keep_if,
-                   scales_option, tensor_sizes)
+from .base import full_precision_mean, keep_if, scales_option, tensor_sizes
 from .elementwise import (adam_descend, ema, precondition, zero_one_sync_input,
                           zero_one_sync_result)
+from .onebit_rounds import OnebitRoundsRule
 
 
 def _plus_lr(B, total, lr):
@@ -116,7 +115,7 @@ def _positive_int(name, value):
     return value
 
 
-class ZeroOneAdamRule(Rule):
+class ZeroOneAdamRule(OnebitRoundsRule):
     """DeepSpeed's ``ZeroOneAdam`` update for one flat parameter group.
 
     Parameters (DeepSpeed's names and defaults)
@@ -148,8 +147,7 @@ class ZeroOneAdamRule(Rule):
     name = "zero_one_adam"
     param_slots = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
     # Momentum and accumulator follow each rank's gradients between syncs.
-    per_rank_slots = ("exp_avg", "momentum_accumulator", "worker_error", "server_error", "server_scale")
-    zero_if_missing = ("server_scale",)
+    per_rank_slots = ("exp_avg", "momentum_accumulator") + OnebitRoundsRule.error_slots
     non_freeze_refusal = (
         "DeepSpeed's ZeroOneAdam.step (runtime/fp16/onebit/zoadam.py) never reads the flag "
         "(only OnebitAdam.step in onebit/adam.py does), so such a group would be frozen like any "
@@ -172,10 +170,7 @@ class ZeroOneAdamRule(Rule):
         self.scales = scales
 
     def extra_slots(self, counts, world_size):
-        tensors = compressed_counts(self.scales, counts)
-        total = padded_size(tensors, world_size)
-        slots = {"worker_error": total, "server_error": total // world_size,
-                 "server_scale": len(tensors)}
+        slots = super().extra_slots(counts, world_size)
         if self.exact_sync:
             slots["synced_params"] = sum(tensor_sizes(counts))
         return slots
@@ -184,13 +179,6 @@ class ZeroOneAdamRule(Rule):
         return {"step": 0, "initialized": 0, "frozen": 0,
                 "var_interval": 1, "var_counter": 0,
                 "local_step_interval": 1, "local_step_counter": 0, "lrs": 0.0}
-
-    def wire_bytes(self, kind, numel, world_size):
-        if kind == "full":
-            return full_precision_bytes(sum(tensor_sizes(numel)), world_size)
-        if kind in ("onebit", "init"):
-            return compressed_allreduce_bytes(compressed_counts(self.scales, numel), world_size)
-        return 0.0
 
     def step(self, ctx):
         B, st, comm = ctx.B, ctx.state, ctx.comm
@@ -317,13 +305,7 @@ class ZeroOneAdamRule(Rule):
     def _compress(self, ctx, value, phase, into=None):
         """DeepSpeed's ``compressed_allreduce`` of ``value`` with the group's error buffers
         (decoded into ``into`` where possible), then ``exp_avg_mask``: ``(average, finite)``."""
-        B, st = ctx.B, ctx.state
-        out, worker, server, server_scale, finite = compressed_allreduce_compensated(
-            B, ctx.comm, value, ctx.writable_slot("worker_error"), ctx.writable_slot("server_error"),
-            ctx.writable_slot("server_scale"), ctx.collective_name(phase),
-            compressed_counts(self.scales, ctx.counts), out=into)
-        # The error buffers are already left untouched on a non-finite step.
-        st.commit(True, {"worker_error": worker, "server_error": server, "server_scale": server_scale})
+        out, finite = self.compressed_mean(ctx, value, phase, into)
         return (out * ctx.mask if ctx.mask is not None else out), finite
 
     def sync_pending(self, B, st):

@@ -22,13 +22,7 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
 
     allreduce_int_dtypes = ("int8", "int32", "int64")
 
-    _horovod = hvd  # ProcessSetTorus.ranks_per_node reads the layout from it
-
-    def __init__(self, process_set=None):
-        super().__init__()
-        self.process_set = process_set if process_set is not None else hvd.global_process_set
-        self.rank = self.process_set.rank()
-        self.size = self.process_set.size()
+    _horovod = hvd  # ProcessSetTorus reads the global process set and the layout from it
 
     @staticmethod
     def _name(name):

@@ -34,13 +34,7 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
     runs under the collective deadline of :mod:`hvd_quant.core.watchdog` (for the
     ``*_async`` ones: the handle's ``wait()``)."""
 
-    _horovod = hvd  # ProcessSetTorus.ranks_per_node reads the layout from it
-
-    def __init__(self, process_set=None):
-        super().__init__()
-        self.process_set = process_set if process_set is not None else hvd.global_process_set
-        self.rank = self.process_set.rank()
-        self.size = self.process_set.size()
+    _horovod = hvd  # ProcessSetTorus reads the global process set and the layout from it
 
     @staticmethod
     def _check_allreduce_dtype(x):
