@@ -29,7 +29,7 @@ from hvd_quant.compressors import exp_dithering as ed
 from hvd_quant.compressors import global_qsgd as gq
 from hvd_quant.compressors.marsit import MarsitSelect
 from hvd_quant.core.onebit import padded_size, rms_scale
-from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum
+from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum, unpack_sums_signs
 from hvd_quant.core.rng import CounterRNG
 from hvd_quant.core.segments import compensate_sums
 from hvd_quant.optimizers import elementwise as ew
@@ -66,7 +66,7 @@ def cases(B, x, e):
     # (ReduceContext.out), residuals over the residual, a kept 0/1 Adam local step over
     # its parameters, moment and accumulator; the other calls allocate as the methods do.
     out, resid = torch.empty_like(x), e.clone()
-    xs, ms, us = x.clone(), m.clone(), e.clone()
+    xs, ms, us, server = x.clone(), m.clone(), e.clone(), e.clone()
     return {
         "sign + pack": lambda: pack_signs(B, x),
         "unpack x scale": lambda: unpack_scaled_sum(B, bits, torch.tensor([0.5]), [d], d, out=out),
@@ -76,6 +76,9 @@ def cases(B, x, e):
             B, x, resid, torch.tensor([0.5]), [d], out=resid),
         "1-bit allreduce worker stage (RMS + signs + residual)": lambda: sign_pack_residual(
             B, x, resid, torch.reshape(rms_scale(B, x, resid, padded), (1,)), [d], out=resid),
+        "1-bit allreduce server stage (decode over c_s + sums + signs)": lambda: unpack_sums_signs(
+            B, two_rows, scales2, [d], d, base=server, base_scales=torch.tensor([0.1]), out=server,
+            squares=True),
         "Marsit hop": lambda: MarsitSelect().combine(B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 1, CounterRNG(3)),
         "Global-QSGD max|x|": lambda: gq.absmax_finite(B, x),
         "Global-QSGD quantize + dequantize": lambda: gq.dequantize(

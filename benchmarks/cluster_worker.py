@@ -289,11 +289,11 @@ def touched_integer(wire_bytes_per_element):
 def touched_onebit(d, n):
     """DeepSpeed's compressed allreduce, with the server's state kept compensated (as
     hvd_quant runs it): worker sums of squares and signs (read x, e: 2F), server stage on
-    F/n (read c_s, write the new c_s, read it for the scale and the signs: 3F/n), then the
-    worker residual and the decode in one pass (read x, e, write e and the output: 4F);
-    bit buffers (1/32 F each) neglected."""
+    F/n in one pass (read c_s, write the new c_s over it, its sums and signs taken from
+    the cache: 2F/n), then the worker residual and the decode in one pass (read x, e,
+    write e and the output: 4F); bit buffers (1/32 F each) neglected."""
     D = padded_size(d, n)
-    return 4 * (6 * D + 3 * D / n)
+    return 4 * (6 * D + 2 * D / n)
 
 
 def touched_adam_onebit(d, n):

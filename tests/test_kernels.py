@@ -17,7 +17,8 @@ from hvd_quant.compressors import global_qsgd as gq
 from hvd_quant.compressors.marsit import MarsitSelect
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, sign_residual,
-                                    unpack_lanes, unpack_scaled_sum, unpack_sum_residual)
+                                    unpack_lanes, unpack_scaled_sum, unpack_sum_residual,
+                                    unpack_sums_signs)
 from hvd_quant.core.hierarchical import rebinarize
 from hvd_quant.core.rng import CounterRNG, draws
 from hvd_quant.core.runner import CompressorRunner
@@ -112,6 +113,33 @@ def test_unpack_sum_residual_is_the_two_passes_bit_for_bit(d, rows, threads):
     assert mean is xb and res is eb
     np.testing.assert_array_equal(xb, unpack_scaled_sum(B, packed, scales, counts, d))
     np.testing.assert_array_equal(eb, sign_residual(B, x, e, own, counts))
+
+
+@pytest.mark.parametrize("d", [0, 8, 1000, 3 * kernels.cpu_module().BLOCK + 8, 1001])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_unpack_sums_signs_is_the_decode_then_its_sums_and_signs(d, rows, threads):
+    # onebit's server stage: decode over the compensated state (its residual folded in),
+    # then the sums of squares and the signs of the result. Segments on whole bytes take
+    # the fused pass; 1001 elements (a last, partial byte) the two kernels.
+    a = d // 3 // 8 * 8
+    counts = [a, 0, d - a]
+    packed, scales = sign_rows(d, rows)
+    base, folds = data(d, 4, specials=True), np.array([0.5, 2.0, 0.25], np.float32)
+    for b, f in ((None, None), (base, None), (base, folds)):
+        for squares in (False, True):
+            mean = unpack_scaled_sum(K, packed, scales, counts, d, base=b, base_scales=f)
+            sums, bits = compensate_sums_signs(K, mean, None, counts, squares)
+            buf = None if b is None else b.copy()
+            got = unpack_sums_signs(K, packed, scales, counts, d, base=buf, base_scales=f, out=buf,
+                                    squares=squares)
+            assert b is None or got[0] is buf
+            for g, w in zip(got, (mean, sums, bits)):  # the two kernels' very floats and sums
+                np.testing.assert_array_equal(g, w)
+            want = unpack_sums_signs(B, packed, scales, counts, d, base=b, base_scales=f,
+                                     squares=squares)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_allclose(got[1], want[1], rtol=1e-12)
+            np.testing.assert_array_equal(got[2], want[2])
 
 
 @pytest.mark.parametrize("d", SIZES)

@@ -24,7 +24,7 @@ from hvd_quant.compressors.marsit import MarsitSelect  # noqa: E402
 from hvd_quant.core.backend import NumpyBackend  # noqa: E402
 from hvd_quant.core.hierarchical import rebinarize  # noqa: E402
 from hvd_quant.core.packing import (pack_signs, sign_pack_residual, sign_residual, unpack_scaled_sum,  # noqa: E402
-                                    unpack_sum_residual)
+                                    unpack_sum_residual, unpack_sums_signs)
 from hvd_quant.core.rng import CounterRNG  # noqa: E402
 from hvd_quant.core.runner import CompressorRunner  # noqa: E402
 from hvd_quant.core.segments import compensate_sums, compensate_sums_signs  # noqa: E402
@@ -126,6 +126,19 @@ def test_unpack_scaled_sum_equals_the_oracle(mode, rows):
                  packed, scales, base, data(D, 5), own)
     equal(got[0], unpack_scaled_sum(NP, packed, scales, COUNTS, D))
     equal(got[1], sign_residual(NP, base, data(D, 5), own, COUNTS))
+    # onebit's server stage (segments on whole bytes: the fused pass), decoded over its state.
+    d8 = D + 3
+    counts8 = [D // 3 // 8 * 8, 0, d8 - D // 3 // 8 * 8]
+    packed8 = np.concatenate([pack_signs(NP, data(d8, 20 + r)) for r in range(rows)])
+    for squares in (False, True):
+        got = run_tf(mode, lambda p, s, b, f: unpack_sums_signs(TF, p, s, counts8, d8, base=b, base_scales=f,
+                                                                out=b, squares=squares),
+                     packed8, scales, data(d8, 6), own)
+        want = unpack_sums_signs(NP, packed8, scales, counts8, d8, base=data(d8, 6), base_scales=own,
+                                 squares=squares)
+        equal(got[0], want[0])
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-12)
+        equal(got[2], want[2])
 
 
 class Comm:

@@ -58,7 +58,7 @@ import math
 import numpy as np
 
 from .packing import (packed_sign_bytes, sign_pack_residual, sign_residual, unpack_scaled_sum,
-                      unpack_sum_residual)
+                      unpack_sum_residual, unpack_sums_signs)
 from .pipeline import start_allgather, start_alltoall
 from .segments import compensate_sums, compensate_sums_signs
 
@@ -139,13 +139,17 @@ def compressed_allreduce_compensated(B, comm, x, worker_error, server_state, ser
 
     DeepSpeed's server stage writes ``e_s = c_s - sigma_s * sign(c_s)`` after re-signing,
     then reads it back at the next step; here the residual is never written: the next
-    step's decode folds it in as it reads ``c_s`` (``unpack_scaled_sum`` with
-    ``base_scales``), and the sums that set the new scale come with the sign bits in one
-    read (``compensate_sums_signs``). Per step and element of the chunk: 12 bytes of
-    memory traffic instead of 20 (``D / n`` elements on every rank). The worker's state
-    stays a residual: its new value is only known to be kept once every rank's scale
-    has arrived, and writing the compensated values before that would need a second
-    buffer (a non-finite step must leave the state as it was).
+    step's decode folds it in as it reads ``c_s`` (``base_scales``), and the sums that set
+    the new scale and the sign bits are taken from each block of ``c_s`` as it is decoded
+    (fused primitive ``unpack_sums_signs``). Per step and element of the chunk: 8 bytes of
+    memory traffic (``c_s`` read and written back in place) instead of 20 (``D / n``
+    elements on every rank).
+
+    The worker's state stays a residual: its new value is only known to be kept once
+    every rank's scale has arrived, so compensated values written before that would need
+    a second buffer (a non-finite step must leave the state as it was), and a write to
+    memory that is not in the cache reads it first: the same traffic as writing the
+    residual in the decode's pass (measured with the kernels, 2026-11-27).
 
     A residual is the compensated state with zero scales (``e - 0 * sign(e) == e``): a
     server error saved in DeepSpeed's form, or by the plain function, continues exactly
@@ -203,15 +207,19 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     # The sum is decoded over the server's state itself where the backend allows (no new
     # buffer of D / n elements: a fresh one of 63 MB cost 3-4 ms of page faults per call).
     def server_stage():
-        compensated = unpack_scaled_sum(B, received, worker_scales * (1.0 / n), chunks, chunk,
-                                        base=server_error, out=server_error, base_scales=server_scale)
+        averaged = worker_scales * (1.0 / n)
         if server_scale is None:  # DeepSpeed's form: the residual is the state
+            compensated = unpack_scaled_sum(B, received, averaged, chunks, chunk,
+                                            base=server_error, out=server_error)
             scale = rms_scales(B, compensated, None, chunks)
             server_bits, new_error = sign_pack_residual(B, compensated, None, scale, chunks,
                                                         out=server_error)
             return server_bits, new_error, scale, scale
-        # Compensated form: the sums and the bits in one read, and c_s is the new state.
-        sums, server_bits = compensate_sums_signs(B, compensated, None, chunks, squares=True)
+        # Compensated form: c_s is the new state, and its sums and signs are taken in the
+        # decode's pass, while each block is still in the cache.
+        compensated, sums, server_bits = unpack_sums_signs(
+            B, received, averaged, chunks, chunk, base=server_error, base_scales=server_scale,
+            out=server_error, squares=True)
         scale = rms_scales(B, compensated, None, chunks, sums=sums)
         return server_bits, compensated, scale, scale
 

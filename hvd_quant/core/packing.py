@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from .segments import expand_segments, segment_bounds
+from .segments import compensate_sums_signs, expand_segments, segment_bounds
 
 
 def packed_sign_bytes(numel):
@@ -129,6 +129,27 @@ def unpack_scaled_sum(B, packed, scales, counts, numel, base=None, out=None, bas
     if base is not None and base_scales is not None:
         base = sign_residual(B, base, None, base_scales, counts)
     return total if base is None else total + base
+
+
+def unpack_sums_signs(B, packed, scales, counts, numel, base=None, base_scales=None, out=None,
+                      squares=False):
+    """:func:`unpack_scaled_sum` (arguments as there), then the segments' float64 sums
+    and the packed sign bits of the result (:func:`~hvd_quant.core.segments.
+    compensate_sums_signs` with no ``e``): ``(sum, sums, bits)``.
+
+    For a stage that decodes its compensated values and then re-signs them at once:
+    onebit's server (:mod:`hvd_quant.core.onebit`). The fast path sums and signs each
+    block while it is still in the cache from its decode, one pass over memory instead of
+    a write and a read-back; the same floats, sums and bits as the two calls. Fused
+    primitive ``unpack_sums_signs``; ``out`` may be ``base``.
+    """
+    fast = B.kernel("unpack_sums_signs", packed, scales, base)
+    if fast is not None:
+        return fast(packed, scales, segment_bounds(counts), numel, base=base,
+                    base_scales=base_scales, out=out, squares=squares)
+    total = unpack_scaled_sum(B, packed, scales, counts, numel, base=base, out=out,
+                              base_scales=base_scales)
+    return (total,) + tuple(compensate_sums_signs(B, total, None, counts, squares=squares))
 
 
 def unpack_sum_residual(B, packed, scales, counts, numel, x, e, own_scales, out=None,

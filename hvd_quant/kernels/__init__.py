@@ -16,6 +16,7 @@ primitive                  generic twin                                    used 
 ``compensate_sums_signs``  ``core.segments.compensate_sums_signs``         ef_sign, marsit, onebit
 ``sign_residual``          ``core.packing.sign_residual``                  onebit (server residual)
 ``unpack_sum_residual``    ``core.packing.unpack_sum_residual``            ef_sign, marsit, onebit
+``unpack_sums_signs``      ``core.packing.unpack_sums_signs``              onebit (server stage)
 ``absmax_finite``          ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
 ``quantize_lanes``         ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
 ``quantize_ints``          ``compressors.global_qsgd.quantize``            global_qsgd (native ints)
@@ -57,7 +58,7 @@ from . import threads
 
 #: Every fused primitive with a fast CPU kernel.
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
-         "compensate_sums_signs", "sign_residual", "unpack_sum_residual",
+         "compensate_sums_signs", "sign_residual", "unpack_sum_residual", "unpack_sums_signs",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
          "rebinarize", "binsgdm_encode", "uniform", "all_finite", "ema", "descend", "adam_descend",
@@ -132,6 +133,13 @@ def _warm_flavour(k):
                               x.copy(), e, np.ones(2, np.float32), resid_out=e)
         k.unpack_sum_residual(np.stack([bits, bits]), np.ones((2, 2), np.float32), bounds, 24,
                               x, e, np.ones(2, np.float32))
+    aligned = np.array([0, 8, 24], np.int64)  # whole bytes: the fused path itself
+    for scales in (None, np.ones(2, np.float32)):
+        for squares in (False, True):
+            base = x.copy()
+            k.unpack_sums_signs(np.stack([bits, bits]), np.ones((2, 2), np.float32), aligned, 24,
+                                base=base, base_scales=scales, out=base, squares=squares)
+    k.unpack_sums_signs(bits, np.ones(2, np.float32), aligned, 24)
     k.absmax_finite(x)
     for width in (8, 16):
         w = k.quantize_lanes(x, 1.0, 1.0, 3, 1, width, True)

@@ -272,6 +272,21 @@ def _add_into(out, base):
 UNPACK_PIECE = 512
 
 
+@njit(**_OPTS)
+def _decode_piece(packed, col, a, b, base, has_base, folds, fold, out):
+    """Bytes ``a:b`` of every row times its scale (``col``), summed in row order into
+    ``out[8a:8b]``, then ``base`` added (its residual with the scale ``fold`` if ``folds``).
+    The piece of base is read first (into the L1 cache), so that out may be base itself:
+    onebit's server stage decodes over its state, with no new buffer."""
+    kept = base[8 * a:8 * b].copy() if has_base else base
+    if folds:
+        _residual_in_place(kept, fold)
+    for r in range(packed.shape[0]):
+        _unpack_row(packed[r][a:b], col[r], r > 0, out[8 * a:8 * b])
+    if has_base:
+        _add_into(out[8 * a:8 * b], kept)
+
+
 @_twin
 def _unpack_scaled_sum(packed, scales, bounds, base, base_scales, out):
     # Per piece, row 0 is written, rows 1.. are added, then base: the generic twin's order,
@@ -289,16 +304,7 @@ def _unpack_scaled_sum(packed, scales, bounds, base, base_scales, out):
         fold = base_scales[s] if folds else np.float32(0)
         for k in prange((end - first + UNPACK_PIECE - 1) // UNPACK_PIECE):
             a = first + k * UNPACK_PIECE
-            b = min(end, a + UNPACK_PIECE)
-            # The piece of base is read first (into the L1 cache), so that out may be base
-            # itself: onebit's server stage decodes over its state, with no new buffer.
-            kept = base[8 * a:8 * b].copy() if has_base else base
-            if folds:
-                _residual_in_place(kept, fold)
-            for r in range(rows):
-                _unpack_row(packed[r][a:b], col[r], r > 0, out[8 * a:8 * b])
-            if has_base:
-                _add_into(out[8 * a:8 * b], kept)
+            _decode_piece(packed, col, a, min(end, a + UNPACK_PIECE), base, has_base, folds, fold, out)
     for b in _general_bytes(bounds):
         for i in range(8 * b, min(d, 8 * b + 8)):
             s = _segment_of(bounds, i)
@@ -506,6 +512,55 @@ def compensate_sums_signs(x, e, bounds, squares=False, bits_out=None):
     if x.size:
         _pack_edges(x, e_arr, e is not None, _edge_bytes(bounds, BLOCK), bits)
     return sums, bits
+
+
+# The decode of a sum of sign rows, then the sums and the sign bits of the result (onebit's
+# server stage: the chunk's new compensated values, their scale and their signs): each
+# block is decoded into the output, then summed and signed while it is in the cache, with
+# the same blocks and block sums as _sums_and_signs. The plain order read the output back
+# from memory for the sums and signs after writing it.
+@_twin
+def _unpack_sums_signs(packed, scales, s, lo, hi, base, base_scales, squares, out, bits):
+    has_base = base.size > 0
+    folds = base_scales.size > 0
+    col = np.ascontiguousarray(scales[:, s])
+    fold = base_scales[s] if folds else np.float32(0)
+    none = np.empty(0, np.float32)
+    nblocks = (hi - lo + BLOCK - 1) // BLOCK
+    partial = np.zeros(max(nblocks, 1), np.float64)
+    for blk in prange(nblocks):
+        a = lo + blk * BLOCK
+        b = min(hi, a + BLOCK)
+        for p in range(a // 8, b // 8, UNPACK_PIECE):  # as _unpack_scaled_sum, per piece
+            _decode_piece(packed, col, p, min(b // 8, p + UNPACK_PIECE), base, has_base, folds, fold, out)
+        partial[blk] = _block_sum(out[a:b], none, False, squares)
+        pos = np.empty(BLOCK, np.uint8)
+        _block_signs(out[a:b], none, False, a, pos, bits)
+    total = 0.0
+    for blk in range(nblocks):  # fixed order: the same sum for any thread count
+        total += partial[blk]
+    return total
+
+
+def unpack_sums_signs(packed, scales, bounds, d, base=None, base_scales=None, out=None,
+                      squares=False, bits_out=None):
+    """``packing.unpack_sums_signs``: :func:`unpack_scaled_sum` into ``out`` (which may be
+    ``base`` itself), then :func:`compensate_sums_signs` of the result with no ``e`` (the
+    same floats, sums and bits), in one pass. Returns ``(sum, sums, bits)``. Segments that
+    do not start on a whole byte take the two kernels one after the other."""
+    out = np.empty(d, np.float32) if out is None else out
+    bits = np.empty((d + 7) // 8, np.uint8) if bits_out is None else bits_out
+    if d == 0 or np.any(bounds % 8):
+        out = unpack_scaled_sum(packed, scales, bounds, d, base=base, out=out, base_scales=base_scales)
+        return (out,) + compensate_sums_signs(out, None, bounds, squares=squares, bits_out=bits)
+    packed, scales = _as_rows(packed, scales, d)
+    folds = (np.empty(0, np.float32) if base is None or base_scales is None
+             else np.ascontiguousarray(base_scales, dtype=np.float32).reshape(-1))
+    base = np.empty(0, np.float32) if base is None else base
+    sums = np.array([_unpack_sums_signs(packed, scales, s, bounds[s], bounds[s + 1], base, folds,
+                                        squares, out, bits)
+                     for s in range(bounds.size - 1)], np.float64)
+    return out, sums, bits
 
 
 @_twin
