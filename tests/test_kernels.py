@@ -5,6 +5,8 @@ same random draws (both sides compute draw ``i`` from the call key and ``i`` alo
 independent of numba's thread count.
 """
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -226,14 +228,38 @@ def test_marsit_select_is_bit_exact(nbytes, counts, threads):
                                   op.combine(B, own, counts[0], recv, counts[1], CounterRNG(7)))
 
 
-@pytest.mark.parametrize("n", [0, 1, 13, 64, 10_007])
-@pytest.mark.parametrize("k", [2, 3])
-def test_rebinarize_is_bit_exact(n, k, threads):
-    """The hierarchical allreduce's re-binarisation: node sums of k signs (integers in
-    [-k, k], k's parity) to packed unbiased bits, the kernel against the generic path."""
-    rng = np.random.default_rng(n + k)
-    node_sum = (2 * rng.integers(0, k + 1, n) - k).astype(np.float32)
-    np.testing.assert_array_equal(rebinarize(K, node_sum, k, 4242), rebinarize(B, node_sum, k, 4242))
+@pytest.mark.parametrize("width", [0, 1, 13, 64, 10_007])
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_rebinarize_is_bit_exact(width, k, threads):
+    """The hierarchical allreduce's re-binarisation: k rows of packed signs (the node's
+    shard, whole bytes) to packed unbiased bits, the kernel (which counts bits, never
+    decoding the sums) against the generic path (decode, then draw). Pieces of 4096
+    elements: 10_007 bytes cross several, with a partial last one."""
+    rows = np.random.default_rng(width + k).integers(0, 256, k * width).astype(np.uint8)
+    got = rebinarize(K, rows, k, 4242)
+    assert got.dtype == np.uint8 and got.size == width
+    np.testing.assert_array_equal(got, rebinarize(B, rows, k, 4242))
+
+
+def test_rebinarize_is_unbiased_and_exact_where_the_rows_agree():
+    """Where all k rows agree the node's sign is theirs (probability 0 or 1); elsewhere
+    +1 comes with probability ones / k (k = 3, 10^5 elements per count: a tolerance of
+    5 standard deviations of a binomial proportion)."""
+    k, width = 3, 12_500
+    rng = np.random.default_rng(11)
+    ones = rng.integers(0, k + 1, 8 * width)  # +1 signs among the k rows, per element
+    signs = np.arange(k)[:, None] < ones[None, :]
+    rows = np.packbits(signs.astype(np.uint8), axis=1, bitorder="little").reshape(-1)
+    got = np.unpackbits(rebinarize(K, rows, k, 99), bitorder="little").astype(bool)
+    for c in range(k + 1):
+        share = got[ones == c].mean()
+        p = c / k
+        assert abs(share - p) <= 5 * math.sqrt(p * (1 - p) / (ones == c).sum()), (c, share)
+
+
+def test_rebinarize_refuses_rows_that_do_not_divide():
+    with pytest.raises(ValueError, match="k=3 rows"):
+        kernels.cpu_module().rebinarize(np.zeros(10, np.uint8), 3, 1)
 
 
 def test_uniform_draws_equal_the_generator():

@@ -154,9 +154,9 @@ def sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
     table = B.reshape(B.pad(bits, padded // 8 - B.numel(bits)), (k, width))
     blocks = B.reshape(B.concat_columns([table, B.reshape(B.repeat(flag, [k]), (k, 1))]), (-1,))
     rows, node_ok = _rows_and_flags(B, exchange_blocks(B, node, blocks, f"{name}.intra_rs"), k, width)
-    node_sum = unpack_scaled_sum(B, rows, B.full(k, 1.0), [shard], shard)
-    # Phase 2: re-binarise the node average, unbiased: +1 with probability (1 + S/k) / 2.
-    node_bits = rebinarize(B, node_sum, k, key)
+    # Phase 2: re-binarise the node average S / k of the k rows, unbiased: +1 with
+    # probability (1 + S/k) / 2.
+    node_bits = rebinarize(B, rows, k, key)
     node_flag = _flag(B, node_ok)
     # Phase 3: inter-node allgather among the ranks with the same local rank: every
     # node's signs of this rank's shard.
@@ -173,14 +173,23 @@ def sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
     return B.slice(total, 0, numel), nodes, ok
 
 
-def rebinarize(B, node_sum, k, key):
-    """The node's re-binarised signs, packed: ``+1`` where draw ``i`` of the call with key
-    ``key`` falls below ``(node_sum[i] / k + 1) / 2``, so that the expected sign is the
-    node's mean of ``k`` signs (unbiased). Fused primitive ``rebinarize`` (one pass)."""
-    fast = B.kernel("rebinarize", node_sum)
+def rebinarize(B, rows, k, key):
+    """The node's re-binarised signs, packed, from its ``k`` rows of packed signs (``k``
+    equal rows of whole bytes): ``+1`` where draw ``i`` of the call with key ``key`` falls
+    below ``(S_i / k + 1) / 2``, ``S_i`` the sum of the rows' signs of element ``i``, so
+    that the expected sign is the node's mean of ``k`` signs (unbiased).
+
+    Fused primitive ``rebinarize``: the fast path counts the +1 bits of each element and
+    draws in one pass over the packed rows, never writing the float32 sums ``S`` that the
+    generic path decodes first (same floats in the comparison, same bits). The draws cost
+    most of it; the pass it saves is a float32 write and read-back of the whole shard.
+    """
+    fast = B.kernel("rebinarize", rows) if k <= 255 else None  # the kernel counts in bytes
     if fast is not None:
-        return fast(node_sum, k, key)
-    up = B.less(B.draws(key, B.numel(node_sum)), (node_sum * (1.0 / k) + 1.0) * 0.5)
+        return fast(rows, k, key)
+    shard = 8 * (B.numel(rows) // k)
+    node_sum = unpack_scaled_sum(B, rows, B.full(k, 1.0), [shard], shard)
+    up = B.less(B.draws(key, shard), (node_sum * (1.0 / k) + 1.0) * 0.5)
     return B.packbits(B.cast(up, "uint8"))
 
 

@@ -149,7 +149,7 @@ def _warm_flavour(k):
     codes = k.exp_encode(x, 1.0, 2, 1)
     k.exp_decode(k.exp_combine(codes, codes, 2), 1.0, 1.0)
     k.marsit_select(bits, bits, 0.5, 3)
-    k.rebinarize(x, 2, 7)
+    k.rebinarize(np.concatenate([bits, bits]), 2, 7)
     k.binsgdm_encode(x, x.copy(), np.abs(x), 0.9, 5)
     k.uniform(1, 8)
     k.all_finite(x)

@@ -884,25 +884,56 @@ def marsit_select(own, recv, keep, key, out=None):
 
 
 # --- the hierarchical 1-bit allreduce's re-binarisation (hvd_quant.core.hierarchical) ------
-@_twin
-def _rebinarize(s, inv_k, key, out):
-    k = np.uint64(key)
+# Byte b spread over 8 bytes, byte j of the uint64 = bit j of b: adding one word per packed
+# byte counts the +1 signs of 8 elements at once (at most 255 rows, so no carries).
+_SPREAD = np.array([sum(((b >> j) & 1) << (8 * j) for j in range(8)) for b in range(256)], np.uint64)
+
+
+@njit(**_OPTS)
+def _rebinarize_piece(rows, k, inv_k, key, first, count, up, out):
+    # As _binsgdm_piece: the draws and comparisons in a vectorized loop over one 0/1 byte
+    # per element, packed 8 at a time with a multiply afterwards. The threshold is the
+    # generic path's float32 expression of the node sum 2 * ones - k, the same floats.
+    m = 8 * out.size
+    words = count[:m].view(np.uint64)
+    words[:] = 0
+    for j in range(rows.shape[0]):
+        for w in range(m // 8):
+            words[w] += _SPREAD[rows[j, first // 8 + w]]
     half, one = np.float32(0.5), np.float32(1.0)
-    for b in prange(out.size):
-        v = 0
-        for j in range(min(8, s.size - 8 * b)):
-            i = 8 * b + j
-            if _uniform(k, i) < (s[i] * inv_k + one) * half:
-                v |= 1 << j
-        out[b] = np.uint8(v)
+    for i in range(m):
+        s = np.float32(np.int32(2) * np.int32(count[i]) - k)
+        up[i] = np.uint8(1) if _uniform(key, first + i) < (s * inv_k + one) * half else np.uint8(0)
+    bits = up[:m].view(np.uint64)
+    for w in range(m // 8):
+        out[w] = np.uint8((bits[w] * _PACK_MUL) >> _S56)
 
 
-def rebinarize(node_sum, k, key, out=None):
-    """``hierarchical.rebinarize``: the packed bits of ``draw(i) < (node_sum[i] / k + 1) / 2``
-    (``+1`` with the probability that keeps the node's mean of ``k`` signs unbiased), draw
-    ``i`` of the call with key ``key``; into ``out`` if given."""
-    out = np.empty((node_sum.size + 7) // 8, np.uint8) if out is None else out
-    _rebinarize(node_sum, np.float32(1.0 / k), key, out)
+@_twin
+def _rebinarize(rows, inv_k, key, out):
+    k = np.uint64(key)
+    nrows = np.int32(rows.shape[0])
+    pieces = (out.size + SPR_PIECE // 8 - 1) // (SPR_PIECE // 8)
+    for c in prange(pieces):
+        a = c * (SPR_PIECE // 8)
+        e = min(out.size, a + SPR_PIECE // 8)
+        count = np.empty(SPR_PIECE, np.uint8)
+        up = np.empty(SPR_PIECE, np.uint8)
+        _rebinarize_piece(rows, nrows, inv_k, k, 8 * a, count, up, out[a:e])
+
+
+def rebinarize(rows, k, key, out=None):
+    """``hierarchical.rebinarize``: from ``k`` rows of packed signs (``k * w`` bytes), the
+    ``w`` packed bytes of ``draw(i) < (S_i / k + 1) / 2`` where ``S_i`` is the sum of the
+    rows' signs of element ``i`` (``+1`` with the probability that keeps the node's mean
+    unbiased), draw ``i`` of the call with key ``key``; into ``out`` if given. One pass
+    over the rows: the node sums are never written. ``k`` up to 255 (the counts are
+    bytes; the generic path takes any)."""
+    if not 1 <= k <= 255 or rows.size % k:
+        raise ValueError(f"rebinarize: {rows.size} bytes are not k={k} rows (1 <= k <= 255)")
+    rows = np.ascontiguousarray(rows).reshape(k, -1)
+    out = np.empty(rows.shape[1], np.uint8) if out is None else out
+    _rebinarize(rows, np.float32(1.0 / k), key, out)
     return out
 
 
