@@ -160,9 +160,9 @@ def unpack_sum_residual(B, packed, scales, counts, numel, x, e, own_scales, out=
     For a method that decodes after its bits have arrived and has not written its
     residual yet (ef_sign, marsit, onebit's worker): the fast path does both in one pass
     over memory, which reads ``x`` once instead of twice when the result goes into ``x``
-    itself. The same floats
-    as the two calls. Fused primitive ``unpack_sum_residual``; ``out`` may be ``x`` and
-    ``resid_out`` may be ``e`` on the fast path. Returns ``(sum, residual)``.
+    itself. The same floats as the two calls. Fused primitive ``unpack_sum_residual``;
+    ``out`` may be ``x`` and ``resid_out`` may be ``e`` on the fast path. Returns
+    ``(sum, residual)``.
     """
     fast = B.kernel("unpack_sum_residual", packed, scales, x, e, own_scales)
     if fast is not None:

@@ -338,11 +338,17 @@ def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None, base_scale
     if d == 0:
         return out
     packed, scales = _as_rows(packed, scales, d)
-    folds = (np.empty(0, np.float32) if base is None or base_scales is None
-             else np.ascontiguousarray(base_scales, dtype=np.float32).reshape(-1))
-    _unpack_scaled_sum(packed, scales, bounds, np.empty(0, np.float32) if base is None else base,
-                       folds, out)
+    _unpack_scaled_sum(packed, scales, bounds, *_base_and_folds(base, base_scales), out)
     return out
+
+
+def _base_and_folds(base, base_scales):
+    """The decode's ``base`` and ``base_scales`` as the kernels take them: empty float32
+    arrays for "none" (a folded residual needs a base)."""
+    none = np.empty(0, np.float32)
+    folds = (none if base is None or base_scales is None
+             else np.ascontiguousarray(base_scales, dtype=np.float32).reshape(-1))
+    return (none if base is None else base), folds
 
 
 # The decode and this rank's error-feedback residual in one pass (ef_sign, marsit, onebit's
@@ -547,16 +553,15 @@ def unpack_sums_signs(packed, scales, bounds, d, base=None, base_scales=None, ou
     """``packing.unpack_sums_signs``: :func:`unpack_scaled_sum` into ``out`` (which may be
     ``base`` itself), then :func:`compensate_sums_signs` of the result with no ``e`` (the
     same floats, sums and bits), in one pass. Returns ``(sum, sums, bits)``. Segments that
-    do not start on a whole byte take the two kernels one after the other."""
+    do not start on a whole byte, and a buffer whose last byte is partial, take the two
+    kernels one after the other."""
     out = np.empty(d, np.float32) if out is None else out
     bits = np.empty((d + 7) // 8, np.uint8) if bits_out is None else bits_out
     if d == 0 or np.any(bounds % 8):
         out = unpack_scaled_sum(packed, scales, bounds, d, base=base, out=out, base_scales=base_scales)
         return (out,) + compensate_sums_signs(out, None, bounds, squares=squares, bits_out=bits)
     packed, scales = _as_rows(packed, scales, d)
-    folds = (np.empty(0, np.float32) if base is None or base_scales is None
-             else np.ascontiguousarray(base_scales, dtype=np.float32).reshape(-1))
-    base = np.empty(0, np.float32) if base is None else base
+    base, folds = _base_and_folds(base, base_scales)
     sums = np.array([_unpack_sums_signs(packed, scales, s, bounds[s], bounds[s + 1], base, folds,
                                         squares, out, bits)
                      for s in range(bounds.size - 1)], np.float64)
