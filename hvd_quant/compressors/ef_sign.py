@@ -10,28 +10,28 @@ Per rank and per parameter tensor (a *segment* of the buffer)::
     q     = scale * sign(p)           # what this rank contributes (sign(0) = +1)
     e     = p - q                     # residual, kept locally, keyed by parameter name
 
-On the wire each rank sends one float32 scale per segment, then its sign bits packed 8
-per byte, both by allgather; every rank then decodes all ``n`` contributions and averages
-them in rank order, so all ranks hold bit-identical results. Bytes sent per rank:
+On the wire each rank sends its sign bits packed 8 per byte followed by one float32
+scale per segment, in one allgather; every rank then decodes all ``n`` contributions and
+averages them in rank order, so all ranks hold bit-identical results. Bytes sent per rank:
 ``(n-1) * (ceil(d/8) + 4*S)`` under the ring-allgather cost model, against
 ``2 (n-1)/n * 4d`` for an fp32 allreduce.
 
 Phases: one pass over ``x`` and ``e`` gives the scale sums *and* the sign bits (a sign
-does not depend on the scale); the scales and then the bits are sent (asynchronously
-where the communicator can); then one more pass decodes every contribution and writes
-the new residual (fused primitive ``unpack_sum_residual``). Two passes over the buffer,
+does not depend on the scale); bits and scales are sent in one collective; then one
+more pass decodes every contribution and writes the new residual (fused primitive
+``unpack_sum_residual``). Two passes over the buffer,
 not three: a separate residual pass while the bits were on the wire read ``x`` and ``e``
 once more, and on a rank with one core (several ranks per host) the CPU it used was the
 backward pass's, not idle time.
 
 Non-finite input: a NaN or inf in ``p`` makes its segment's scale non-finite; the scales
-are gathered before any residual is touched, so every rank sees it first. Such a step
+arrive with the bits, before any residual is touched, so every rank sees it first. Such a step
 returns NaN for the whole buffer on every rank and leaves every residual exactly as it
 was (its bits are still sent, so that every rank issues the same collectives).
 """
 
 from ..core.compressor import Compressor
-from ..core.packing import packed_sign_bytes, unpack_sum_residual
+from ..core.packing import packed_sign_bytes, split_scales, unpack_sum_residual, with_scales
 from ..core.pipeline import start_allgather
 from ..core.segments import compensate_sums_signs, segment_means
 
@@ -53,13 +53,15 @@ class EFSignCompressor(Compressor):
         sums, bits = compensate_sums_signs(B, x, residual, counts)
         scales = segment_means(B, sums, counts)
 
-        # Phase 2: the scales, then the bits, go on the wire; the scales say whether
-        # every rank's step is finite before any residual changes.
-        scale_handle = start_allgather(comm, scales, ctx.collective_name("scales"))
-        bits_handle = start_allgather(comm, bits, ctx.collective_name("signs"))
-        all_scales = scale_handle.wait()
+        # Phase 2: one allgather carries every rank's bits with its scales after them
+        # (as onebit's gathers do; a scale gather of its own ran after the bits in
+        # Horovod, one more collective round per bucket). The scales say whether every
+        # rank's step is finite before any residual changes.
+        width = packed_sign_bytes(d)
+        all_bits, all_scales = split_scales(
+            B, start_allgather(comm, with_scales(B, B.reshape(bits, (1, width)), 1, scales),
+                               ctx.collective_name("signs")).wait(), n, width, len(counts))
         finite = B.all_finite(all_scales)
-        all_bits = bits_handle.wait()
 
         # Phase 3: decode every rank's contribution in rank order (into ctx.out where
         # given: it may be x) and, in the same pass, the new residual (kept only on a

@@ -57,8 +57,8 @@ import math
 
 import numpy as np
 
-from .packing import (packed_sign_bytes, sign_pack_residual, sign_residual, unpack_scaled_sum,
-                      unpack_sum_residual, unpack_sums_signs)
+from .packing import (packed_sign_bytes, sign_pack_residual, sign_residual, split_scales,
+                      unpack_scaled_sum, unpack_sum_residual, unpack_sums_signs, with_scales)
 from .pipeline import start_allgather, start_alltoall
 from .segments import compensate_sums, compensate_sums_signs
 
@@ -198,8 +198,8 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     sums, bits = compensate_sums_signs(B, buf, worker_error, padded, squares=True)
     worker_scale = rms_scales(B, buf, worker_error, padded, sums=sums)
     width = packed_sign_bytes(chunk)
-    sent = _with_scales(B, B.reshape(_rank_major(B, bits, chunks, n), (n, width)), n, worker_scale)
-    received, worker_scales = _split_scales(  # n rows: rank r's chunk, rank r's scales
+    sent = with_scales(B, B.reshape(_rank_major(B, bits, chunks, n), (n, width)), n, worker_scale)
+    received, worker_scales = split_scales(  # n rows: rank r's chunk, rank r's scales
         B, start_alltoall(comm, sent, f"{name}.worker_signs").wait(), n, width, len(counts))
     finite = B.all_finite(worker_scales)
 
@@ -237,8 +237,8 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     # unpack_sum_residual), which reads x and the error once where a residual pass while
     # the gather travelled read them once more; with one core per rank (several ranks per
     # host) that pass took its CPU from the backward pass, not from idle time.
-    row = _with_scales(B, B.reshape(server_bits, (1, width)), 1, server_scale_sent)
-    all_bits, server_scales = _split_scales(
+    row = with_scales(B, B.reshape(server_bits, (1, width)), 1, server_scale_sent)
+    all_bits, server_scales = split_scales(
         B, start_allgather(comm, row, f"{name}.server_signs").wait(), n, width, len(counts))
 
     def decode():
@@ -253,31 +253,6 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
 
     result, worker_error = B.cond(finite, decode, lambda: (B.full(d, float("nan")), worker_error))
     return result, worker_error, server_error, server_scale, finite
-
-
-def _float_bytes(B, x):
-    """The bytes of the float32 tensor ``x`` (4 per element, native order) as uint8."""
-    return B.reshape(B.bitcast(x, "uint8"), (-1,))
-
-
-def _bytes_float(B, b):
-    """Inverse of :func:`_float_bytes`."""
-    return B.reshape(B.bitcast(B.reshape(b, (-1, 4)), "float32"), (-1,))
-
-
-def _with_scales(B, rows, k, scales):
-    """What one collective carries: each of the ``k`` rows of packed signs (uint8, ``k x
-    width``) followed by the bytes of the float32 ``scales``, flat."""
-    scale_rows = B.reshape(B.concat([_float_bytes(B, scales)] * k), (k, -1))
-    return B.reshape(B.concat_columns([rows, scale_rows]), (-1,))
-
-
-def _split_scales(B, received, n, width, count):
-    """Inverse of :func:`_with_scales` for ``n`` rows of ``width`` sign bytes and ``count``
-    scales: the signs (flat, row after row) and the scales (flat, ``n`` rows of ``count``)."""
-    table = B.reshape(received, (n, width + 4 * count))
-    signs = B.reshape(B.slice_columns(table, 0, width), (-1,))
-    return signs, _bytes_float(B, B.reshape(B.slice_columns(table, width, width + 4 * count), (-1,)))
 
 
 def _pad_tensors(B, x, counts, padded):
