@@ -574,9 +574,6 @@ def binsgdm_setup(ctx):
         params, lr=1e-4, named_parameters=named), warmup=3, touched=touched_binsgdm)
 
 
-register("onebit_adam", onebit_adam_setup, doc="hvd_quant.torch.OnebitAdam after freeze_step (1-bit steps)")
-register("zero_one_adam", zero_one_adam_setup,
-         doc="hvd_quant.torch.ZeroOneAdam after var_freeze_step, default local-step policy")
 def binsgdm_flat_setup(ctx):
     # The public option ranks_per_node=1: one flat 1-bit allgather of every rank's signs
     # instead of the default hierarchy that follows the hosts (the same with one rank per host).
@@ -584,6 +581,9 @@ def binsgdm_flat_setup(ctx):
         params, lr=1e-4, named_parameters=named, ranks_per_node=1), warmup=3, touched=touched_binsgdm)
 
 
+register("onebit_adam", onebit_adam_setup, doc="hvd_quant.torch.OnebitAdam after freeze_step (1-bit steps)")
+register("zero_one_adam", zero_one_adam_setup,
+         doc="hvd_quant.torch.ZeroOneAdam after var_freeze_step, default local-step policy")
 register("binsgdm", binsgdm_setup, doc="hvd_quant.torch.BinSGDM (1-bit every step)")
 register("binsgdm_flat", binsgdm_flat_setup,
          doc="hvd_quant.torch.BinSGDM(ranks_per_node=1): flat 1-bit allgather, no hierarchy")

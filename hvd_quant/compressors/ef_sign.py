@@ -19,15 +19,14 @@ averages them in rank order, so all ranks hold bit-identical results. Bytes sent
 Phases: one pass over ``x`` and ``e`` gives the scale sums *and* the sign bits (a sign
 does not depend on the scale); bits and scales are sent in one collective; then one
 more pass decodes every contribution and writes the new residual (fused primitive
-``unpack_sum_residual``). Two passes over the buffer,
-not three: a separate residual pass while the bits were on the wire read ``x`` and ``e``
-once more, and on a rank with one core (several ranks per host) the CPU it used was the
-backward pass's, not idle time.
+``unpack_sum_residual``). Two passes over the buffer, not three: a separate residual pass
+while the bits were on the wire read ``x`` and ``e`` once more, and on a rank with one
+core (several ranks per host) the CPU it used was the backward pass's, not idle time.
 
 Non-finite input: a NaN or inf in ``p`` makes its segment's scale non-finite; the scales
-arrive with the bits, before any residual is touched, so every rank sees it first. Such a step
-returns NaN for the whole buffer on every rank and leaves every residual exactly as it
-was (its bits are still sent, so that every rank issues the same collectives).
+arrive with the bits, before any residual is touched, so every rank sees it first. Such
+a step returns NaN for the whole buffer on every rank and leaves every residual exactly
+as it was (its bits are still sent, so that every rank issues the same collectives).
 """
 
 from ..core.compressor import Compressor

@@ -190,7 +190,8 @@ def split_scales(B, received, n, width, count):
     scales: the signs (flat, row after row) and the scales (flat, ``n`` rows of ``count``)."""
     table = B.reshape(received, (n, width + 4 * count))
     signs = B.reshape(B.slice_columns(table, 0, width), (-1,))
-    return signs, _bytes_float(B, B.reshape(B.slice_columns(table, width, width + 4 * count), (-1,)))
+    scales = B.reshape(B.slice_columns(table, width, width + 4 * count), (-1,))
+    return signs, _bytes_float(B, scales)
 
 
 def _float_bytes(B, x):

@@ -891,7 +891,8 @@ def marsit_select(own, recv, keep, key, out=None):
 # --- the hierarchical 1-bit allreduce's re-binarisation (hvd_quant.core.hierarchical) ------
 # Byte b spread over 8 bytes, byte j of the uint64 = bit j of b: adding one word per packed
 # byte counts the +1 signs of 8 elements at once (at most 255 rows, so no carries).
-_SPREAD = np.array([sum(((b >> j) & 1) << (8 * j) for j in range(8)) for b in range(256)], np.uint64)
+_SPREAD = np.array([sum(((b >> j) & 1) << (8 * j) for j in range(8)) for b in range(256)],
+                   np.uint64)
 
 
 @njit(**_OPTS)
