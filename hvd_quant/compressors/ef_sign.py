@@ -53,9 +53,9 @@ class EFSignCompressor(Compressor):
         scales = segment_means(B, sums, counts)
 
         # Phase 2: one allgather carries every rank's bits with its scales after them
-        # (as onebit's gathers do; a scale gather of its own ran after the bits in
-        # Horovod, one more collective round per bucket). The scales say whether every
-        # rank's step is finite before any residual changes.
+        # (as onebit's gathers do; two gathers of different dtypes ran one after the
+        # other in Horovod, one more collective round per bucket). The scales say
+        # whether every rank's step is finite before any residual changes.
         width = packed_sign_bytes(d)
         all_bits, all_scales = split_scales(
             B, start_allgather(comm, with_scales(B, B.reshape(bits, (1, width)), 1, scales),
