@@ -28,9 +28,10 @@ from hvd_quant import kernels
 from hvd_quant.compressors import exp_dithering as ed
 from hvd_quant.compressors import global_qsgd as gq
 from hvd_quant.compressors.marsit import MarsitSelect
+from hvd_quant.core.hierarchical import select_rows, threshold_rows
 from hvd_quant.core.onebit import padded_size, rms_scale
 from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum, unpack_sums_signs
-from hvd_quant.core.rng import CounterRNG
+from hvd_quant.core.rng import CounterRNG, random_bytes
 from hvd_quant.core.segments import compensate_sums
 from hvd_quant.optimizers import elementwise as ew
 from hvd_quant.optimizers.binsgdm import binary_randomize
@@ -80,6 +81,12 @@ def cases(B, x, e):
             B, two_rows, scales2, [d], d, base=server, base_scales=torch.tensor([0.1]), out=server,
             squares=True),
         "Marsit hop": lambda: MarsitSelect().combine(B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 1, CounterRNG(3)),
+        "Marsit hop, odds 1/3 (a draw per element)": lambda: MarsitSelect().combine(
+            B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 2, CounterRNG(3)),
+        "BinSGDM hierarchy re-binarisation, 2 rows (a random row)": lambda: select_rows(
+            B, two_rows[:2 * (d // 8)], 2, 7),
+        "BinSGDM hierarchy re-binarisation, 3 rows (a draw per element)": lambda: threshold_rows(
+            B, torch.cat([bits[:d // 8]] * 3), 3, 7),
         "Global-QSGD max|x|": lambda: gq.absmax_finite(B, x),
         "Global-QSGD quantize + dequantize": lambda: gq.dequantize(
             B, _Comm, gq.quantize(B, _Comm, x, scale, pre, 63, 8, CounterRNG(1)), d, scale, pre, 63, 8,
@@ -90,6 +97,7 @@ def cases(B, x, e):
         "exponential decode": lambda: ed.exp_decode(B, codes, scale, 2, into=out),
         "BinSGDM moments + binary randomization": lambda: binary_randomize(B, x, m, b, 0.9, 5),
         "uniform draws": lambda: B.uniform(CounterRNG(6), d),
+        "random bytes (8 random bits per byte)": lambda: random_bytes(B, 8, d // 8),
         "all finite": lambda: B.all_finite(x),
         "Adam moment (ema)": lambda: ew.ema(B, m, x, 0.9),
         "Adam step (adam_descend)": lambda: ew.adam_descend(B, x, m, b, 1e-3, 1e-8, 0.0),

@@ -243,7 +243,7 @@ def test_kernel_benchmark_covers_every_kernel(tmp_path):
     # Every fused primitive with a fast kernel appears in some row.
     text = " ".join(rows).lower()
     for words in ("sign + pack", "unpack", "residual", "marsit", "quantize", "exponential", "binsgdm",
-                  "uniform", "finite", "adam", "0/1 adam"):
+                  "uniform", "finite", "adam", "0/1 adam", "re-binarisation", "random bytes"):
         assert words in text, words
 
 

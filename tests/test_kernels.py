@@ -21,8 +21,8 @@ from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, sign_residual,
                                     unpack_lanes, unpack_scaled_sum, unpack_sum_residual,
                                     unpack_sums_signs)
-from hvd_quant.core.hierarchical import rebinarize
-from hvd_quant.core.rng import CounterRNG, draws
+from hvd_quant.core.hierarchical import rebinarize, select_rows, threshold_rows
+from hvd_quant.core.rng import CounterRNG, draws, random_bytes
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.segments import compensate_sums, compensate_sums_signs
 from hvd_quant.core.simulate import ThreadWorld
@@ -230,31 +230,64 @@ def test_marsit_select_is_bit_exact(nbytes, counts, threads):
 
 @pytest.mark.parametrize("width", [0, 1, 13, 64, 10_007])
 @pytest.mark.parametrize("k", [2, 3, 5])
-def test_rebinarize_is_bit_exact(width, k, threads):
-    """The hierarchical allreduce's re-binarisation: k rows of packed signs (the node's
+def test_threshold_rebinarisation_is_bit_exact(width, k, threads):
+    """The hierarchical allreduce's re-binarisation by a draw per element (what
+    ``rebinarize`` does for k not a power of two): k rows of packed signs (the node's
     shard, whole bytes) to packed unbiased bits, the kernel (which counts bits, never
     decoding the sums) against the generic path (decode, then draw). Pieces of 4096
     elements: 10_007 bytes cross several, with a partial last one."""
     rows = np.random.default_rng(width + k).integers(0, 256, k * width).astype(np.uint8)
-    got = rebinarize(K, rows, k, 4242)
+    got = threshold_rows(K, rows, k, 4242)
     assert got.dtype == np.uint8 and got.size == width
-    np.testing.assert_array_equal(got, rebinarize(B, rows, k, 4242))
+    np.testing.assert_array_equal(got, threshold_rows(B, rows, k, 4242))
 
 
-def test_rebinarize_is_unbiased_and_exact_where_the_rows_agree():
+@pytest.mark.parametrize("k, way", [(3, threshold_rows), (5, rebinarize), (2, select_rows),
+                                    (4, rebinarize), (8, rebinarize)])
+def test_rebinarisation_is_unbiased_and_exact_where_the_rows_agree(k, way):
     """Where all k rows agree the node's sign is theirs (probability 0 or 1); elsewhere
-    +1 comes with probability ones / k (k = 3, 10^5 elements per count: a tolerance of
-    5 standard deviations of a binomial proportion)."""
-    k, width = 3, 12_500
-    rng = np.random.default_rng(11)
+    +1 comes with probability ones / k, by a draw against that threshold (k = 3, 5) or by
+    a row chosen with log2 k random bits (k = 2, 4, 8; ``rebinarize`` picks the way by k).
+    2.5 10^4 elements per count: a tolerance of 5 standard deviations of a binomial
+    proportion. Where every row holds the same bit pattern, the result is that pattern."""
+    width = 3_125 * (k + 1)
+    rng = np.random.default_rng(11 + k)
     ones = rng.integers(0, k + 1, 8 * width)  # +1 signs among the k rows, per element
-    signs = np.arange(k)[:, None] < ones[None, :]
+    signs = rng.permuted(np.arange(k)[:, None] < ones[None, :], axis=0)  # which rows: any
     rows = np.packbits(signs.astype(np.uint8), axis=1, bitorder="little").reshape(-1)
-    got = np.unpackbits(rebinarize(K, rows, k, 99), bitorder="little").astype(bool)
+    packed = way(K, rows, k, 99)
+    assert packed.dtype == np.uint8 and packed.size == width
+    got = np.unpackbits(packed, bitorder="little").astype(bool)
     for c in range(k + 1):
         share = got[ones == c].mean()
         p = c / k
         assert abs(share - p) <= 5 * math.sqrt(p * (1 - p) / (ones == c).sum()), (c, share)
+    same = np.tile(rows[:width], k)
+    np.testing.assert_array_equal(way(K, same, k, 5), rows[:width])
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 4097, 100_003])
+def test_random_bytes_equal_the_oracle(n, threads):
+    """The fused ``random_bytes`` (whole 32-bit draws as 4 bytes each, a partial last
+    word) against the oracle's hash and byte split; other keys, other bytes."""
+    got = random_bytes(K, 31, n)
+    assert got.dtype == np.uint8 and got.size == n
+    np.testing.assert_array_equal(got, random_bytes(B, 31, n))
+    if n >= 4:
+        assert (got != random_bytes(B, 32, n)).any()
+    if n >= 100_000:  # every bit a fair coin: 5 standard deviations of 800k bits
+        assert abs(np.unpackbits(got).mean() - 0.5) <= 5 * 0.5 / math.sqrt(8 * n)
+
+
+def test_row_selection_is_the_same_on_every_backend():
+    """k = 2 and 4: the selected rows come from the counter-based draws, so the kernel
+    backend (fused ``uniform``) and the oracle give the same bits; a different key, other
+    bits."""
+    for k in (2, 4):
+        rows = np.random.default_rng(k).integers(0, 256, k * 10_007).astype(np.uint8)
+        got = select_rows(K, rows, k, 4242)
+        np.testing.assert_array_equal(got, select_rows(B, rows, k, 4242))
+        assert (got != select_rows(B, rows, k, 4243)).any()
 
 
 def test_rebinarize_refuses_rows_that_do_not_divide():

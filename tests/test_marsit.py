@@ -60,7 +60,10 @@ def ring_signs(signs, op, seed=0, rows=None):
 
 # --- the hop operator -------------------------------------------------------------------
 
-@pytest.mark.parametrize("own_count,received_count", [(1, 1), (1, 3), (2, 4), (3, 1)])
+# (1, 1), (1, 3), (3, 1), (6, 2), (5, 3), (1, 7): random bit planes (a / 2**L in lowest
+# terms); (1, 2), (2, 4): a draw per element against the threshold.
+@pytest.mark.parametrize("own_count,received_count",
+                         [(1, 1), (1, 3), (2, 4), (3, 1), (1, 2), (6, 2), (5, 3), (1, 7)])
 def test_select_takes_each_bit_from_one_side_with_the_right_probability(own_count, received_count):
     rng = np.random.default_rng(1)
     own = rng.integers(0, 256, 20000).astype(np.uint8)
@@ -73,6 +76,19 @@ def test_select_takes_each_bit_from_one_side_with_the_right_probability(own_coun
     p = own_count / (own_count + received_count)
     frac = (x[differ] == o[differ]).mean()
     assert abs(frac - p) <= 5 * np.sqrt(p * (1 - p) / differ.sum())
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3, 4])
+def test_select_mask_is_j_below_a_for_every_j(levels):
+    """``MarsitSelect.below``: for every L-bit number j (element e holds j = e mod 2**L,
+    plane 0 its top bit) and every 0 < a < 2**L, the mask bit is exactly j < a."""
+    d = 8 * 2 ** levels
+    j = np.arange(d) % 2 ** levels
+    planes = [np.packbits(((j >> (levels - 1 - p)) & 1).astype(np.uint8), bitorder="little")
+              for p in range(levels)]
+    for a in range(1, 2 ** levels):
+        got = np.unpackbits(MarsitSelect.below(B, planes, a), bitorder="little")
+        np.testing.assert_array_equal(got, (j < a).astype(np.uint8), err_msg=f"a={a}")
 
 
 def test_select_handles_empty_chunks():

@@ -25,7 +25,7 @@ from hvd_quant.core.backend import NumpyBackend  # noqa: E402
 from hvd_quant.core.hierarchical import rebinarize  # noqa: E402
 from hvd_quant.core.packing import (pack_signs, sign_pack_residual, sign_residual, unpack_scaled_sum,  # noqa: E402
                                     unpack_sum_residual, unpack_sums_signs)
-from hvd_quant.core.rng import CounterRNG  # noqa: E402
+from hvd_quant.core.rng import CounterRNG, random_bytes  # noqa: E402
 from hvd_quant.core.runner import CompressorRunner  # noqa: E402
 from hvd_quant.core.segments import compensate_sums, compensate_sums_signs  # noqa: E402
 from hvd_quant.kernels.buffers import KeptBuffers  # noqa: E402
@@ -196,6 +196,10 @@ def test_marsit_selection_binsgdm_and_draws_equal_the_oracle(mode):
     own, recv = pack_signs(NP, data(D, 8)), pack_signs(NP, data(D, 9))
     key = Key(4)
     want = MarsitSelect().combine(NP, own, 1, recv, 2, Rng(key.np()))
+    halves = MarsitSelect().combine(NP, own, 1, recv, 1, Rng(key.np()))  # random bit planes
+    equal(run_tf(mode, lambda a, b, k: MarsitSelect().combine(TF, a, 1, b, 1, Rng(k)), own, recv, key.tf()),
+          halves)
+    equal(run_tf(mode, lambda k: random_bytes(TF, k, 1001), key.tf()), random_bytes(NP, key.np(), 1001))
     equal(run_tf(mode, lambda a, b, k: MarsitSelect().combine(TF, a, 1, b, 2, Rng(k)), own, recv, key.tf()), want)
     g, m, b = data(D, 10), data(D, 11, 0.1), np.abs(data(D, 12, 0.1))
     equal(run_tf(mode, lambda *t: binary_randomize(TF, *t[:3], 0.9, t[3]), g, m, b, key.tf()),
@@ -203,6 +207,8 @@ def test_marsit_selection_binsgdm_and_draws_equal_the_oracle(mode):
     equal(run_tf(mode, lambda k: TF.uniform(Rng(k), 1001), key.tf()), NP.uniform(Rng(key.np()), 1001))
     rows = np.random.default_rng(13).integers(0, 256, 2 * D).astype(np.uint8)
     equal(run_tf(mode, lambda r, k: rebinarize(TF, r, 2, k), rows, key.tf()), rebinarize(NP, rows, 2, key.np()))
+    rows = np.random.default_rng(14).integers(0, 256, 3 * D).astype(np.uint8)  # a draw each
+    equal(run_tf(mode, lambda r, k: rebinarize(TF, r, 3, k), rows, key.tf()), rebinarize(NP, rows, 3, key.np()))
     for v in (g, np.where(np.arange(D) == D - 1, np.float32(np.nan), g)):
         assert bool(run_tf(mode, lambda a: TF.all_finite(a), v)) == bool(NP.all_finite(v))
 

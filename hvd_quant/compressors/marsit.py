@@ -50,6 +50,8 @@ when ``scale="mean_abs"`` (``(n - 1) * 4`` bytes per parameter), or a 4-byte all
 (the non-finite check) with a constant scale.
 """
 
+import math
+
 from ..core.comm import all_ranks_finite, identical_sum, rank_order_sum
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
@@ -57,6 +59,7 @@ from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, u
                             unpack_signs, unpack_sum_residual)
 from ..core.pipeline import start_allgather
 from ..core.ring import ring_allreduce, torus_allreduce
+from ..core.rng import random_planes
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
 
 
@@ -65,17 +68,30 @@ class MarsitSelect(HopOperator):
 
     ``out = (own & mask) | (received & ~mask)`` on packed bytes, where each bit of
     ``mask`` is 1 with probability ``own_count / (own_count + received_count)``. Only the
-    mask is packed (with ``B.packbits``); ``own`` and ``received`` are never unpacked.
-    Padding bits of the last byte stay 0 on both sides, hence in the output.
+    mask is built; ``own`` and ``received`` are never unpacked. Padding bits of the last
+    byte stay 0 on both sides, hence in the output.
 
-    The mask comes from float32 uniforms compared with the threshold; its probability is
-    off by at most one float32 step (~6e-8), far below any statistical effect.
+    The mask is drawn in one of two ways, the same Bernoulli bits in distribution:
+
+    * the probability in lowest terms is ``a / 2**L`` (``1/2`` at every hop of a 2-rank
+      ring and of a 2 x 2 torus; ``1/4, 3/4`` at 4 ranks): exactly, from ``L`` random bit
+      planes read as an ``L``-bit number ``j`` per element, the mask bit ``j < a``
+      (:meth:`below`; ``32 / L`` elements per 32-bit draw);
+    * otherwise, float32 uniforms compared with the threshold (a draw per element, the
+      fused ``marsit_select`` kernel where there is one); the probability is off by at
+      most one float32 step (~6e-8), far below any statistical effect.
     """
 
     name = "marsit"
     unit = 1  # one byte = 8 whole elements, so any byte boundary is a valid cut
 
     def combine(self, B, own, own_count, received, received_count, rng):
+        divisor = math.gcd(own_count, received_count)
+        a, total = own_count // divisor, (own_count + received_count) // divisor
+        if total & (total - 1) == 0:
+            planes = random_planes(B, rng.next_key(B), total.bit_length() - 1, B.numel(own))
+            mask = self.below(B, planes, a)
+            return B.bitwise_xor(received, B.bitwise_and(B.bitwise_xor(own, received), mask))
         keep_own = own_count / float(own_count + received_count)
         fast = B.kernel("marsit_select", own, received)
         if fast is not None:
@@ -84,6 +100,24 @@ class MarsitSelect(HopOperator):
         mask = B.packbits(B.cast(B.less(draws, B.full(1, keep_own)), "uint8"))
         return B.bitwise_or(B.bitwise_and(own, mask),
                             B.bitwise_and(received, B.bitwise_not(mask)))
+
+    @staticmethod
+    def below(B, planes, a):
+        """Packed bits of ``j < a`` per element, ``j`` the number whose bit ``L - 1 - p``
+        is the element's bit of ``planes[p]`` (plane 0 the most significant), for an int
+        ``0 < a < 2**L``: with uniform planes, each bit is 1 with probability ``a / 2**L``.
+        A comparison of ``j`` with the constant ``a`` from the top bit down: where ``j``
+        still equals ``a``'s leading bits and ``a`` has a 1, a 0 in ``j`` decides below."""
+        less, equal = None, None  # None: no plane yet (no bit set / every bit set)
+        for p, r in enumerate(planes):
+            zero = B.bitwise_not(r)
+            if (a >> (len(planes) - 1 - p)) & 1:
+                found = zero if equal is None else B.bitwise_and(equal, zero)
+                less = found if less is None else B.bitwise_or(less, found)
+                equal = r if equal is None else B.bitwise_and(equal, r)
+            else:
+                equal = zero if equal is None else B.bitwise_and(equal, zero)
+        return less
 
 
 class CascadingSign(HopOperator):

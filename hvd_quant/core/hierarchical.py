@@ -13,7 +13,8 @@ padded to ``D`` elements (a multiple of ``8 k``) and cut into ``k`` shards of ``
 1. **intra-node reduce-scatter**: an alltoall of the packed shards inside the node; node
    rank ``j`` sums its ``k`` rows of shard ``j`` into integers ``S`` in ``[-k, k]``;
 2. **re-binarise**: ``s = +1`` with probability ``(1 + S / k) / 2``, else ``-1`` (unbiased
-   for ``S / k``), packed again;
+   for ``S / k``), packed again: for ``k`` a power of two, the sign of one of the ``k``
+   rows chosen uniformly, which is that same probability (:func:`rebinarize`);
 3. **inter-node allgather** of the packed ``s`` among the ``M`` ranks that share a local
    rank (a Horovod process set, or routed hops): node rank ``j`` holds every node's signs
    of shard ``j``;
@@ -44,6 +45,7 @@ import numpy as np
 
 from .comm import exchange_blocks, gather_blocks
 from .packing import packed_sign_bytes, unpack_scaled_sum
+from .rng import random_planes
 
 
 def node_layout(world_size, ranks_per_node):
@@ -155,7 +157,7 @@ def sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
     blocks = B.reshape(B.concat_columns([table, B.reshape(B.repeat(flag, [k]), (k, 1))]), (-1,))
     rows, node_ok = _rows_and_flags(B, exchange_blocks(B, node, blocks, f"{name}.intra_rs"), k, width)
     # Phase 2: re-binarise the node average S / k of the k rows, unbiased: +1 with
-    # probability (1 + S/k) / 2.
+    # probability (1 + S/k) / 2 (for k a power of two, a random row's sign: same odds).
     node_bits = rebinarize(B, rows, k, key)
     node_flag = _flag(B, node_ok)
     # Phase 3: inter-node allgather among the ranks with the same local rank: every
@@ -175,9 +177,46 @@ def sign_sum(B, comm, bits, numel, ranks_per_node, key, name, finite=True):
 
 def rebinarize(B, rows, k, key):
     """The node's re-binarised signs, packed, from its ``k`` rows of packed signs (``k``
-    equal rows of whole bytes): ``+1`` where draw ``i`` of the call with key ``key`` falls
-    below ``(S_i / k + 1) / 2``, ``S_i`` the sum of the rows' signs of element ``i``, so
-    that the expected sign is the node's mean of ``k`` signs (unbiased).
+    equal rows of whole bytes): element ``i`` is ``+1`` with probability ``c_i / k =
+    (S_i / k + 1) / 2``, ``c_i`` the number of rows whose sign is ``+1`` and ``S_i`` the sum
+    of the rows' signs, so that the expected sign is the node's mean of ``k`` signs
+    (unbiased), independently per element, from the draws of the call with key ``key``.
+
+    Two ways to draw it, the same Bernoulli variable per element (only the random stream
+    differs):
+
+    * ``k`` a power of two (the usual ranks per host): :func:`select_rows`, the sign of a
+      row chosen uniformly (``log2 k`` random bits per element, ``32 / log2 k`` elements
+      per 32-bit draw);
+    * other ``k``: :func:`threshold_rows`, one uniform draw per element against the
+      threshold ``c_i / k``.
+    """
+    if k & (k - 1) == 0:
+        return select_rows(B, rows, k, key)
+    return threshold_rows(B, rows, k, key)
+
+
+def select_rows(B, rows, k, key):
+    """:func:`rebinarize` for ``k = 2**L``: element ``i`` takes the sign of row ``j_i``,
+    whose ``L`` bits are bit ``i`` of the random planes ``0 .. L-1``. A row chosen
+    uniformly is ``+1`` with probability ``c_i / k`` exactly, so this is the same
+    re-binarisation as a draw against that threshold, with ``L`` random bits per element
+    where that takes a draw each: ``32 / L`` elements per 32-bit draw
+    (:func:`~hvd_quant.core.rng.random_planes`). The rows are merged by a tree of bitwise
+    selects, plane 0 first.
+    """
+    width = B.numel(rows) // k
+    level = [B.slice(rows, j * width, (j + 1) * width) for j in range(k)]
+    for r in random_planes(B, key, k.bit_length() - 1, width):
+        # a where r's bit is 0, b where it is 1: a ^ ((a ^ b) & r)
+        level = [B.bitwise_xor(a, B.bitwise_and(B.bitwise_xor(a, b), r))
+                 for a, b in zip(level[0::2], level[1::2])]
+    return level[0]
+
+
+def threshold_rows(B, rows, k, key):
+    """:func:`rebinarize` by one uniform draw per element: ``+1`` where draw ``i`` of the
+    call falls below the float32 threshold ``(S_i / k + 1) / 2``.
 
     Fused primitive ``rebinarize``: the fast path counts the +1 bits of each element and
     draws in one pass over the packed rows, never writing the float32 sums ``S`` that the

@@ -91,6 +91,30 @@ def draws(B, key, n):
     return uniform_from_bits(B, hash_bits(B, key, n))
 
 
+def random_bytes(B, key, n):
+    """uint8 tensor of ``n`` random bytes of the call with key ``key``: byte ``i`` is the
+    byte ``i % 4`` (least significant first) of the 32-bit draw ``bits(i // 4)``, so 8
+    random bits per byte where a uniform draw gives one number per element (fused
+    primitive ``random_bytes``)."""
+    fast = B.kernel("random_bytes")
+    if fast is not None:
+        return fast(key, n)
+    words = -(-n // 4)
+    # int64 as 8 bytes, little-endian (every platform torch and TF run on): the draw's 4
+    # bytes, then 4 zero bytes.
+    table = B.reshape(B.bitcast(hash_bits(B, key, words), "uint8"), (words, 8))
+    return B.slice(B.reshape(B.slice_columns(table, 0, 4), (-1,)), 0, n)
+
+
+def random_planes(B, key, planes, width):
+    """``planes`` uint8 tensors of ``width`` random bytes each (bit planes: a random bit
+    per element, 8 per byte): plane ``p`` is bytes ``p * width ... (p + 1) * width - 1`` of
+    :func:`random_bytes`. A choice among ``2**L`` equally likely outcomes per element
+    takes ``L`` planes, where a draw against a threshold takes a draw per element."""
+    flat = random_bytes(B, key, planes * width)
+    return [B.slice(flat, p * width, (p + 1) * width) for p in range(planes)]
+
+
 class CounterRNG:
     """One random stream: a 32-bit key and a call counter (a Python int).
 

@@ -26,7 +26,7 @@ primitive                  generic twin                                    used 
 ``exp_combine``            ``compressors.exp_dithering.combine_codes``     global_qsgd_exp (every hop)
 ``exp_decode``             ``compressors.exp_dithering.exp_decode``        global_qsgd_exp
 ``marsit_select``          ``compressors.marsit.MarsitSelect``             marsit (every hop)
-``rebinarize``             ``core.hierarchical.rebinarize``                BinSGDM (hierarchical)
+``rebinarize``             ``core.hierarchical.threshold_rows``            BinSGDM (k not 2**L)
 ``binsgdm_encode``         ``optimizers.binsgdm.binary_randomize``         BinSGDM
 ``all_finite``             ``Backend.all_finite``                          every non-finite check
 ``ema``                    ``optimizers.elementwise.ema``                  1-bit Adam, 0/1 Adam
@@ -36,6 +36,7 @@ primitive                  generic twin                                    used 
 ``zero_one_sync_input``    ``optimizers.elementwise.zero_one_sync_input``  0/1 Adam (sync)
 ``zero_one_sync_result``   ``optimizers.elementwise.zero_one_sync_result`` 0/1 Adam (sync)
 ``uniform``                ``Backend.uniform``                             random draws
+``random_bytes``           ``core.rng.random_bytes``                       random bit planes
 ========================== =============================================== ===========================
 
 Fast kernels exist for CPU tensors (numba, :mod:`hvd_quant.kernels.cpu`): the torch
@@ -61,7 +62,7 @@ NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sum
          "compensate_sums_signs", "sign_residual", "unpack_sum_residual", "unpack_sums_signs",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
-         "rebinarize", "binsgdm_encode", "uniform", "all_finite", "ema", "descend", "adam_descend",
+         "rebinarize", "binsgdm_encode", "uniform", "random_bytes", "all_finite", "ema", "descend", "adam_descend",
          "precondition", "zero_one_sync_input", "zero_one_sync_result")
 
 _cpu = None
@@ -152,6 +153,7 @@ def _warm_flavour(k):
     k.rebinarize(np.concatenate([bits, bits]), 2, 7)
     k.binsgdm_encode(x, x.copy(), np.abs(x), 0.9, 5)
     k.uniform(1, 8)
+    k.random_bytes(1, 9)
     k.all_finite(x)
     v = np.abs(x)
     k.ema(x, x, 0.9)

@@ -124,6 +124,28 @@ def uniform(key, n, out=None):
     return out
 
 
+@_twin
+def _random_bytes_fill(key, out):
+    k = np.uint64(key)
+    words = out.size // 4
+    for w in prange(words):
+        h = _mix32(_mix32(np.uint64(w) ^ k) ^ k)
+        for b in range(4):
+            out[4 * w + b] = np.uint8((h >> np.uint64(8 * b)) & np.uint64(255))
+    if out.size % 4:  # the last word's first bytes
+        h = _mix32(_mix32(np.uint64(words) ^ k) ^ k)
+        for b in range(out.size - 4 * words):
+            out[4 * words + b] = np.uint8((h >> np.uint64(8 * b)) & np.uint64(255))
+
+
+def random_bytes(key, n, out=None):
+    """``rng.random_bytes``: ``n`` bytes, byte ``i`` the byte ``i % 4`` (least significant
+    first) of 32-bit draw ``i // 4`` of the call with key ``key`` (into ``out`` if given)."""
+    out = np.empty(n, np.uint8) if out is None else out
+    _random_bytes_fill(key, out)
+    return out
+
+
 # --- sign bits (hvd_quant.core.packing) -------------------------------------------------
 # Loops run over whole bytes inside one segment with a fixed inner loop of 8 (which numba
 # compiles to straight-line code); the few bytes that straddle a segment boundary, and the
@@ -929,7 +951,7 @@ def _rebinarize(rows, inv_k, key, out):
 
 
 def rebinarize(rows, k, key, out=None):
-    """``hierarchical.rebinarize``: from ``k`` rows of packed signs (``k * w`` bytes), the
+    """``hierarchical.threshold_rows``: from ``k`` rows of packed signs (``k * w`` bytes), the
     ``w`` packed bytes of ``draw(i) < (S_i / k + 1) / 2`` where ``S_i`` is the sum of the
     rows' signs of element ``i`` (``+1`` with the probability that keeps the node's mean
     unbiased), draw ``i`` of the call with key ``key``; into ``out`` if given. One pass

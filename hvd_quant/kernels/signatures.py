@@ -87,6 +87,7 @@ SIGNATURES = {
     "binsgdm_encode": Signature((_f32("m_out", "g"), _f32("b_out", "g"), Output("bits_out", "uint8", _bytes("g"))),
                                 scalars=("beta", "key")),
     "uniform": Signature((Output("out", "float32", lambda a, numel: int(a["n"])),), scalars=("key",)),
+    "random_bytes": Signature((Output("out", "uint8", lambda a, numel: int(a["n"])),), scalars=("key",)),
     "all_finite": Signature((Output(None, "bool", None),)),
     "ema": Signature((_f32("out", "avg"),), scalars=("beta",), in_place="in_place"),
     "descend": Signature((_f32("out", "x"),), scalars=("lr", "weight_decay", "divisor"), in_place="in_place"),
