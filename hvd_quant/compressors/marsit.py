@@ -73,8 +73,9 @@ class MarsitSelect(HopOperator):
 
     The mask is drawn in one of two ways, the same Bernoulli bits in distribution:
 
-    * the probability in lowest terms is ``a / 2**L`` (``1/2`` at every hop of a 2-rank
-      ring and of a 2 x 2 torus; ``1/4, 3/4`` at 4 ranks): exactly, from ``L`` random bit
+    * the probability in lowest terms is ``a / 2**L`` (hop ``s`` of a ring keeps its own
+      bit with probability ``1 / (s + 2)``: ``1/2`` at the first hop, so at every hop of a
+      2-rank ring and of a 2 x 2 torus, ``1/4`` at the third): exactly, from ``L`` random bit
       planes read as an ``L``-bit number ``j`` per element, the mask bit ``j < a``
       (:meth:`below`; ``32 / L`` elements per 32-bit draw);
     * otherwise, float32 uniforms compared with the threshold (a draw per element, the

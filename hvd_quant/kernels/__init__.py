@@ -62,8 +62,8 @@ NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sum
          "compensate_sums_signs", "sign_residual", "unpack_sum_residual", "unpack_sums_signs",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
          "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
-         "rebinarize", "binsgdm_encode", "uniform", "random_bytes", "all_finite", "ema", "descend", "adam_descend",
-         "precondition", "zero_one_sync_input", "zero_one_sync_result")
+         "rebinarize", "binsgdm_encode", "uniform", "random_bytes", "all_finite", "ema", "descend",
+         "adam_descend", "precondition", "zero_one_sync_input", "zero_one_sync_result")
 
 _cpu = None
 _state = {"checked": False, "ok": False, "why": "", "prepared": False}
