@@ -11,6 +11,7 @@ from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import pack_signs, packed_sign_bytes, unpack_signs
 from hvd_quant.core.ring import chunk_bounds, ring_allreduce, torus_allreduce
+from hvd_quant.core.rng import bits_below
 from hvd_quant.core.hierarchical import ranks_per_node_of
 from hvd_quant.core.runner import CompressorRunner, RankDisagreement
 from hvd_quant.core.simulate import ThreadWorld
@@ -80,14 +81,15 @@ def test_select_takes_each_bit_from_one_side_with_the_right_probability(own_coun
 
 @pytest.mark.parametrize("levels", [1, 2, 3, 4])
 def test_select_mask_is_j_below_a_for_every_j(levels):
-    """``MarsitSelect.below``: for every L-bit number j (element e holds j = e mod 2**L,
-    plane 0 its top bit) and every 0 < a < 2**L, the mask bit is exactly j < a."""
+    """``core.rng.bits_below``, Marsit's mask at odds a / 2**L: for every L-bit number j
+    (element e holds j = e mod 2**L, plane 0 its top bit) and every 0 < a < 2**L, the
+    mask bit is exactly j < a."""
     d = 8 * 2 ** levels
     j = np.arange(d) % 2 ** levels
     planes = [np.packbits(((j >> (levels - 1 - p)) & 1).astype(np.uint8), bitorder="little")
               for p in range(levels)]
     for a in range(1, 2 ** levels):
-        got = np.unpackbits(MarsitSelect.below(B, planes, a), bitorder="little")
+        got = np.unpackbits(bits_below(B, planes, a), bitorder="little")
         np.testing.assert_array_equal(got, (j < a).astype(np.uint8), err_msg=f"a={a}")
 
 

@@ -59,7 +59,7 @@ from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, u
                             unpack_signs, unpack_sum_residual)
 from ..core.pipeline import start_allgather
 from ..core.ring import ring_allreduce, torus_allreduce
-from ..core.rng import random_planes
+from ..core.rng import dyadic_bits, select_bits
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
 
 
@@ -77,7 +77,7 @@ class MarsitSelect(HopOperator):
       bit with probability ``1 / (s + 2)``: ``1/2`` at the first hop, so at every hop of a
       2-rank ring and of a 2 x 2 torus, ``1/4`` at the third): exactly, from ``L`` random bit
       planes read as an ``L``-bit number ``j`` per element, the mask bit ``j < a``
-      (:meth:`below`; ``32 / L`` elements per 32-bit draw);
+      (:func:`~hvd_quant.core.rng.dyadic_bits`; ``32 / L`` elements per 32-bit draw);
     * otherwise, float32 uniforms compared with the threshold (a draw per element, the
       fused ``marsit_select`` kernel where there is one); the probability is off by at
       most one float32 step (~6e-8), far below any statistical effect.
@@ -90,35 +90,15 @@ class MarsitSelect(HopOperator):
         divisor = math.gcd(own_count, received_count)
         a, total = own_count // divisor, (own_count + received_count) // divisor
         if total & (total - 1) == 0:
-            planes = random_planes(B, rng.next_key(B), total.bit_length() - 1, B.numel(own))
-            mask = self.below(B, planes, a)
-            return B.bitwise_xor(received, B.bitwise_and(B.bitwise_xor(own, received), mask))
+            mask = dyadic_bits(B, rng.next_key(B), a, total.bit_length() - 1, B.numel(own))
+            return select_bits(B, own, received, mask)
         keep_own = own_count / float(own_count + received_count)
         fast = B.kernel("marsit_select", own, received)
         if fast is not None:
             return fast(own, received, keep_own, rng.next_key(B))
         draws = B.uniform(rng, 8 * B.numel(own))
         mask = B.packbits(B.cast(B.less(draws, B.full(1, keep_own)), "uint8"))
-        return B.bitwise_or(B.bitwise_and(own, mask),
-                            B.bitwise_and(received, B.bitwise_not(mask)))
-
-    @staticmethod
-    def below(B, planes, a):
-        """Packed bits of ``j < a`` per element, ``j`` the number whose bit ``L - 1 - p``
-        is the element's bit of ``planes[p]`` (plane 0 the most significant), for an int
-        ``0 < a < 2**L``: with uniform planes, each bit is 1 with probability ``a / 2**L``.
-        A comparison of ``j`` with the constant ``a`` from the top bit down: where ``j``
-        still equals ``a``'s leading bits and ``a`` has a 1, a 0 in ``j`` decides below."""
-        less, equal = None, None  # None: no plane yet (no bit set / every bit set)
-        for p, r in enumerate(planes):
-            zero = B.bitwise_not(r)
-            if (a >> (len(planes) - 1 - p)) & 1:
-                found = zero if equal is None else B.bitwise_and(equal, zero)
-                less = found if less is None else B.bitwise_or(less, found)
-                equal = r if equal is None else B.bitwise_and(equal, r)
-            else:
-                equal = zero if equal is None else B.bitwise_and(equal, zero)
-        return less
+        return select_bits(B, own, received, mask)
 
 
 class CascadingSign(HopOperator):

@@ -45,7 +45,7 @@ import numpy as np
 
 from .comm import exchange_blocks, gather_blocks
 from .packing import packed_sign_bytes, unpack_scaled_sum
-from .rng import random_planes
+from .rng import random_planes, select_bits
 
 
 def node_layout(world_size, ranks_per_node):
@@ -208,9 +208,8 @@ def select_rows(B, rows, k, key):
     width = B.numel(rows) // k
     level = [B.slice(rows, j * width, (j + 1) * width) for j in range(k)]
     for r in random_planes(B, key, k.bit_length() - 1, width):
-        # a where r's bit is 0, b where it is 1: a ^ ((a ^ b) & r)
-        level = [B.bitwise_xor(a, B.bitwise_and(B.bitwise_xor(a, b), r))
-                 for a, b in zip(level[0::2], level[1::2])]
+        # the odd row's bit where r's is 1, else the even row's
+        level = [select_bits(B, odd, even, r) for even, odd in zip(level[0::2], level[1::2])]
     return level[0]
 
 

@@ -115,6 +115,37 @@ def random_planes(B, key, planes, width):
     return [B.slice(flat, p * width, (p + 1) * width) for p in range(planes)]
 
 
+def dyadic_bits(B, key, a, levels, width):
+    """``width`` bytes of independent bits, each ``1`` with probability ``a / 2**levels``
+    exactly (``0 < a < 2**levels``): :func:`bits_below` of ``levels`` random planes of the
+    call with key ``key``, ``32 / levels`` bits per draw."""
+    return bits_below(B, random_planes(B, key, levels, width), a)
+
+
+def bits_below(B, planes, a):
+    """Packed bits of ``j < a`` per element, ``j`` the number whose bit ``L - 1 - p`` is
+    the element's bit of ``planes[p]`` (plane 0 the most significant), for an int
+    ``0 < a < 2**L``: with uniform planes, each bit is 1 with probability ``a / 2**L``.
+    A comparison of ``j`` with the constant ``a`` from the top bit down: where ``j`` still
+    equals ``a``'s leading bits and ``a`` has a 1, a 0 in ``j`` decides below."""
+    less, equal = None, None  # None: no plane yet (no bit set / every bit set)
+    for p, r in enumerate(planes):
+        zero = B.bitwise_not(r)
+        if (a >> (len(planes) - 1 - p)) & 1:
+            found = zero if equal is None else B.bitwise_and(equal, zero)
+            less = found if less is None else B.bitwise_or(less, found)
+            equal = r if equal is None else B.bitwise_and(equal, r)
+        else:
+            equal = zero if equal is None else B.bitwise_and(equal, zero)
+    return less
+
+
+def select_bits(B, ones, zeros, mask):
+    """Bitwise select on packed bytes: ``ones``' bit where ``mask``'s is 1, else
+    ``zeros``' (``zeros ^ ((ones ^ zeros) & mask)``: three byte-wise operations)."""
+    return B.bitwise_xor(zeros, B.bitwise_and(B.bitwise_xor(ones, zeros), mask))
+
+
 class CounterRNG:
     """One random stream: a 32-bit key and a call counter (a Python int).
 
