@@ -281,7 +281,7 @@ def test_random_bytes_equal_the_oracle(n, threads):
 
 def test_row_selection_is_the_same_on_every_backend():
     """k = 2 and 4: the selected rows come from the counter-based draws, so the kernel
-    backend (fused ``uniform``) and the oracle give the same bits; a different key, other
+    backend (fused ``random_bytes``) and the oracle give the same bits; a different key, other
     bits."""
     for k in (2, 4):
         rows = np.random.default_rng(k).integers(0, 256, k * 10_007).astype(np.uint8)

@@ -118,7 +118,7 @@ def random_planes(B, key, planes, width):
 def dyadic_bits(B, key, a, levels, width):
     """``width`` bytes of independent bits, each ``1`` with probability ``a / 2**levels``
     exactly (``0 < a < 2**levels``): :func:`bits_below` of ``levels`` random planes of the
-    call with key ``key``, ``32 / levels`` bits per draw."""
+    call with key ``key``, ``32 / levels`` elements per 32-bit draw."""
     return bits_below(B, random_planes(B, key, levels, width), a)
 
 
