@@ -2,6 +2,7 @@
 step-time path with the same groups, under horovodrun. Writes ``rank{r}.json``."""
 
 import hashlib
+import io
 import json
 import sys
 import time
@@ -176,9 +177,9 @@ def chunked_ef_sign():
 
 
 def checkpoint():
-    path = Path(f"/tmp/hvdq_bucket_ckpt_{hvd.rank()}.pt")
     model, opt, _ = train("ef_sign", True, steps=2)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    buf = io.BytesIO()  # through torch's file format, as a checkpoint file goes
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
 
     def more(model, opt):
         for step in range(2, 4):
@@ -187,7 +188,8 @@ def checkpoint():
             opt.step()
         return params_digest(model)
     uninterrupted = more(model, opt)
-    ckpt = torch.load(path)
+    buf.seek(0)
+    ckpt = torch.load(buf)
     model2 = make_model()
     model2.load_state_dict(ckpt["model"])
     opt2 = build(model2, "ef_sign", True)

@@ -1,5 +1,7 @@
 """Training checks for the torch worker: fused vs stock Horovod, checkpoints, bad models."""
 
+import io
+
 import numpy as np
 import torch
 import horovod.torch as hvd
@@ -55,11 +57,15 @@ def checkpoint_roundtrip(name="ef_sign"):
     train(model, opt, data[:2])
     saved_model = {k: v.clone() for k, v in model.state_dict().items()}
     saved_opt = opt.state_dict()
-    torch.save({"model": saved_model, "opt": saved_opt}, f"/tmp/hvdq_ckpt_{name}_{hvd.rank()}.pt")
+    # In memory, through torch's file format (a fixed /tmp name was shared by two suites
+    # running at once, and left behind).
+    buf = io.BytesIO()
+    torch.save({"model": saved_model, "opt": saved_opt}, buf)
     train(model, opt, data[2:])
     uninterrupted = flat(model)
 
-    ckpt = torch.load(f"/tmp/hvdq_ckpt_{name}_{hvd.rank()}.pt")  # default weights_only=True
+    buf.seek(0)
+    ckpt = torch.load(buf)  # default weights_only=True
     model2 = make_model(seed=123)
     model2.load_state_dict(ckpt["model"])
     opt2 = hq.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9),
