@@ -22,14 +22,11 @@ it before training starts.
 import types
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types as nbtypes
+from numba.extending import intrinsic
 
 BLOCK = 1 << 16
-_MASK = np.uint64(0xFFFFFFFF)
-_M1 = np.uint64(0x7FEB352D)
-_M2 = np.uint64(0x846CA68B)
-_S8, _S15, _S16 = np.uint64(8), np.uint64(15), np.uint64(16)
-_U24 = np.float32(2.0 ** -24)
 # error_model="numpy": a float division by zero gives inf or nan, as in the numpy oracle,
 # instead of a check that raises ZeroDivisionError, which also kept LLVM from vectorizing
 # every loop that divides (0/1 Adam's sync result ran 4x slower).
@@ -93,21 +90,57 @@ def _as_rows(packed, scales, d):
 
 
 # --- random draws (hvd_quant.core.rng) ---------------------------------------------------
-@njit(inline="always", **_OPTS)
-def _mix32(x):
-    x ^= x >> _S16
-    x = (x * _M1) & _MASK
-    x ^= x >> _S15
-    x = (x * _M2) & _MASK
-    x ^= x >> _S16
-    return x
+# The hash is emitted as 32-bit integer IR. Written in numba code it was 64-bit: numba
+# types integer arithmetic as 64-bit, so every multiply was a vpmullq (several micro-ops,
+# half the lanes per vector), which made the draws, not memory, the cost of stochastic
+# rounding. In 32-bit lanes (vpmulld) most kernels that draw per element took 17-57% less
+# time (docs/benchmarks/kernels.md). Same bits: lowbias32 works modulo 2**32 either way.
+def _mix32_ir(builder, x):
+    i32 = x.type
+    x = builder.xor(x, builder.lshr(x, ir.Constant(i32, 16)))
+    x = builder.mul(x, ir.Constant(i32, 0x7FEB352D))
+    x = builder.xor(x, builder.lshr(x, ir.Constant(i32, 15)))
+    x = builder.mul(x, ir.Constant(i32, 0x846CA68B))
+    return builder.xor(x, builder.lshr(x, ir.Constant(i32, 16)))
 
 
-@njit(inline="always", **_OPTS)
-def _uniform(key, i):
-    """Draw ``i`` of the call with key ``key`` (uint64 < 2**32): rng.uniform_from_bits."""
-    h = _mix32(_mix32(np.uint64(i) ^ key) ^ key)
-    return np.float32(h >> _S8) * _U24
+def _low32(builder, value):
+    i32 = ir.IntType(32)
+    return value if value.type == i32 else builder.trunc(value, i32)
+
+
+def _draw_ir(builder, index, key):
+    """``bits(i) = mix32(mix32(i ^ key) ^ key)`` of ``rng`` on the low 32 bits of both."""
+    key = _low32(builder, key)
+    inner = _mix32_ir(builder, builder.xor(_low32(builder, index), key))
+    return _mix32_ir(builder, builder.xor(inner, key))
+
+
+@intrinsic
+def _draw(typingctx, index, key):
+    """Draw ``index`` of the call with key ``key`` (integers; their low 32 bits count):
+    ``rng.hash_bits`` as a uint32."""
+    if not (isinstance(index, nbtypes.Integer) and isinstance(key, nbtypes.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _draw_ir(builder, *args)
+    return nbtypes.uint32(index, key), codegen
+
+
+@intrinsic
+def _uniform(typingctx, key, index):
+    """Draw ``index`` of the call with key ``key``: ``rng.uniform_from_bits``, the top 24
+    bits times ``2**-24``, a float32 in [0, 1) (exact: 24 bits fit its mantissa)."""
+    if not (isinstance(index, nbtypes.Integer) and isinstance(key, nbtypes.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        key, index = args
+        top = builder.lshr(_draw_ir(builder, index, key), ir.Constant(ir.IntType(32), 8))
+        f32 = ir.FloatType()
+        return builder.fmul(builder.uitofp(top, f32), ir.Constant(f32, 2.0 ** -24))
+    return nbtypes.float32(key, index), codegen
 
 
 @_twin
@@ -129,11 +162,11 @@ def _random_bytes_fill(key, out):
     k = np.uint64(key)
     words = out.size // 4
     for w in prange(words):
-        h = _mix32(_mix32(np.uint64(w) ^ k) ^ k)
+        h = np.uint64(_draw(w, k))
         for b in range(4):
             out[4 * w + b] = np.uint8((h >> np.uint64(8 * b)) & np.uint64(255))
     if out.size % 4:  # the last word's first bytes
-        h = _mix32(_mix32(np.uint64(words) ^ k) ^ k)
+        h = np.uint64(_draw(words, k))
         for b in range(out.size - 4 * words):
             out[4 * words + b] = np.uint8((h >> np.uint64(8 * b)) & np.uint64(255))
 
