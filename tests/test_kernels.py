@@ -300,6 +300,23 @@ def test_uniform_draws_equal_the_generator():
         np.testing.assert_array_equal(kernels.cpu_module().uniform(12345, n), draws(B, 12345, n))
 
 
+def test_the_hash_takes_any_integer_width():
+    """The kernels' hash is 32-bit IR over the low 32 bits of its arguments: an index or
+    key of another integer type draws what the int64/uint64 ones do."""
+    from numba import njit
+    cpu = kernels.cpu_module()
+
+    @njit
+    def draws_of(key):
+        return (cpu._uniform(key, np.int64(5)), cpu._uniform(key, np.uint8(5)),
+                cpu._uniform(np.uint32(key), np.int16(5)), cpu._draw(np.int64(7), key),
+                cpu._draw(np.int32(7), key))
+
+    u64, u8, u32_i16, d64, d32 = draws_of(np.uint64(12345))
+    assert u64 == u8 == u32_i16 == kernels.cpu_module().uniform(12345, 6)[5]
+    assert d64 == d32
+
+
 @settings(max_examples=60, deadline=None)
 @given(d=st.integers(0, 300), seed=st.integers(0, 2 ** 31), nseg=st.integers(1, 5),
        scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e3, 1e30]))

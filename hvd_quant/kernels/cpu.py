@@ -104,27 +104,36 @@ def _mix32_ir(builder, x):
     return builder.xor(x, builder.lshr(x, ir.Constant(i32, 16)))
 
 
-def _low32(builder, value):
+def _low32(builder, value, numba_type):
+    """The low 32 bits of an integer argument (a narrower one extended by its sign)."""
     i32 = ir.IntType(32)
-    return value if value.type == i32 else builder.trunc(value, i32)
+    if value.type.width > 32:
+        return builder.trunc(value, i32)
+    if value.type.width < 32:
+        return (builder.sext if numba_type.signed else builder.zext)(value, i32)
+    return value
 
 
-def _draw_ir(builder, index, key):
+def _draw_ir(builder, index, index_type, key, key_type):
     """``bits(i) = mix32(mix32(i ^ key) ^ key)`` of ``rng`` on the low 32 bits of both."""
-    key = _low32(builder, key)
-    inner = _mix32_ir(builder, builder.xor(_low32(builder, index), key))
+    key = _low32(builder, key, key_type)
+    inner = _mix32_ir(builder, builder.xor(_low32(builder, index, index_type), key))
     return _mix32_ir(builder, builder.xor(inner, key))
+
+
+def _integers(*numba_types):
+    return all(isinstance(t, nbtypes.Integer) for t in numba_types)
 
 
 @intrinsic
 def _draw(typingctx, index, key):
     """Draw ``index`` of the call with key ``key`` (integers; their low 32 bits count):
     ``rng.hash_bits`` as a uint32."""
-    if not (isinstance(index, nbtypes.Integer) and isinstance(key, nbtypes.Integer)):
+    if not _integers(index, key):
         return None
 
     def codegen(context, builder, signature, args):
-        return _draw_ir(builder, *args)
+        return _draw_ir(builder, args[0], signature.args[0], args[1], signature.args[1])
     return nbtypes.uint32(index, key), codegen
 
 
@@ -132,12 +141,12 @@ def _draw(typingctx, index, key):
 def _uniform(typingctx, key, index):
     """Draw ``index`` of the call with key ``key``: ``rng.uniform_from_bits``, the top 24
     bits times ``2**-24``, a float32 in [0, 1) (exact: 24 bits fit its mantissa)."""
-    if not (isinstance(index, nbtypes.Integer) and isinstance(key, nbtypes.Integer)):
+    if not _integers(index, key):
         return None
 
     def codegen(context, builder, signature, args):
-        key, index = args
-        top = builder.lshr(_draw_ir(builder, index, key), ir.Constant(ir.IntType(32), 8))
+        bits = _draw_ir(builder, args[1], signature.args[1], args[0], signature.args[0])
+        top = builder.lshr(bits, ir.Constant(ir.IntType(32), 8))
         f32 = ir.FloatType()
         return builder.fmul(builder.uitofp(top, f32), ir.Constant(f32, 2.0 ** -24))
     return nbtypes.float32(key, index), codegen
