@@ -4,6 +4,9 @@
 # Runs in the launcher container (user hvd, cwd /opt/hvd_quant). horovodrun starts one
 # rank per worker over ssh (port 2222, the key in /cluster), the conventional Horovod way:
 #     horovodrun -np 3 -H w1:1,w2:1,w3:1 --gloo --network-interfaces eth0 COMMAND
+# or, with LAUNCHER=mpi, OpenMPI's mpirun does (its daemons over the same ssh), Horovod on MPI:
+#     mpirun -np 3 -H w1:1,w2:1,w3:1 --mca btl_tcp_if_include eth0 ... -x PATH ... COMMAND
+#   LAUNCHER      gloo (default) or mpi
 #   WORKERS       number of workers (ranks), default 3
 #   HVD_HOSTS     host list, e.g. w1:1,w2:1,w3:1; default: the addresses of DNS name "worker"
 #                 (compose's replicas all answer to their service name)
@@ -38,10 +41,22 @@ done
 [ $# -gt 0 ] || set -- python "examples/${EXAMPLE:-pytorch_train.py}" \
     --compression "${COMPRESSION:-marsit}" --epochs "${EPOCHS:-5}" ${EXAMPLE_ARGS:-}
 dev=$(ip -o -4 addr show scope global | awk '{print $2; exit}')  # the cluster network's interface
-log "horovodrun -np $np -H $hosts --gloo --network-interfaces $dev $*"
+case ${LAUNCHER:-gloo} in
+    gloo) set -- horovodrun -np "$np" -H "$hosts" --gloo --network-interfaces "$dev" "$@" ;;
+    mpi)
+        # The ranks' environment goes on mpirun's command line (ssh starts the daemons with
+        # sshd's bare environment): the image's PATH and the Horovod settings given.
+        xs=""
+        for v in $(env | sed -n 's/^\(HOROVOD_[A-Za-z0-9_]*\)=.*/\1/p'); do xs="$xs -x $v"; done
+        # shellcheck disable=SC2086
+        set -- mpirun -np "$np" -H "$hosts" --bind-to none --map-by slot --mca pml ob1 \
+            --mca btl ^openib --mca btl_tcp_if_include "$dev" --mca oob_tcp_if_include "$dev" \
+            -x PATH -x PYTHONUNBUFFERED -x TF_CPP_MIN_LOG_LEVEL $xs "$@" ;;
+    *) log "LAUNCHER must be gloo or mpi, not '$LAUNCHER'"; exit 2 ;;
+esac
+log "$*"
 rc=0
-${JOB_TIMEOUT:+timeout -k 10 "$JOB_TIMEOUT"} \
-    horovodrun -np "$np" -H "$hosts" --gloo --network-interfaces "$dev" "$@" || rc=$?
+${JOB_TIMEOUT:+timeout -k 10 "$JOB_TIMEOUT"} "$@" || rc=$?
 # A worker is reported unreachable only when three probes, 1 s apart, all fail: just after
 # a failed job the live workers are busy tearing their ranks down, and on a loaded machine
 # one 3 s probe of a live worker was seen to fail ("unreachable workers: w1 w2").

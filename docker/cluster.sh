@@ -16,7 +16,8 @@
 #   CLUSTER_DIR  a host directory to mount at /cluster instead of a volume (keys, results)
 #   EXTERNAL=1   let the containers reach other networks; by default their network is
 #                internal: they reach each other and nothing else
-#   Passed to the launcher: EXAMPLE COMPRESSION EPOCHS EXAMPLE_ARGS JOB_TIMEOUT WAIT_S HOROVOD_*
+#   LAUNCHER     gloo (default: horovodrun --gloo) or mpi (mpirun; Horovod on MPI)
+#   Passed to the launcher: LAUNCHER EXAMPLE COMPRESSION EPOCHS EXAMPLE_ARGS JOB_TIMEOUT WAIT_S HOROVOD_*
 set -euo pipefail
 . "$(dirname "$0")/engine.sh"
 CLUSTER=${CLUSTER:-hvdq}
@@ -73,7 +74,7 @@ up() {
 run() {
     local hosts env=() v
     hosts=$(seq 1 "$WORKERS" | sed 's/^/w/; s/$/:1/' | paste -sd, -)
-    for v in EXAMPLE COMPRESSION EPOCHS EXAMPLE_ARGS JOB_TIMEOUT WAIT_S $(compgen -e | grep '^HOROVOD_' || true); do
+    for v in LAUNCHER EXAMPLE COMPRESSION EPOCHS EXAMPLE_ARGS JOB_TIMEOUT WAIT_S $(compgen -e | grep '^HOROVOD_' || true); do
         [ -z "${!v+x}" ] || env+=(-e "$v=${!v}")
     done
     common

@@ -6,10 +6,12 @@
 #                         (the host's CA certificates, for pip's downloads here), and
 #                         hvd_quant-cache/ (Horovod wheels as scripts/build_horovod.sh caches them)
 #   /var/cache/hvd_quant  a build cache mount: a Horovod wheel compiled here is kept for the next build
+# Horovod is always built with MPI here (the image has OpenMPI's runtime): a cached wheel with
+# MPI is used as it is; compiling one installs OpenMPI's headers and mpicxx for the build only.
 set -eu
 log() { echo "[install-deps] $*"; }
 
-export HVD_QUANT_CACHE=/var/cache/hvd_quant
+export HVD_QUANT_CACHE=/var/cache/hvd_quant HVD_QUANT_HOROVOD_MPI=1
 if [ -d /wheels/hvd_quant-cache/wheels ]; then
     mkdir -p "$HVD_QUANT_CACHE/wheels"
     cp -r /wheels/hvd_quant-cache/wheels/. "$HVD_QUANT_CACHE/wheels/"
@@ -27,9 +29,9 @@ fi
 
 # Horovod compiles only when no cached wheel fits; then it needs a compiler and cmake.
 toolchain=""
-if ! ls "$HVD_QUANT_CACHE"/wheels/horovod-*/horovod-*.whl >/dev/null 2>&1; then
-    log "no prebuilt Horovod wheel: installing a compiler to build it (about 5-10 minutes)"
-    toolchain="g++ make cmake python3-dev"
+if ! ls "$HVD_QUANT_CACHE"/wheels/horovod-*-gloo-mpi/horovod-*.whl >/dev/null 2>&1; then
+    log "no prebuilt Horovod wheel with MPI: installing a compiler to build it (about 5-10 minutes)"
+    toolchain="g++ make cmake python3-dev libopenmpi-dev"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $toolchain >/dev/null
 fi

@@ -2,7 +2,8 @@
 # Create (or reuse) the project-local environment .venv with everything hvd_quant needs:
 # torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, tf-keras, numpy, numba (fused CPU kernels),
 # pytest, hypothesis, scikit-learn (the examples' bundled data), matplotlib (benchmark plots)
-# and Horovod 0.28.1 built from source with Gloo.
+# and Horovod 0.28.1 built from source with Gloo, and with MPI too where an MPI is installed
+# (scripts/build_horovod.sh).
 # These exact pins are the project's tested environment. The library itself accepts ranges
 # (pyproject.toml: numpy, numba; hvd_quant/_requirements.py: the frameworks and Horovod,
 # checked at import).
@@ -51,9 +52,12 @@ if ! have "${deps[@]}"; then
 fi
 
 # One line on the Horovod build found (what `horovodrun --check-build` says, 18 s sooner).
+# A build without the controllers this machine supports (an MPI installed since) is replaced.
 horovod_build() { "$py" -c "import horovod, horovod.torch as h, horovod.tensorflow
-print(horovod.__version__, 'with torch and TensorFlow ops,', 'Gloo' if h.gloo_built() else 'NO Gloo')" 2>/dev/null; }
-if ! built=$(horovod_build); then
+built = [name for name, has in (('Gloo', h.gloo_built()), ('MPI', h.mpi_built())) if has]
+print(horovod.__version__, 'with torch and TensorFlow ops, controllers:', ', '.join(built) or 'none')" 2>/dev/null; }
+want=$("$root/scripts/build_horovod.sh" --controllers)
+if ! built=$(horovod_build) || [ "${built##*controllers: }" != "$want" ]; then
     PYTHON="$py" "$root/scripts/build_horovod.sh"
     built=$(horovod_build) || { echo "[bootstrap] Horovod was built but does not import" >&2; exit 1; }
 fi

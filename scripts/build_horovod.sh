@@ -1,7 +1,24 @@
 #!/usr/bin/env bash
 # Build (once) and install Horovod 0.28.1 from PyPI's source distribution into the
 # active Python, with the fixes current frameworks need. The built wheel is cached,
-# keyed by the Python, torch and TensorFlow versions, so a second run takes seconds.
+# keyed by the Python, torch and TensorFlow versions and the controllers it has, so a
+# second run takes seconds.
+#
+#   scripts/build_horovod.sh                 build (or take from the cache) and install
+#   scripts/build_horovod.sh --controllers   print the controllers a build here would have
+#
+# Controllers: Gloo always; MPI as well where an MPI is installed (its C++ compiler wrapper
+# mpicxx is on PATH; Debian: apt-get install openmpi-bin libopenmpi-dev).
+# HVD_QUANT_HOROVOD_MPI=0 builds without MPI anyway; =1 wants MPI (a cached wheel with MPI
+# needs only MPI's runtime, as in the container image; compiling one needs mpicxx).
+# CPU operations (the data path of allreduce, allgather, ... on CPU tensors) follow the
+# launch: horovodrun --gloo and the emulated cluster set HOROVOD_CPU_OPERATIONS=gloo;
+# under mpirun or horovodrun --mpi the MPI build's default is MPI (Horovod's own default
+# with MPI): Horovod 0.28.1 builds the Gloo contexts of process sets, the global one
+# included, only under the Gloo controller, so Gloo operations under the MPI controller
+# crash (seen: a segmentation fault in GlooAlgorithms<float>::Allreduce, every rank, at the
+# first allreduce; docs/cluster.md, "MPI and Gloo"). A compiled-in Gloo default would
+# crash every plain mpirun launch.
 #
 # Why patch: the 0.28.1 sdist (2023) predates torch >= 2.1 and TF 2.21.
 #   1. torch >= 2.1 headers need C++17; the sdist pins C++14 for the torch library
@@ -17,18 +34,41 @@ set -euo pipefail
 HOROVOD_VERSION=0.28.1
 PY=${PYTHON:-python}
 
+# Which controllers: "Gloo" or "Gloo, MPI" (as the bootstrap's summary line names them).
+case ${HVD_QUANT_HOROVOD_MPI:-auto} in
+    auto) if command -v mpicxx >/dev/null 2>&1; then with_mpi=1; else with_mpi=0; fi ;;
+    1) with_mpi=1 ;;
+    0) with_mpi=0 ;;
+    *) echo "[build_horovod] HVD_QUANT_HOROVOD_MPI must be auto, 0 or 1, not '$HVD_QUANT_HOROVOD_MPI'" >&2; exit 2 ;;
+esac
+if [ "$with_mpi" = 1 ]; then controllers="Gloo, MPI"; key=gloo-mpi; else controllers=Gloo; key=gloo; fi
+if [ "${1:-}" = --controllers ]; then
+    echo "$controllers"
+    exit 0
+fi
+
 versions=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" - <<'PYEOF'
 import sys, torch, tensorflow as tf
 print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split('+')[0]}-tf{tf.__version__}")
 PYEOF
 )
 cache_root=${HVD_QUANT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_quant}
-wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions"
+wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions-$key"
+# Caches written before the key named the controllers hold Gloo-only wheels.
+legacy="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions"
+if [ "$key" = gloo ] && ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1 \
+        && ls "$legacy"/horovod-*.whl >/dev/null 2>&1; then
+    wheel_dir=$legacy
+fi
 
 if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     echo "[build_horovod] using cached wheel in $wheel_dir"
 else
-    echo "[build_horovod] no cached wheel for $versions; building Horovod $HOROVOD_VERSION from source (about 10 minutes on 2 cores)"
+    echo "[build_horovod] no cached wheel for $versions with $controllers; building Horovod $HOROVOD_VERSION from source (about 10 minutes on 2 cores)"
+    if [ "$with_mpi" = 1 ] && ! command -v mpicxx >/dev/null 2>&1; then
+        echo "[build_horovod] HVD_QUANT_HOROVOD_MPI=1 but no MPI compiler wrapper (mpicxx) on PATH; Debian: apt-get install openmpi-bin libopenmpi-dev" >&2
+        exit 1
+    fi
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
     "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
@@ -58,8 +98,14 @@ else
     (
         cd "$src"
         export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
-               HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo \
-               CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j"$(nproc)"
+               HOROVOD_WITHOUT_MXNET=1 CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j"$(nproc)"
+        unset HOROVOD_WITH_MPI HOROVOD_WITHOUT_MPI HOROVOD_CPU_OPERATIONS
+        if [ "$with_mpi" = 1 ]; then
+            # CPU operations default to MPI (Horovod's own default when it has MPI): see the top.
+            export HOROVOD_WITH_MPI=1
+        else
+            export HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo
+        fi
         "$PY" -m pip wheel -v --no-build-isolation --no-deps -w "$wheel_dir.tmp" . >"$log" 2>&1 &
         pid=$!
         # Progress on a long build: one line a minute.
@@ -76,3 +122,9 @@ else
 fi
 
 "$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+# A wheel from the cache must be what its key says (a hand-copied one may not be).
+has_mpi=$("$PY" -c "import horovod.torch as h; print(int(h.mpi_built()))" 2>/dev/null) || has_mpi=?
+if [ "$has_mpi" != "$with_mpi" ]; then
+    echo "[build_horovod] the installed wheel from $wheel_dir has MPI=$has_mpi, expected $with_mpi ($controllers): remove that directory and run again" >&2
+    exit 1
+fi

@@ -33,7 +33,10 @@ still checks its own ``expect`` against that output.
 
 Commands that show ``sudo`` run as written where ``sudo`` exists; where it does not and
 the check runs as root (the CI machines), ``sudo`` is dropped, which is what it would
-do. Exit status: 0 when everything marked ``run`` passed, 1 otherwise; every failure
+do. ``mpirun`` commands get ``--allow-run-as-root`` when the check runs as root, as the
+pages tell root to do. ``needs=mpi``: a block that needs MPI (mpirun, and Horovod built
+with it) is skipped, saying so, where there is none, and fails under
+``HVD_QUANT_REQUIRE_MPI=1`` (set by .ci/run, which installs OpenMPI). Exit status: 0 when everything marked ``run`` passed, 1 otherwise; every failure
 prints the block's file and line, the command, and the output's tail.
 """
 
@@ -131,8 +134,10 @@ def parse_marker(text):
         if w == "fresh":  # a Python block that needs a process of its own
             options["fresh"] = "1"
             continue
-        if not sep or key not in ("timeout", "expect", "args", "np", "prelude", "cwd"):
+        if not sep or key not in ("timeout", "expect", "args", "np", "prelude", "cwd", "needs"):
             raise ValueError(f"unknown check option {w!r}")
+        if key == "needs" and value != "mpi":
+            raise ValueError(f"needs= takes 'mpi', got {value!r}")
         options[key] = value
     if "prelude" in options and options["prelude"] not in PRELUDES:
         raise ValueError(f"unknown prelude {options['prelude']!r}; known: {', '.join(PRELUDES)}")
@@ -194,10 +199,24 @@ def commands(text):
 
 def as_run_here(command):
     """The command as this machine runs it: ``sudo`` dropped where there is none and we
-    are root (what sudo would do)."""
+    are root (what sudo would do); ``mpirun`` given ``--allow-run-as-root`` when we are
+    root (what the pages tell root to add: OpenMPI refuses to start without it)."""
     if command.startswith("sudo ") and shutil.which("sudo") is None and os.geteuid() == 0:
-        return command[len("sudo "):]
+        command = command[len("sudo "):]
+    if command.startswith("mpirun ") and os.geteuid() == 0:
+        command = "mpirun --allow-run-as-root " + command[len("mpirun "):]
     return command
+
+
+def mpi_missing(venv):
+    """Why ``needs=mpi`` blocks cannot run with ``venv``, or ``None``."""
+    if shutil.which("mpirun") is None:
+        return "no MPI installed (mpirun not found)"
+    proc = subprocess.run([str(Path(venv) / "bin" / "python"), "-c",
+                           "import horovod.torch as h; print(h.mpi_built())"], capture_output=True, text=True)
+    if proc.stdout.strip() != "True":
+        return "Horovod in the environment was built without MPI"
+    return None
 
 
 def with_args(command, args):
@@ -237,6 +256,9 @@ def run_block(block, tree, default_timeout=120.0, cache=None):
     expect = [e for e in block.options.get("expect", "").split("|") if e]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)  # the copy's files, as a user's shell would have them
+    if block.options.get("needs") == "mpi":  # Horovod's defaults under MPI (tests/conftest.py sets Gloo)
+        env.pop("HOROVOD_CONTROLLER", None)
+        env.pop("HOROVOD_CPU_OPERATIONS", None)
     cwd = tree / block.options.get("cwd", ".")
     start = time.monotonic()
     output = []
@@ -371,14 +393,20 @@ def main(argv=None):
             print(message, flush=True)
     try:
         shared = [b for b in found if b.directive == "run" and b.language == "python"
-                  and "np" not in b.options and "fresh" not in b.options]
+                  and "np" not in b.options and "fresh" not in b.options and "needs" not in b.options]
         if shared:
             for where, result in run_shared(shared, tree).items():
                 report(where, *result)
         cache = {}  # a command shown on several pages runs once
+        no_mpi = mpi_missing(args.venv) if any(b.options.get("needs") == "mpi" for b in found) else None
         for b in found:
             if b.directive == "skip":
                 print(f"[check] skip {b.where}: {b.reason}", flush=True)
+            elif b.directive == "run" and b.options.get("needs") == "mpi" and no_mpi:
+                if os.environ.get("HVD_QUANT_REQUIRE_MPI") == "1":
+                    report(b.where, False, 0.0, f"needs MPI: {no_mpi} [HVD_QUANT_REQUIRE_MPI=1]")
+                else:
+                    print(f"[check] skip {b.where}: needs MPI: {no_mpi}", flush=True)
             elif b.directive == "run" and b not in shared:
                 report(b.where, *run_block(b, tree, cache=cache))
     finally:

@@ -10,6 +10,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Horovod in pytest's own process (tests that call hvd.init() here) runs on Gloo, as it did
+# before Horovod had MPI: a Horovod built with MPI starts an MPI singleton in a process no
+# launcher started, and MPI cannot start again after hvd.shutdown(), so a test that shuts
+# Horovod down would abort the next test's hvd.init() (seen: "MPI_Query_thread() was called
+# after MPI_FINALIZE"). Launched jobs are unaffected: horovodrun --gloo sets the same, and
+# the MPI launches (tests/horovod_launch.py, hvd_quant.cluster's mpi launcher, the
+# documented-commands check's needs=mpi blocks) remove both.
+os.environ.setdefault("HOROVOD_CONTROLLER", "gloo")
+os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+
 
 @pytest.fixture(scope="module")
 def can_run():

@@ -6,6 +6,7 @@ with the reason (``HVD_QUANT_REQUIRE_CLUSTER=1``, set by CI, turns that skip int
 failure). Every job has a hard time limit, and every test a pytest-timeout.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -108,6 +109,42 @@ def test_hosts_get_their_own_cpus_and_python_means_this_interpreter(monkeypatch)
     assert resolve_interpreter(["python3", "-c", "pass"]) == [sys.executable, "-c", "pass"]
     assert resolve_interpreter(["/usr/bin/python3", "x.py"]) == ["/usr/bin/python3", "x.py"]
     assert resolve_interpreter(["bash", "-c", "python"]) == ["bash", "-c", "python"]
+
+
+@pytest.mark.quick
+def test_mpi_launch_stays_on_the_cluster_links_and_keeps_rank_labels(monkeypatch):
+    """--launcher mpi, without a cluster: mpirun's command (transports and OpenMPI's own
+    channel on eth0 only, the namespace agent with every host's CPUs, --allow-run-as-root
+    only as root), its environment (no Gloo settings), its tagged output relabelled per
+    rank, and the agent's refusal of a host it does not know (exit 255, as ssh)."""
+    from types import SimpleNamespace
+    from hvd_quant.cluster import mpi
+
+    hosts = [netns.Host(i, f"h{i}", f"hvdqc-abcdef-h{i}", f"10.9.9.{i + 1}", f"p{i}") for i in range(2)]
+    fake = SimpleNamespace(hosts=hosts, slots=2, size=4, host_cpus=[[0], [1]],
+                           rank_env=lambda rank: {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_RANK": "0", "RANK": "0",
+                                                  "PYTHONUNBUFFERED": "1", "KEEP": "1"})
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    cmd = mpi.mpirun_command(fake, ["python", "x.py"])
+    text = " ".join(cmd)
+    assert cmd[:5] == ["mpirun", "-np", "4", "-H", "h0:2,h1:2"] and cmd[-2:] == ["python", "x.py"]
+    for option in ("btl self,tcp", "btl_tcp_if_include eth0", "oob_tcp_if_include eth0", "--allow-run-as-root"):
+        assert option in text, text
+    agent = cmd[cmd.index("plm_rsh_agent") + 1]
+    assert agent.endswith("-m hvd_quant.cluster.mpi_agent --host=h0@hvdqc-abcdef-h0@0 --host=h1@hvdqc-abcdef-h1@1")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "--allow-run-as-root" not in mpi.mpirun_command(fake, ["python", "x.py"])
+    assert mpi.mpi_env(fake, {"EXTRA": "2"}) == {"KEEP": "1", "EXTRA": "2"}
+    labels = ["r0@h0", "r1@h0", "r2@h1", "r3@h1"]
+    assert mpi.retag("[mpirun] [1,2]<stdout>:loss 0.5", labels) == ["[r2@h1] loss 0.5"]
+    assert mpi.retag("[mpirun] [1,0]<stdout>:a[1,3]<stderr>:b[1,3]<stdout>:", labels) == ["[r0@h0] a", "[r3@h1] b"]
+    assert mpi.retag("[mpirun] Primary job terminated", labels) == ["[mpirun] Primary job terminated"]
+    agent_run = subprocess.run([PY, "-m", "hvd_quant.cluster.mpi_agent", "--host=h1@ns@1", "h7", "orted"],
+                               capture_output=True, text=True, timeout=60)
+    assert agent_run.returncode == 255 and "unknown host in ['h7']" in agent_run.stderr
+    refused = subprocess.run([PY, "-m", "hvd_quant.cluster", "run", "--launcher", "mpi", "--no-horovod", "--", "true"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "cannot be combined with --no-horovod" in refused.stderr, refused.stderr
 
 
 @pytest.mark.quick
@@ -398,29 +435,66 @@ with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
 """
 
 
+IDENTITY_NUMEL = 750_000
+
+
+@pytest.fixture(scope="module")
+def identity_loopback(tmp_path_factory):
+    """The IDENTITY job under horovodrun --gloo on loopback: ``(script, rank results)``."""
+    from horovod_launch import load_rank_results, run_horovod
+
+    tmp_path = tmp_path_factory.mktemp("identity")
+    script = tmp_path / "identity.py"
+    script.write_text(IDENTITY)
+    (tmp_path / "loopback").mkdir()
+    run_horovod(script, 2, [tmp_path / "loopback", IDENTITY_NUMEL], timeout=150,
+                env={"PYTHONPATH": str(ROOT)})
+    loopback = load_rank_results(tmp_path / "loopback", 2)
+    assert loopback[0] == loopback[1]  # every rank holds the same reduced values
+    assert set(loopback[0]) == {"none", "ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2",
+                                "global_qsgd_exp", "onebit", "horovod_fp32"}
+    return script, loopback
+
+
 @pytest.mark.timeout(360)  # two jobs of up to 150 s each, plus the cluster's set-up
-def test_compressed_reduction_identical_to_loopback(can_run, tmp_path):
+def test_compressed_reduction_identical_to_loopback(can_run, identity_loopback, tmp_path):
     """CI cluster test: 2 hosts at 1 Gbit/s, 750k floats (3 MB): every compressor's reduced
     gradients over two steps are bit-identical to the same job under horovodrun on
     loopback (and on both ranks)."""
-    from horovod_launch import load_rank_results, run_horovod
+    from horovod_launch import load_rank_results
 
-    script = tmp_path / "identity.py"
-    script.write_text(IDENTITY)
-    numel = 750_000
-    (tmp_path / "loopback").mkdir()
-    (tmp_path / "cluster").mkdir()
-    run_horovod(script, 2, [tmp_path / "loopback", numel], timeout=150,
-                env={"PYTHONPATH": str(ROOT)})
+    script, loopback = identity_loopback
     with EmulatedCluster(hosts=2, rate="1gbit", log=quiet) as c:
-        c.run_horovod([PY, script, tmp_path / "cluster", numel], timeout=150, check=True,
+        c.run_horovod([PY, script, tmp_path, IDENTITY_NUMEL], timeout=150, check=True,
                       env={"PYTHONPATH": str(ROOT), "HOROVOD_GLOO_TIMEOUT_SECONDS": "60"})
-    loopback = load_rank_results(tmp_path / "loopback", 2)
-    cluster = load_rank_results(tmp_path / "cluster", 2)
-    assert loopback[0] == loopback[1]  # every rank holds the same reduced values
-    assert cluster == loopback
-    assert set(cluster[0]) == {"none", "ef_sign", "marsit", "global_qsgd", "global_qsgd:norm=l2",
-                               "global_qsgd_exp", "onebit", "horovod_fp32"}
+    assert load_rank_results(tmp_path, 2) == loopback
+
+
+def sent_bytes(cluster, host):
+    """Bytes host ``host``'s shaped link (its eth0's tbf) has sent."""
+    out = cluster.exec(host, ["tc", "-s", "-j", "qdisc", "show", "dev", netns.HOST_DEV],
+                       capture_output=True, text=True, check=True).stdout
+    return sum(q.get("bytes", 0) for q in json.loads(out))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(360)
+def test_mpirun_across_hosts_uses_the_shaped_links(can_run, identity_loopback, tmp_path):
+    """``launcher="mpi"``: OpenMPI's mpirun starts the ranks on the emulated hosts (its
+    daemon through the namespace agent) and Horovod runs on MPI; the same results as Gloo
+    on loopback, bit for bit, and the data went over the hosts' shaped links: each host's
+    eth0 sent at least the 3 MB of the fp32 allreduce (on loopback it would send nothing)."""
+    from horovod_launch import load_rank_results, require_mpi
+
+    require_mpi()
+    script, loopback = identity_loopback
+    with EmulatedCluster(hosts=2, rate="1gbit", log=quiet) as c:
+        before = [sent_bytes(c, h) for h in range(2)]
+        c.run_horovod([PY, script, tmp_path, IDENTITY_NUMEL], launcher="mpi", timeout=150, check=True,
+                      env={"PYTHONPATH": str(ROOT)})
+        sent = [sent_bytes(c, h) - b for h, b in zip(range(2), before)]
+    assert load_rank_results(tmp_path, 2) == loopback
+    assert all(s >= 4 * IDENTITY_NUMEL for s in sent), sent
 
 
 MARSIT_HOSTS = """

@@ -55,7 +55,8 @@ echo unmarked
 
 @pytest.mark.parametrize("marker, message", [
     ("walk", "starts with 'run' or 'skip'"), ("skip", "needs a reason"),
-    ("run speed=fast", "unknown check option"), ("run prelude=nope", "unknown prelude")])
+    ("run speed=fast", "unknown check option"), ("run prelude=nope", "unknown prelude"),
+    ("run needs=gpu", "needs= takes 'mpi'")])
 def test_bad_markers_are_refused(marker, message):
     with pytest.raises(ValueError, match=message):
         check_docs.parse_marker(marker)
@@ -67,6 +68,30 @@ def test_sudo_is_dropped_only_as_root_without_sudo(monkeypatch):
     assert check_docs.as_run_here("sudo .venv/bin/python x.py") == ".venv/bin/python x.py"
     monkeypatch.setattr(check_docs.os, "geteuid", lambda: 1000)
     assert check_docs.as_run_here("sudo .venv/bin/python x.py") == "sudo .venv/bin/python x.py"
+
+
+def test_mpirun_gets_allow_run_as_root_only_as_root(monkeypatch):
+    monkeypatch.setattr(check_docs.os, "geteuid", lambda: 0)
+    assert check_docs.as_run_here("mpirun -np 2 python x.py") == "mpirun --allow-run-as-root -np 2 python x.py"
+    monkeypatch.setattr(check_docs.os, "geteuid", lambda: 1000)
+    assert check_docs.as_run_here("mpirun -np 2 python x.py") == "mpirun -np 2 python x.py"
+
+
+@pytest.mark.timeout(120)
+def test_blocks_that_need_mpi_skip_without_it_and_fail_where_it_is_required(tmp_path, monkeypatch, capsys):
+    page = write(tmp_path, """
+<!-- check: run needs=mpi -->
+```bash
+mpirun -np 2 true
+```
+""")
+    monkeypatch.setattr(check_docs, "mpi_missing", lambda venv: "no MPI installed (mpirun not found)")
+    monkeypatch.delenv("HVD_QUANT_REQUIRE_MPI", raising=False)
+    assert check_docs.main([str(page)]) == 0
+    assert f"skip {page}:3: needs MPI: no MPI installed" in capsys.readouterr().out
+    monkeypatch.setenv("HVD_QUANT_REQUIRE_MPI", "1")
+    assert check_docs.main([str(page)]) == 1
+    assert f"FAIL {page}:3" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(120)

@@ -9,7 +9,9 @@ rank 1 stops part-way through step 3 so that the others wait inside a ring hop o
 the 1-bit allreduce's alltoall. The job must exit non-zero by itself, saying why (and,
 for the hangs inside a step, naming that collective), within :data:`BOUND` seconds of
 the failure (the deadline plus horovodrun's reaction), measured from the moment rank 1
-stops (start-up time on a loaded machine varies and is not part of the guarantee).
+stops (start-up time on a loaded machine varies and is not part of the guarantee). The
+ring's hang and a dead rank are run under ``mpirun`` too: there mpirun, not horovodrun,
+ends the job when the watchdog ends a rank (exit code 124) or a rank dies.
 """
 
 import re
@@ -17,7 +19,7 @@ import time
 
 import pytest
 
-from horovod_launch import HERE, run_horovod
+from horovod_launch import HERE, require_mpi, run_horovod
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 DEADLINE = 10
@@ -32,14 +34,21 @@ CASES = [("marsit", "hang", 2), ("marsit", "die", 2), ("global_qsgd", "hang", 2)
          ("onebit_adam", "hang", 2), ("zero_one_adam", "hang", 2), ("binsgdm", "hang", 2),
          ("keras_ef_sign", "hang", 2),
          ("marsit", "hang_in_hop", 3), ("onebit_adam", "hang_in_alltoall", 3)]
+MPI_CASES = [("marsit", "hang", 2), ("marsit", "die", 2)]
 WAITED_IN = {"hang_in_hop": r"ring hop '[^']*\.rs0'",
              "hang_in_alltoall": r"alltoall 'hvd_quant\.opt\.g0\.momentum\.worker_signs'"}
 
 
-@pytest.mark.parametrize("method,mode,ranks", CASES, ids=[f"{m}-{d}-{n}" for m, d, n in CASES])
-def test_job_ends_within_the_bound(method, mode, ranks):
+@pytest.mark.parametrize("method,mode,ranks,launcher",
+                         [(*c, "gloo") for c in CASES] + [pytest.param(*c, "mpirun", marks=pytest.mark.mpi)
+                                                          for c in MPI_CASES],
+                         ids=[f"{m}-{d}-{n}" for m, d, n in CASES] + [f"{m}-{d}-{n}-mpi" for m, d, n in MPI_CASES])
+def test_job_ends_within_the_bound(method, mode, ranks, launcher):
+    if launcher != "gloo":
+        require_mpi()
     result = run_horovod(HERE / "mp" / "stall_worker.py", ranks, [method, mode], timeout=240,
-                         env={"HVD_QUANT_COLLECTIVE_TIMEOUT": str(DEADLINE)}, check=False)
+                         env={"HVD_QUANT_COLLECTIVE_TIMEOUT": str(DEADLINE)}, check=False,
+                         launcher=launcher)
     ended = time.time()
     assert result.returncode != 0, result.stdout[-2000:]
     failed_at = float(re.search(r"at step 3, t=([0-9.]+)", result.stdout).group(1))

@@ -1,8 +1,11 @@
-"""Multi-process tests: real Horovod ranks under ``horovodrun --gloo``, 2 and 3 ranks.
+"""Multi-process tests: real Horovod ranks under ``horovodrun --gloo``, 2 and 3 ranks, and
+under MPI (full tier; ``mpirun`` for torch, ``horovodrun --mpi`` for TF).
 
 One job per (framework, ranks) runs every check of tests/mp/worker.py; the tests below
 read its per-rank results and compare them with each other and with the numpy oracle
-(the same algorithms on :class:`~hvd_quant.core.simulate.ThreadWorld`).
+(the same algorithms on :class:`~hvd_quant.core.simulate.ThreadWorld`). The MPI job of a
+framework and rank count also runs the optimizer worker (tests/test_optimizers_mp.py reads
+that part) and records what Horovod ran on (test_mpi_jobs_run_on_mpi).
 """
 
 import subprocess
@@ -15,7 +18,8 @@ import hvd_quant
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
 
-from horovod_launch import HERE, JobTimeout, load_rank_results, run_horovod
+from horovod_launch import (HERE, MPI_TEST_TIMEOUT, JobTimeout, load_rank_results, mpi_job, require_mpi,
+                            run_horovod)
 
 import sys
 sys.path.insert(0, str(HERE / "mp"))
@@ -27,20 +31,25 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 WORKER = HERE / "mp" / "worker.py"
 
 # The quick tier (./scripts/test.sh) runs every compressor in both frameworks at 2 and 3
-# ranks; tf-keras (Keras 2) only in the full tier.
-QUICK = pytest.mark.quick
-JOBS = [pytest.param(("torch", 2, {}), marks=QUICK), pytest.param(("torch", 3, {}), marks=QUICK),
-        pytest.param(("tf", 2, {}), marks=QUICK), pytest.param(("tf", 3, {}), marks=QUICK),
-        ("tf", 2, {"TF_USE_LEGACY_KERAS": "1"})]
-JOB_IDS = ["torch-2", "torch-3", "tf-2", "tf-3", "tf_keras2-2"]
+# ranks; tf-keras (Keras 2) and the MPI jobs only in the full tier.
+QUICK, MPI = pytest.mark.quick, [pytest.mark.mpi, pytest.mark.timeout(MPI_TEST_TIMEOUT)]
+JOBS = [pytest.param(("torch", 2, {}, "gloo"), marks=QUICK), pytest.param(("torch", 3, {}, "gloo"), marks=QUICK),
+        pytest.param(("tf", 2, {}, "gloo"), marks=QUICK), pytest.param(("tf", 3, {}, "gloo"), marks=QUICK),
+        ("tf", 2, {"TF_USE_LEGACY_KERAS": "1"}, "gloo"),
+        pytest.param(("torch", 2, {}, "mpi"), marks=MPI), pytest.param(("torch", 3, {}, "mpi"), marks=MPI),
+        pytest.param(("tf", 2, {}, "mpi"), marks=MPI), pytest.param(("tf", 3, {}, "mpi"), marks=MPI)]
+JOB_IDS = ["torch-2", "torch-3", "tf-2", "tf-3", "tf_keras2-2", "torch-2-mpi", "torch-3-mpi", "tf-2-mpi", "tf-3-mpi"]
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=JOB_IDS)
 def job(request, tmp_path_factory):
-    framework, nranks, env = request.param
-    out = tmp_path_factory.mktemp(f"{framework}{nranks}")
-    run_horovod(WORKER, nranks, [framework, out], timeout=600, env=env)
-    return {"framework": framework, "size": nranks, "legacy": bool(env),
+    framework, nranks, env, launcher = request.param
+    if launcher == "mpi":
+        out = mpi_job(framework, nranks, tmp_path_factory) / "worker"
+    else:
+        out = tmp_path_factory.mktemp(f"{framework}{nranks}")
+        run_horovod(WORKER, nranks, [framework, out], timeout=600, env=env)
+    return {"framework": framework, "size": nranks, "legacy": bool(env), "launcher": launcher,
             "ranks": load_rank_results(out, nranks)}
 
 
@@ -247,6 +256,31 @@ def test_ring_and_torus_with_four_ranks(tmp_path):
                    for c in r["sums"]["binsgdm_2x2_non_finite"])
 
 
+MPI_JOBS = [("torch", 2), ("torch", 3), ("tf", 2), ("tf", 3)]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(MPI_TEST_TIMEOUT)
+@pytest.mark.parametrize("framework,nranks", MPI_JOBS, ids=[f"{f}-{n}" for f, n in MPI_JOBS])
+def test_mpi_jobs_run_on_mpi(framework, nranks, tmp_path_factory):
+    """The MPI jobs ran on MPI, not Gloo: OpenMPI started every rank (its rank variable is
+    Horovod's rank), Horovod's controller and CPU operations are MPI (no Gloo context at
+    all), all ranks on one host. A process set registered at start reduces over its members
+    only; one added later needs HOROVOD_DYNAMIC_PROCESS_SETS=1, under MPI as under Gloo."""
+    ranks = load_rank_results(mpi_job(framework, nranks, tmp_path_factory) / "launch", nranks)
+    for r in ranks:
+        assert r["size"] == nranks and r["ompi_rank"] == str(r["rank"])
+        assert r["mpi_enabled"] and not r["gloo_enabled"], r
+        assert r["local"] == [r["rank"], nranks]
+        sets = r["process_sets"]  # the set of every rank but the last
+        if r["rank"] < nranks - 1:
+            assert sets["registered"] == nranks - 1 and sets["registered_sum"] == nranks - 1, sets
+        else:
+            assert sets["registered"] is None and "registered_sum" not in sets, sets
+        assert sets["dynamic"]["error"] == "ValueError", sets
+        assert "Set HOROVOD_DYNAMIC_PROCESS_SETS=1" in sets["dynamic"]["message"], sets
+
+
 def test_failing_rank_fails_the_job_fast():
     start = time.monotonic()
     result = run_horovod(HERE / "mp" / "fail_rank.py", 2, timeout=120, check=False)
@@ -255,10 +289,15 @@ def test_failing_rank_fails_the_job_fast():
     assert "rank 1 fails on purpose" in result.stdout
 
 
-def test_hanging_rank_is_killed_within_the_limit():
+@pytest.mark.parametrize("launcher", ["gloo", pytest.param("mpirun", marks=pytest.mark.mpi)])
+def test_hanging_rank_is_killed_within_the_limit(launcher):
+    """The launcher's hard limit kills every process of the job: under mpirun too, whose
+    ranks are not in its process group."""
+    if launcher != "gloo":
+        require_mpi()
     start = time.monotonic()
     with pytest.raises(JobTimeout):
-        run_horovod(HERE / "mp" / "hang_rank.py", 2, timeout=25)
+        run_horovod(HERE / "mp" / "hang_rank.py", 2, timeout=25, launcher=launcher)
     assert time.monotonic() - start < 60
     left = subprocess.run(["pgrep", "-f", "hang_rank.py"], capture_output=True, text=True)
     assert left.stdout.strip() == "", "processes of the killed job are still alive"

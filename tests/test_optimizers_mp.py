@@ -6,7 +6,9 @@ seeds) bit for bit, local steps must issue no collective, checkpoints must resto
 bit-identically, and bad input must fail on every rank with a clear error. The same
 job covers param groups under an LR scheduler, one verdict for all param groups (with
 ``hq.GradScaler``), 1-bit Adam's ``non_freeze`` groups, ``exp_avg_mask`` and 0/1 Adam's
-``final_sync``; the TensorFlow job (tests/mp/optim_worker_tf.py) the Keras twins.
+``final_sync``; the TensorFlow job (tests/mp/optim_worker_tf.py) the Keras twins. At 2
+and 3 ranks the same workers run under MPI too (full tier), inside the MPI job of each
+framework and rank count (tests/mp/mpi_worker.py, shared with tests/test_multiprocess.py).
 """
 
 import sys
@@ -18,7 +20,7 @@ from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from hvd_quant.optimizers.oracle import OracleOptimizer, OracleParamGroups
 
-from horovod_launch import HERE, load_rank_results, run_horovod
+from horovod_launch import HERE, MPI_TEST_TIMEOUT, load_rank_results, mpi_job, run_horovod
 
 sys.path.insert(0, str(HERE / "mp"))
 import optim_cases as cases  # noqa: E402
@@ -28,17 +30,22 @@ import optim_cases as cases  # noqa: E402
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 WORKER = HERE / "mp" / "optim_worker.py"
 # The quick tier (./scripts/test.sh) runs every optimizer in both frameworks at 2 and 3
-# ranks; 4 ranks as 2 nodes x 2 and the 1-rank world only in the full tier.
-JOBS = [(2, None), (3, None), (4, 2), (1, None)]
-QUICK_JOBS = {(2, None), (3, None)}
+# ranks; 4 ranks as 2 nodes x 2, the 1-rank world and the MPI jobs only in the full tier.
+JOBS = [(2, None, "gloo"), (3, None, "gloo"), (4, 2, "gloo"), (1, None, "gloo"), (2, None, "mpi"), (3, None, "mpi")]
+MPI = [pytest.mark.mpi, pytest.mark.timeout(MPI_TEST_TIMEOUT)]
+MARKS = {(2, None, "gloo"): pytest.mark.quick, (3, None, "gloo"): pytest.mark.quick,
+         (2, None, "mpi"): MPI, (3, None, "mpi"): MPI}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(j, marks=pytest.mark.quick) if j in QUICK_JOBS else j
-                                        for j in JOBS], ids=[f"np{n}-k{k}" for n, k in JOBS])
+@pytest.fixture(scope="module", params=[pytest.param(j, marks=MARKS.get(j, ())) for j in JOBS],
+                ids=[f"np{n}-k{k}" + ("-mpi" if launcher == "mpi" else "") for n, k, launcher in JOBS])
 def job(request, tmp_path_factory):
-    n, k = request.param
-    out = tmp_path_factory.mktemp(f"optim{n}")
-    run_horovod(WORKER, n, ["torch", out] + ([k] if k else []), timeout=420)
+    n, k, launcher = request.param
+    if launcher == "mpi":
+        out = mpi_job("torch", n, tmp_path_factory) / "optim"
+    else:
+        out = tmp_path_factory.mktemp(f"optim{n}")
+        run_horovod(WORKER, n, ["torch", out] + ([k] if k else []), timeout=420)
     return {"size": n, "k": k, "ranks": load_rank_results(out, n)}
 
 
@@ -321,12 +328,18 @@ def test_final_sync_ends_with_one_model(job):
 TF_WORKER = HERE / "mp" / "optim_worker_tf.py"
 
 
-@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.quick),
-                                        pytest.param(3, marks=pytest.mark.quick)], ids=["tf-np2", "tf-np3"])
+@pytest.fixture(scope="module", params=[pytest.param((2, "gloo"), marks=pytest.mark.quick),
+                                        pytest.param((3, "gloo"), marks=pytest.mark.quick),
+                                        pytest.param((2, "mpi"), marks=MPI),
+                                        pytest.param((3, "mpi"), marks=MPI)],
+                ids=["tf-np2", "tf-np3", "tf-np2-mpi", "tf-np3-mpi"])
 def tf_job(request, tmp_path_factory):
-    n = request.param
-    out = tmp_path_factory.mktemp(f"optimtf{n}")
-    run_horovod(TF_WORKER, n, [out], timeout=600)
+    n, launcher = request.param
+    if launcher == "mpi":
+        out = mpi_job("tf", n, tmp_path_factory) / "optim"
+    else:
+        out = tmp_path_factory.mktemp(f"optimtf{n}")
+        run_horovod(TF_WORKER, n, [out], timeout=600)
     return {"size": n, "ranks": load_rank_results(out, n)}
 
 

@@ -192,3 +192,30 @@ def test_editable_install_as_the_bootstrap_does_it(dists, work):
     (work / "elsewhere").mkdir(exist_ok=True)
     out = _run([python, "-c", "import hvd_quant; print(hvd_quant.__file__)"], cwd=work / "elsewhere")
     assert Path(out.stdout.strip()).resolve() == (src / "hvd_quant" / "__init__.py").resolve()
+
+
+def test_horovod_build_follows_the_installed_mpi(tmp_path):
+    """scripts/build_horovod.sh builds Gloo and MPI where an MPI compiler wrapper (mpicxx) is
+    on PATH, Gloo alone elsewhere (its wheel cache is keyed by that), and takes an override;
+    the Horovod installed here has what this machine's build would have."""
+    script = ROOT / "scripts" / "build_horovod.sh"
+
+    def controllers(path, **env):
+        proc = subprocess.run(["/bin/bash", str(script), "--controllers"], capture_output=True, text=True,
+                              timeout=60, env={"PATH": str(path), **env})
+        return proc.returncode, proc.stdout.strip() or proc.stderr.strip()
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    assert controllers(bare) == (0, "Gloo")
+    assert controllers(bare, HVD_QUANT_HOROVOD_MPI="1") == (0, "Gloo, MPI")  # a cached MPI wheel will do
+    (bare / "mpicxx").write_text("#!/bin/sh\n")
+    (bare / "mpicxx").chmod(0o755)
+    assert controllers(bare) == (0, "Gloo, MPI")
+    assert controllers(bare, HVD_QUANT_HOROVOD_MPI="0") == (0, "Gloo")
+    code, message = controllers(bare, HVD_QUANT_HOROVOD_MPI="yes")
+    assert code == 2 and "auto, 0 or 1" in message
+    import horovod.torch as hvd
+    here = controllers(os.environ.get("PATH", ""))[1]
+    assert hvd.gloo_built() and bool(hvd.mpi_built()) == (here == "Gloo, MPI"), \
+        f"this machine builds {here}; the installed Horovod has MPI: {hvd.mpi_built()} (run scripts/bootstrap.sh)"

@@ -2,11 +2,13 @@
 
     python -m hvd_quant.cluster check [--quick]
     python -m hvd_quant.cluster run --hosts 2 [--slots 1] [--rate 1gbit] [--delay 1ms]
-                                    [--cpus split] [--timeout 600] [--no-horovod] -- python script.py ARGS
+                                    [--cpus split] [--timeout 600] [--launcher gloo|mpi] [--no-horovod]
+                                    -- python script.py ARGS
     python -m hvd_quant.cluster cleanup [--prefix hvdqc-] [--force]
 
-``run`` creates the cluster, runs the command once per rank (Horovod's Gloo rendezvous,
-or plain torch.distributed with ``--no-horovod``), streams every rank's prefixed output,
+``run`` creates the cluster, runs the command once per rank (Horovod's Gloo rendezvous;
+OpenMPI's ``mpirun`` with ``--launcher mpi``, see :mod:`hvd_quant.cluster.mpi`; or plain
+torch.distributed with ``--no-horovod``), streams every rank's prefixed output,
 removes the cluster and exits with the job's status (124 after a timeout). A bare
 ``python`` or ``python3`` after ``--`` means the interpreter running this module, as it
 would with a virtual environment active (also under ``sudo``, which resets ``PATH``); a
@@ -29,6 +31,7 @@ import sys
 from . import netns
 from .emulated import ClusterInterrupted, EmulatedCluster, resolve_interpreter
 from .launch import JobTimeout
+from .mpi import mpi_problem
 from .netns import ClusterError, ClusterUnavailable
 
 EXIT_UNAVAILABLE = 3
@@ -46,6 +49,9 @@ def _check(args):
     print(f"ok: {what}")
     for note in notes:
         print(f"note: {note}")
+    problem = mpi_problem()
+    print(f"note: --launcher mpi unavailable: {problem}" if problem else
+          "ok: mpirun found (--launcher mpi also needs a Horovod built with MPI)")
     return 0
 
 
@@ -53,6 +59,10 @@ def _run(args):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("run: give the command after '--', e.g. -- python script.py", file=sys.stderr)
+        return 2
+    if args.launcher == "mpi" and args.no_horovod:
+        print("run: --launcher mpi starts a Horovod job; it cannot be combined with --no-horovod",
+              file=sys.stderr)
         return 2
     resolved = resolve_interpreter(command)
     if resolved[0] != command[0]:
@@ -63,12 +73,13 @@ def _run(args):
                          mtu=args.mtu, cpus=args.cpus) as cluster:
         try:
             result = cluster.run(command, horovod=not args.no_horovod, timeout=args.timeout,
-                                 stream=sys.stdout)
+                                 stream=sys.stdout, launcher=args.launcher)
         except JobTimeout as exc:
             print(f"[cluster] {str(exc).splitlines()[0]}", file=sys.stderr)
             return 124
     if result.returncode != 0:
-        print(f"[cluster] rank {result.failed_rank} failed with exit status {result.returncode}; "
+        who = "a rank" if result.failed_rank is None else f"rank {result.failed_rank}"
+        print(f"[cluster] {who} failed with exit status {result.returncode}; "
               "the other ranks were stopped", file=sys.stderr)
         missing = missing_module(result.stdout)
         if missing:
@@ -124,6 +135,10 @@ def main(argv=None):
                    help="split (default): each host gets its own share of this machine's CPUs, "
                         "its ranks pinned to it; shared: every rank may run on every CPU")
     r.add_argument("--timeout", type=float, default=600, help="hard limit for the job in seconds")
+    r.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo",
+                   help="gloo (default): Horovod on Gloo, ranks started by this launcher; mpi: "
+                        "OpenMPI's mpirun starts them, Horovod on MPI (needs OpenMPI and a Horovod "
+                        "built with MPI)")
     r.add_argument("--no-horovod", action="store_true",
                    help="no Horovod rendezvous: a plain torch.distributed (env://) job")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")

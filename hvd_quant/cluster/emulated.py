@@ -35,6 +35,9 @@ cores and oversubscribed them. ``cpus="shared"`` leaves every rank on every CPU.
 
 Launching
 ---------
+``run_horovod(..., launcher="mpi")`` hands the job to OpenMPI's ``mpirun`` instead, which
+starts the ranks on the hosts through an agent that enters their namespaces
+(:mod:`hvd_quant.cluster.mpi`). By default (Gloo),
 ``run_horovod`` starts Horovod's Gloo rendezvous server in the switch namespace and one
 process per slot with the environment ``horovodrun --gloo`` would give it
 (``HOROVOD_RANK``, ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` ...; ``horovod/runner/gloo_run.py``),
@@ -65,6 +68,7 @@ import time
 
 from . import netns
 from .launch import JobFailed, run_ranks
+from .mpi import run_mpi
 from .netns import ClusterError, ClusterUnavailable, format_rate, parse_delay, parse_rate
 
 #: Port of torch.distributed's TCPStore on host 0 (a fresh namespace: nothing else there).
@@ -272,7 +276,8 @@ class EmulatedCluster:
         env.update(extra or {})
         return env
 
-    def run(self, command, horovod=True, timeout=600, env=None, check=False, stream=None):
+    def run(self, command, horovod=True, timeout=600, env=None, check=False, stream=None,
+            launcher="gloo"):
         """Run ``command`` (an argument list) once per rank, inside the ranks' hosts.
 
         Parameters
@@ -282,6 +287,10 @@ class EmulatedCluster:
         horovod : bool
             Start Horovod's Gloo rendezvous and set Horovod's variables (``run_horovod``);
             without it only torch.distributed's variables are set (``run_torch``).
+        launcher : ``"gloo"`` or ``"mpi"``
+            ``"gloo"`` (default): this launcher starts every rank, Horovod on Gloo.
+            ``"mpi"``: OpenMPI's ``mpirun`` starts them (:mod:`hvd_quant.cluster.mpi`),
+            Horovod on MPI; needs OpenMPI and a Horovod built with MPI, and ``horovod``.
         timeout : float
             Hard limit in seconds: past it every rank is killed and
             :class:`~hvd_quant.cluster.launch.JobTimeout` is raised.
@@ -299,6 +308,16 @@ class EmulatedCluster:
         """
         self._require_open()
         command = resolve_interpreter([str(c) for c in command])
+        if launcher not in ("gloo", "mpi"):
+            raise ValueError(f"launcher must be 'gloo' or 'mpi', got {launcher!r}")
+        if launcher == "mpi":
+            if not horovod:
+                raise ValueError("launcher='mpi' starts a Horovod job: it needs horovod=True")
+            result = run_mpi(self, command, timeout, env=env, stream=stream)
+            if check and result.returncode != 0:
+                raise JobFailed(f"mpirun job failed (exit {result.returncode}, rank {result.failed_rank}): "
+                                f"{' '.join(command)}\n" + result.tail(), result)
+            return result
         rendezvous = None
         try:
             port = None
@@ -324,7 +343,8 @@ class EmulatedCluster:
         return [sys.executable, "-c", _PIN, _cpu_list(self.host_cpus[self.rank_host(rank).index])]
 
     def run_horovod(self, command, **kwargs):
-        """:meth:`run` with Horovod's Gloo rendezvous (one Horovod job, one rank per slot)."""
+        """:meth:`run` of one Horovod job, one rank per slot: on Gloo with this launcher's
+        rendezvous, or under ``mpirun`` with ``launcher="mpi"``."""
         return self.run(command, horovod=True, **kwargs)
 
     def run_torch(self, command, **kwargs):

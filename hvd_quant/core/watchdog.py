@@ -6,11 +6,12 @@ rank waiting forever, and Horovod 0.28's stall inspector did not end such a job 
 runs (tests/test_failure_bounds.py). So every collective hvd_quant issues eagerly runs
 under a deadline: a daemon thread watches it and, if it has not completed in time, prints
 which collective on which rank timed out and ends the process with exit code
-:data:`EXIT_CODE`. ``horovodrun`` then terminates the other ranks, so the whole job ends
-within the timeout plus the launcher's own reaction time.
+:data:`EXIT_CODE`. The launcher (``horovodrun``, or ``mpirun`` under MPI) then terminates
+the other ranks, so the whole job ends within the timeout plus the launcher's own reaction
+time. Under MPI this deadline is the only bound: MPI's collectives have no timeout.
 
-A rank that dies needs no deadline: its peers' connections break and ``horovodrun``
-ends the job as soon as one process exits with an error.
+A rank that dies needs no deadline: its peers' connections break and the launcher ends
+the job as soon as one process exits with an error.
 
 The timeout comes from ``HVD_QUANT_COLLECTIVE_TIMEOUT`` (seconds, default
 :data:`DEFAULT_TIMEOUT`; ``0`` turns the watchdog off). It bounds one collective, not a
@@ -85,7 +86,7 @@ class Watchdog:
                 expired = [v for v in self._armed.values() if v[0] <= now]
             if expired:
                 _, label, timeout = expired[0]
-                rank = os.environ.get("HOROVOD_RANK", "?")
+                rank = _rank()
                 sys.stderr.write(
                     f"hvd_quant: rank {rank}: {label} did not complete within {timeout:g} s; a peer "
                     "rank is dead or hung (HVD_QUANT_COLLECTIVE_TIMEOUT sets this limit). Ending this "
@@ -93,6 +94,16 @@ class Watchdog:
                 sys.stderr.flush()
                 sys.stdout.flush()
                 os._exit(EXIT_CODE)
+
+
+def _rank():
+    """This process's rank for the message: Horovod's, else the launcher's variable
+    (``HOROVOD_RANK`` under horovodrun --gloo, ``OMPI_COMM_WORLD_RANK`` under mpirun)."""
+    try:
+        from ..kernels.threads import this_rank  # imported late: kernels import core
+        return this_rank()
+    except Exception:  # the message matters more than its rank
+        return os.environ.get("HOROVOD_RANK", "?")
 
 
 #: The process-wide watchdog every communicator uses.
