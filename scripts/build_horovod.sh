@@ -12,9 +12,18 @@
 #      includes); we leave that one source file out of the TF build.
 #   4. cmake 4.x refuses gloo's cmake_minimum_required; CMAKE_POLICY_VERSION_MINIMUM=3.5
 #      keeps any cmake working (the system cmake 3.25 needs nothing).
+#   5. horovodrun's rendezvous server clears the finished-lists of every scope when one
+#      scope completes (finished_list.clear() in horovod/runner/http/http_server.py), so
+#      a scope whose ranks finished out of order keeps its addresses, and hvd.init()
+#      after hvd.shutdown() can read a peer's old address and abort (gloo Connect timeout;
+#      upstream's own test_horovod_reinit flakes so, horovod PR #2839). We clear that
+#      scope's list only (docs/guide/failure.md, "Recovery after an error").
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
+# Bump when a patch below changes: it is part of the wheel cache's key, so a machine
+# that cached a wheel built without it builds again.
+PATCH_LEVEL=p5
 PY=${PYTHON:-python}
 
 versions=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" - <<'PYEOF'
@@ -23,7 +32,7 @@ print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.spl
 PYEOF
 )
 cache_root=${HVD_QUANT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_quant}
-wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions"
+wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions-$PATCH_LEVEL"
 
 if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     echo "[build_horovod] using cached wheel in $wheel_dir"
@@ -42,10 +51,14 @@ else
     sed -i 's/-std=c++11 -fPIC/-std=c++17 -fPIC/' "$src/third_party/gloo/CMakeLists.txt"
     # Fix 3: drop the optional XLA MPI ops that do not compile against TF 2.21.
     sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+    # Fix 5: the rendezvous server clears the finished scope's list, not every scope's.
+    sed -i 's/self\.server\.finished_list\.clear()/self.server.finished_list[scope].clear()/' \
+        "$src/horovod/runner/http/http_server.py"
     for check in "CMAKE_CXX_STANDARD 14:$src/CMakeLists.txt" \
                  "CMAKE_CXX_STANDARD 14:$src/horovod/torch/CMakeLists.txt" \
                  "-std=c++11 -fPIC:$src/third_party/gloo/CMakeLists.txt" \
-                 "xla_mpi_ops.cc:$src/horovod/tensorflow/CMakeLists.txt"; do
+                 "xla_mpi_ops.cc:$src/horovod/tensorflow/CMakeLists.txt" \
+                 "self.server.finished_list.clear():$src/horovod/runner/http/http_server.py"; do
         if grep -qF -- "${check%%:*}" "${check#*:}"; then
             echo "[build_horovod] patch did not apply: '${check%%:*}' still in ${check#*:}" >&2
             exit 1
