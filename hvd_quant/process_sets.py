@@ -48,7 +48,10 @@ def node_process_sets(ranks_per_node, size):
 
 def registered_set(ranks):
     """The initialised ProcessSet made by :func:`torus_process_sets` with exactly these
-    ranks, or ``None``."""
+    ranks, or ``None``. Sets from an earlier ``hvd.init()`` that Horovod no longer knows
+    are forgotten first: after ``hvd.shutdown(); hvd.init()`` their ids may name other
+    ranks."""
+    forget_stale_sets()
     for ps in _CREATED:
         if ps.process_set_id is not None and list(ps.ranks) == sorted(ranks):
             return ps

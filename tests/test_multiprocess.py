@@ -163,9 +163,18 @@ def test_disagreeing_ranks_raise_the_same_clear_error(job):
             err = rank[key]
             assert err["error"] == "RankDisagreement", err
             assert "compressor or its options" in err["message"]
-        err = rank["params_differ"]
-        assert err["error"] == "RankDisagreement" and "parameter values" in err["message"]
-        assert "broadcast" in err["message"]
+
+def test_ranks_whose_values_differ_train_on_unless_strict(job):
+    """Never-broadcast parameters: ``strict`` raises on every rank at the first step; by
+    default training goes on, as under Horovod, with one warning on rank 0 only."""
+    for r, rank in enumerate(job["ranks"]):
+        strict, default = rank["params_differ"]["strict=True"], rank["params_differ"]["strict=False"]
+        assert strict["error"] == "RankDisagreement" and "parameter values" in strict["message"]
+        assert "broadcast" in strict["message"]
+        assert default["error"] is None
+        assert len(default["warnings"]) == (1 if r == 0 else 0), default["warnings"]
+        if r == 0:
+            assert "broadcast" in default["warnings"][0]
 
 
 def test_unknown_name_lists_available(job):

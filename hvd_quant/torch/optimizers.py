@@ -65,6 +65,15 @@ rows a batch does not touch get a zero gradient (their moments decay, and a 1-bi
 gives them plus or minus the scale: mask them with ``exp_avg_mask`` where that matters).
 ``sparse_as_dense=False`` raises on a sparse gradient, as these optimizers always did.
 
+Agreement between ranks: at the first step every rank checks that all use the same
+method, options, hyper-parameters and parameter structure (else
+:class:`~hvd_quant.core.runner.RankDisagreement` on every rank together). Parameter values
+that differ between ranks are not refused (each rank applies the same update to its own
+values); if they still differ at the second step, rank 0 warns once. ``strict=True`` (or
+``HVD_QUANT_STRICT=1``) makes differing values at the first step an error instead. The
+optimizers take ``process_set`` but must be built on its ranks only (a ``ValueError``
+otherwise): they communicate in every step.
+
 ``bytes_sent``, ``comm_rounds``, ``step_kinds`` (``"init"``, ``"full"``, ``"onebit"``,
 ``"local"`` per step) and ``skipped_steps`` (steps left out because some rank's values
 were not finite) show what each step did.
@@ -80,7 +89,8 @@ verdict instead and keeps the scales identical on every rank.
 import torch
 import horovod.torch as hvd
 
-from ..core.runner import RankDisagreement, check_agreement, digest63, values_digest63
+from ..core.runner import (RankDisagreement, ValueAgreement, check_agreement, digest63,
+                           disagreeing_groups, values_digest63)
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
@@ -90,6 +100,7 @@ from .comm import HorovodTorchComm
 from .sparse import dense, fill_flat, kept_flat
 
 _STATE_KEY = "hvd_quant.group{}"
+_CHECK_KEY = "optimizer"  # the agreement check's key (ValueAgreement)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -150,13 +161,21 @@ class RuleOptimizer(torch.optim.Optimizer):
     reuse_buffers = True
 
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0,
-                 sparse_as_dense=True):
+                 sparse_as_dense=True, strict=None):
         super().__init__(params, defaults)  # add_param_group refuses non-CPU parameters
         self._rule = rule
         self.sparse_as_dense = bool(sparse_as_dense)
         for gi, group in enumerate(self.param_groups):
             _hyper(group, rule, gi)  # refuse what the rule cannot do (non_freeze)
-        self._comm = HorovodTorchComm(process_set if process_set is not None else hvd.global_process_set)
+        process_set = process_set if process_set is not None else hvd.global_process_set
+        if not process_set.included():
+            raise ValueError(
+                f"hvd_quant.torch.{type(self).__name__}: this rank ({hvd.rank()}) is not in the "
+                f"process set {process_set!r}. The 1-bit optimizers communicate in every step; "
+                "build this optimizer only on the ranks of its process set, and a local "
+                "optimizer (e.g. torch.optim.Adam) on the others.")
+        self._comm = HorovodTorchComm(process_set)
+        self._values = ValueAgreement(strict)
         self._rule.validate(self._comm.size)
         self._B = TorchBackend()
         prepare_kernels()  # loaded at set-up, not in the first step
@@ -247,6 +266,9 @@ class RuleOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self._checked:
             self._check_ranks()
+        elif self._values.pending(_CHECK_KEY):
+            self._values.recheck(self._comm, self._B, _CHECK_KEY, self._values_digest(),
+                                 "the model's parameters", self._comm.rank)
         scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
         inv_scale = None if scale is None else 1.0 / float(scale)
         groups = self.param_groups
@@ -321,8 +343,11 @@ class RuleOptimizer(torch.optim.Optimizer):
                      type(self).__name__)
 
     def _check_ranks(self):
-        """First step: every rank must use the same method, options, hyper-parameters,
-        parameter structure and parameter values (one small allgather)."""
+        """First step: every rank must use the same method, options, hyper-parameters and
+        parameter structure (one small allgather; :class:`RankDisagreement` on every rank
+        together if not). Parameter values that differ are compared once more at the next
+        step and warned about if they still differ, or refused when strict
+        (:class:`~hvd_quant.core.runner.ValueAgreement`)."""
         import numpy as np
 
         hyper = [{k: v for k, v in g.items() if k not in ("params", "exp_avg_mask")}
@@ -330,18 +355,21 @@ class RuleOptimizer(torch.optim.Optimizer):
         fingerprint = digest63(repr(self._rule), repr(sorted(self._rule.options().items())),
                                repr([sorted(h.items()) for h in hyper]))
         structure = digest63(*(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._named_params()))
-        values = 0 if self._restored else values_digest63(
-            p.detach().cpu().contiguous().numpy() for _, p in self._named_params())
+        values = 0 if self._restored else self._values_digest()
         row = torch.tensor([fingerprint, structure, values], dtype=torch.int64)
-        gathered = self._comm.allgather(row, "hvd_quant.optimizer.check").numpy()
+        gathered = np.asarray(self._comm.allgather(row, "hvd_quant.optimizer.check").numpy())
+        gathered = gathered.reshape(self._comm.size, 3)
         check_agreement(
-            np.asarray(gathered).reshape(self._comm.size, 3),
+            gathered[:, :2],
             ["the optimizer, its options or its hyper-parameters (learning rates included)",
-             "the model's parameter names/shapes/dtypes", "the model's parameter values"],
+             "the model's parameter names/shapes/dtypes"],
             [f"This rank uses {self._rule!r} with {hyper}; construct the optimizer the same "
-             "way on every rank.", "Build the same model on every rank.",
-             "Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), root_rank=0)."])
+             "way on every rank.", "Build the same model on every rank."])
+        self._values.first(_CHECK_KEY, disagreeing_groups(gathered[:, 2]), "the model's parameter values")
         self._checked = True
+
+    def _values_digest(self):
+        return values_digest63(p.detach().cpu().contiguous().numpy() for _, p in self._named_params())
 
     def _named_params(self):
         return [(self._names[p], p) for g in self.param_groups for p in g["params"]]
@@ -422,14 +450,14 @@ class OnebitAdam(RuleOptimizer):
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
                  process_set=None, amsgrad=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
-                 sparse_as_dense=True):
+                 sparse_as_dense=True, strict=None):
         if amsgrad:
             raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("OnebitAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                                comm_backend_name)
         super().__init__(params, OnebitAdamRule(freeze_step=freeze_step, scales=scales),
                          _defaults(lr, betas, eps, weight_decay, bias_correction),
-                         named_parameters, process_set, sparse_as_dense=sparse_as_dense)
+                         named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict)
 
 
 class ZeroOneAdam(RuleOptimizer):
@@ -467,7 +495,7 @@ class ZeroOneAdam(RuleOptimizer):
                  local_step_scaler=32678, local_step_clipper=16, bias_correction=True,
                  process_set=None, amsgrad=False, exact_sync=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
-                 sparse_as_dense=True):
+                 sparse_as_dense=True, strict=None):
         if amsgrad:
             raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("ZeroOneAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
@@ -476,7 +504,7 @@ class ZeroOneAdam(RuleOptimizer):
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                                exact_sync=exact_sync, scales=scales)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
-                         named_parameters, process_set, sparse_as_dense=sparse_as_dense)
+                         named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict)
 
 
     @torch.no_grad()
@@ -535,14 +563,16 @@ class BinSGDM(RuleOptimizer):
     """
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
-                 weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True):
+                 weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True,
+                 strict=None):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:  # the layout of the ranks this optimizer reduces over, not of the world
             ranks_per_node = HorovodTorchComm(process_set).ranks_per_node()
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
-                         named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense)
+                         named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense,
+                         strict=strict)
         self._auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 

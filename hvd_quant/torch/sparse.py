@@ -3,8 +3,10 @@
 Every compressor and 1-bit optimizer works on dense flat buffers, so a sparse gradient is
 reduced as a dense gradient of its parameter's full size (``sparse_as_dense=True``, the
 default, as Horovod's option of that name does): a float32 buffer of the whole table per
-step, and the compressor's passes over it. hvd_quant has no sparse reduction, so
-``sparse_as_dense=False`` refuses a sparse gradient with an error that says this.
+step, and the compressor's passes over it. hvd_quant has no sparse reduction, so the
+1-bit optimizers' ``sparse_as_dense=False`` refuses a sparse gradient with an error that
+says this; ``DistributedOptimizer`` (a Horovod drop-in, where ``False`` is the default)
+reduces it as dense all the same and says so once.
 """
 
 import torch
