@@ -60,7 +60,8 @@ _LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "a
 @keras.saving.register_keras_serializable(package="hvd_quant")
 class DistributedOptimizer(LossScaleOptimizer):
     """Wrap a Keras 3 optimizer so that ``apply()`` first averages the gradients over
-    ranks with ``compression``.
+    ranks with ``compression``. A rank outside ``process_set`` reduces nothing and
+    applies its own gradients, as under Horovod.
 
     Parameters
     ----------
@@ -106,9 +107,6 @@ class DistributedOptimizer(LossScaleOptimizer):
         :class:`~hvd_quant.core.runner.RankDisagreement` together; ``False``: training goes
         on, as under Horovod, and rank 0 warns once if they still differ at the next trace.
         ``None``: ``HVD_QUANT_STRICT`` (unset: ``False``).
-
-    A rank outside ``process_set`` reduces nothing and applies its own gradients, as under
-    Horovod.
     """
 
     # The 1-bit optimizers accept this LossScaleOptimizer around them (see apply).
