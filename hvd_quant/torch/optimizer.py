@@ -151,6 +151,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._segments = [[(param_name[p], p.numel()) for p in group] for group in self._groups]
         self._should_sync = True
         self._fused = {}  # group -> kept float32 buffer of its concatenated gradients
+        self._sparse_noted = False  # the sparse_as_dense=False warning was given
         self._chunk_numel = int(pipeline_chunk_mb * 2 ** 20) // 4 if pipeline_chunk_mb else 0
         self._overlap = bool(bucket_size_mb) if overlap is None else bool(overlap)
         self._hooks = []
@@ -285,7 +286,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """``sparse_as_dense=False`` (Horovod's default) with a sparse gradient: hvd_quant
         has no sparse reduction, so it is reduced as dense all the same; rank 0 says so
         once, with the cost."""
-        if getattr(self, "_sparse_noted", False) or self._comm.rank != 0:
+        if self._sparse_noted or self._comm.rank != 0:
             return
         for p in group:
             if p.grad is not None and p.grad.is_sparse:
