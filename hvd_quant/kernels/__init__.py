@@ -169,6 +169,7 @@ def gpu_interpreted():
                 import triton.language  # noqa: F401
 
                 spec.loader.exec_module(module)
+                _direct_device_functions(module)
             finally:
                 if before is None:
                     del os.environ["TRITON_INTERPRET"]
@@ -176,6 +177,23 @@ def gpu_interpreted():
                     os.environ["TRITON_INTERPRET"] = before
             _gpu_interpreted = module
     return _gpu_interpreted
+
+
+def _direct_device_functions(module):
+    """Under the interpreter, call device functions (every jit function of ``module`` but
+    its kernels, ``*_k``, and Triton's own library functions: ``tl.sum``, ``tl.max``, ...)
+    as the interpreter's rewritten Python functions. Its nested call patches
+    ``triton.language`` anew at each call, which was most of the kernels' time here (the
+    tests' cost); a kernel's launch patches it once for the whole run, ``triton.language.
+    core`` included once the module names it. The same code runs, so the same results."""
+    import triton.language as tl
+    import triton.language.standard as standard
+
+    module._tl_core = tl.core  # the launch then patches the core builtins the library calls
+    for namespace, keep in ((module, lambda key: key.endswith("_k")), (tl, None), (standard, None)):
+        for key, value in list(vars(namespace).items()):
+            if type(value).__name__ == "InterpretedFunction" and not (keep and keep(key)):
+                setattr(namespace, key, value.rewrite())
 
 
 def _triton_interpreted():

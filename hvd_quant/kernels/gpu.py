@@ -1190,58 +1190,77 @@ def zero_one_sync_result(base, u, w, v, eps, lrs, synced=None, momentum=None):
 
 
 # --- every kernel once -------------------------------------------------------------------------
-def warm_up(device="cuda"):
+def warm_up(device="cuda", part=0, parts=1):
     """Call every primitive once with each of its flags and both kinds of scalars (numbers
     and one-element tensors) on small tensors on ``device``, so that Triton compiles (or
     loads from its cache) every kernel variant now rather than in a training step.
-    ``scripts/check_ptx.py`` runs it with the launches replaced by compilations for sm_90
-    (no GPU needed) to check the PTX of every variant."""
-    dev = torch.device(device)
+    ``part`` of ``parts``: every ``parts``-th call from the ``part``-th, for processes that
+    compile in parallel (Triton's on-disk cache is shared). ``scripts/check_ptx.py`` runs it
+    with the launches replaced by compilations for sm_90 (no GPU needed) to check the PTX
+    of every variant."""
+    calls = _warm_calls(torch.device(device))
+    for call in calls[part::parts]:
+        call()
+    return len(calls[part::parts])
+
+
+def _warm_calls(dev):
+    """The calls of :func:`warm_up`, each independent of the others (inputs made with
+    plain torch operations)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.linspace(-1, 1, 24, device=dev)
     v = x.abs()
-    ones = torch.ones(2, device=dev)
+    ones, ones4 = torch.ones(2, device=dev), torch.ones(4, device=dev)
+    bits = torch.randint(0, 256, (3,), generator=gen, dtype=torch.uint8).to(dev)
+    rows = torch.cat([bits, bits])
+    codes = torch.randint(0, 256, (24,), generator=gen, dtype=torch.uint8).to(dev)
+    words = torch.randint(-1000, 1000, (12,), generator=gen, dtype=torch.int32).to(dev)
+    ints = torch.randint(-100, 100, (24,), generator=gen, dtype=torch.int8).to(dev)
     bounds = np.array([0, 10, 24], np.int64)
     aligned = np.array([0, 8, 24], np.int64)
 
     def one(value, dtype=torch.float32):
         return torch.full((1,), value, dtype=dtype, device=dev)
 
-    bits = sign_pack(x)
-    rows = torch.cat([bits, bits])
+    calls = [lambda: sign_pack(x), lambda: absmax_finite(x), lambda: all_finite(x)]
     for e in (None, x.clone()):
-        sign_pack_residual(x, e, ones, bounds)
-        sign_residual(x, e, ones, bounds)
-        compensate_sums(x, e, bounds)
-        compensate_sums_signs(x, e, bounds, squares=True)
-        unpack_sum_residual(rows, torch.ones(4, device=dev), bounds, 24, x, e, ones)
+        calls += [lambda e=e: sign_pack_residual(x, e, ones, bounds), lambda e=e: sign_residual(x, e, ones, bounds),
+                  lambda e=e: compensate_sums(x, e, bounds),
+                  lambda e=e: compensate_sums_signs(x, e, bounds, squares=True),
+                  lambda e=e: unpack_sum_residual(rows, ones4, bounds, 24, x, e, ones)]
     for base, folds in ((None, None), (x.clone(), None), (x.clone(), ones)):
-        unpack_scaled_sum(rows, torch.ones(4, device=dev), bounds, 24, base=base, base_scales=folds)
+        calls.append(lambda b=base, f=folds: unpack_scaled_sum(rows, ones4, bounds, 24, base=b, base_scales=f))
         for squares in (False, True):
-            unpack_sums_signs(rows, torch.ones(4, device=dev), aligned, 24, base=base, base_scales=folds,
-                              squares=squares)
-    absmax_finite(x)
-    all_finite(x)
-    for scalar in (lambda value: value, one):
-        key = one(5, torch.int64) if scalar is one else 5
+            calls.append(lambda b=base, f=folds, s=squares: unpack_sums_signs(rows, ones4, aligned, 24, base=b,
+                                                                              base_scales=f, squares=s))
+    for tensors in (False, True):
+        s = one if tensors else (lambda value, dtype=None: value)
+        key = one(5, torch.int64) if tensors else 5
         for width in (8, 16):
             for offset in (True, False):
-                w = quantize_lanes(x, scalar(1.0), scalar(1.0), 3, key, width, offset)
-            dequantize_lanes(w, 24, width, scalar(0.5))
+                calls.append(lambda w=width, o=offset, s=s, k=key: quantize_lanes(x, s(1.0), s(1.0), 3, k, w, o))
+            calls.append(lambda w=width, s=s: dequantize_lanes(words, 24, w, s(0.5)))
         for dtype in ("int8", "int16", "int32"):
-            dequantize_ints(quantize_ints(x, scalar(1.0), scalar(1.0), 3, key, dtype), scalar(0.5))
-        codes = exp_encode(x, scalar(1.0), 2, key)
-        exp_decode(exp_combine(codes, codes, key), scalar(1.0), scalar(1.0))
-        marsit_select(bits, bits, scalar(0.5), key)
-        rebinarize(rows, 2, key)
-        binsgdm_encode(x, x, v, scalar(0.9), key)
-        uniform(key, 8, device=dev)
-        random_bytes(key, 9, device=dev)
-        for square in (False, True):
-            ema(v, x, scalar(0.9), square=square)
-        descend(x, x, scalar(0.1), scalar(0.01), divisor=scalar(2.0))
-        for acc in (None, x.clone()):
-            adam_descend(x, x, v, scalar(0.1), scalar(1e-8), scalar(0.0), acc)
-        precondition(x, v, scalar(1e-8))
-        zero_one_sync_input(x, x, x, v, x, scalar(0.9), scalar(0.1), scalar(1e-8), scalar(0.0))
-        for u in (None, x):
-            zero_one_sync_result(x, u, x, v, scalar(1e-8), scalar(0.1))
+            calls.append(lambda t=dtype, s=s, k=key: quantize_ints(x, s(1.0), s(1.0), 3, k, t))
+        calls += [
+            lambda s=s: dequantize_ints(ints, s(0.5)),
+            lambda s=s: dequantize_ints(words, s(0.5)),
+            lambda s=s, k=key: exp_encode(x, s(1.0), 2, k),
+            lambda k=key: exp_combine(codes, codes, k),
+            lambda s=s: exp_decode(codes, s(1.0), s(1.0)),
+            lambda s=s, k=key: marsit_select(bits, bits, s(0.5), k),
+            lambda k=key: rebinarize(rows, 2, k),
+            lambda s=s, k=key: binsgdm_encode(x, x, v, s(0.9), k),
+            lambda k=key: uniform(k, 8, device=dev),
+            lambda k=key: random_bytes(k, 9, device=dev),
+            lambda s=s: ema(v, x, s(0.9)),
+            lambda s=s: ema(v, x, s(0.9), square=True),
+            lambda s=s: descend(x, x, s(0.1), s(0.01), divisor=s(2.0)),
+            lambda s=s: adam_descend(x, x, v, s(0.1), s(1e-8), s(0.0)),
+            lambda s=s: adam_descend(x, x, v, s(0.1), s(1e-8), s(0.0), x.clone()),
+            lambda s=s: precondition(x, v, s(1e-8)),
+            lambda s=s: zero_one_sync_input(x, x, x, v, x, s(0.9), s(0.1), s(1e-8), s(0.0)),
+            lambda s=s: zero_one_sync_result(x, None, x, v, s(1e-8), s(0.1)),
+            lambda s=s: zero_one_sync_result(x, x, x, v, s(1e-8), s(0.1)),
+        ]
+    return calls
