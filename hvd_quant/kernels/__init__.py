@@ -43,12 +43,14 @@ Fast kernels exist for CPU tensors (numba, :mod:`hvd_quant.kernels.cpu`): the to
 backend uses them for CPU tensors (zero-copy numpy views), the TensorFlow backend for CPU
 tensors eagerly and inside ``tf.function`` (:mod:`hvd_quant.tensorflow.kernels`: DLPack
 and ``tf.numpy_function``, results in buffers kept from step to step,
-:mod:`hvd_quant.kernels.buffers`, declared ahead by :mod:`hvd_quant.kernels.signatures`);
-CUDA and GPU tensors and XLA-compiled functions keep the generic path; the numpy backend
-is the oracle and never uses them (:class:`NumpyKernelBackend` does, for tests and
-benchmarks). Random draws come from the counter-based generator of
+:mod:`hvd_quant.kernels.buffers`, declared ahead by :mod:`hvd_quant.kernels.signatures`).
+For CUDA tensors the torch backend uses their Triton twins (:mod:`hvd_quant.kernels.gpu`:
+every primitive here but ``add_rows``, the same bits; Triton is imported when CUDA
+tensors first arrive, :func:`gpu_module`). TensorFlow GPU tensors and XLA-compiled
+functions keep the generic path; the numpy backend is the oracle and never uses them
+(:class:`NumpyKernelBackend` does, for tests and benchmarks). Random draws come from the counter-based generator of
 :mod:`hvd_quant.core.rng`, so kernel and oracle draw identical numbers whatever the
-thread count. Set ``HVD_QUANT_KERNELS=0`` to force the generic path everywhere.
+thread count. Set ``HVD_QUANT_KERNELS=0`` to force the generic path everywhere (GPU too).
 """
 
 import os
@@ -58,7 +60,7 @@ import time
 from ..core.backend import NumpyBackend
 from . import threads
 
-#: Every fused primitive with a fast CPU kernel.
+#: Every fused primitive with a fast CPU kernel (and a Triton one, :mod:`hvd_quant.kernels.gpu`).
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
          "compensate_sums_signs", "sign_residual", "unpack_sum_residual", "unpack_sums_signs",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
