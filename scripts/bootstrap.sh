@@ -9,10 +9,11 @@
 # Safe to run again: it installs only what is missing.
 #
 #   scripts/bootstrap.sh                 the library, its tests' and docs' tools, Horovod
-#   scripts/bootstrap.sh --with-triton   also Triton 3.9.0 (about 1 GB): the GPU kernels'
-#                                        tests run it as an interpreter on the CPU
-#                                        (tests/test_gpu_kernels.py; scripts/test.sh asks
-#                                        for it; HVD_QUANT_WITH_TRITON=1 does the same)
+#   scripts/bootstrap.sh --with-triton   also Triton 3.9.0 (about 1 GB) into .venv/triton, off
+#                                        the environment's path: the GPU kernels' tests run
+#                                        it as an interpreter on the CPU in processes of their
+#                                        own (tests/triton_env.py says why; scripts/test.sh
+#                                        asks for it; HVD_QUANT_WITH_TRITON=1 does the same)
 set -euo pipefail
 with_triton=${HVD_QUANT_WITH_TRITON:-0}
 for arg in "$@"; do
@@ -27,8 +28,10 @@ py="$venv/bin/python"
 
 TORCH=torch==2.13.0          # always pinned: an unpinned torch pulls the CUDA build
 # Triton, for the GPU kernels' interpreter tests only (the CPU torch build has no Triton;
-# the library imports it only when CUDA tensors arrive, and a GPU machine's torch brings its own).
-TRITON=triton==3.9.0
+# the library imports it only when CUDA tensors arrive, and a GPU machine's torch brings its
+# own). Not on the environment's path: torch imports Triton whenever it finds it, and a
+# process that loaded TensorFlow first then aborts (both bundle LLVM).
+TRITON_VERSION=3.9.0
 TF=tensorflow-cpu==2.21.0
 TFK=tf-keras==2.21.0
 NUMBA=numba==0.68.1          # the fused CPU kernels (hvd_quant/kernels); llvmlite comes with it
@@ -66,9 +69,11 @@ if ! have "${deps[@]}"; then
     "$py" -m pip install --quiet "${deps[@]}" 2> >(grep -v "^WARNING: Location" >&2)
 fi
 
-if [ "$with_triton" = 1 ] && ! have "$TRITON"; then
-    echo "[bootstrap] installing $TRITON for the GPU kernels' tests under its interpreter (about 1 GB)"
-    "$py" -m pip install --quiet "$TRITON" 2> >(grep -v "^WARNING: Location" >&2)
+if [ "$with_triton" = 1 ] && ! compgen -G "$venv/triton/triton-$TRITON_VERSION.dist-info" >/dev/null; then
+    echo "[bootstrap] installing Triton $TRITON_VERSION into $venv/triton (off the path) for the GPU kernels' tests under its interpreter (about 1 GB)"
+    rm -rf "$venv/triton"
+    "$py" -m pip install --quiet --no-deps --target "$venv/triton" "triton==$TRITON_VERSION" \
+        2> >(grep -v "^WARNING: Location" >&2)
 fi
 
 # One line on the Horovod build found (what `horovodrun --check-build` says, 18 s sooner).

@@ -58,10 +58,15 @@ declare -A LIMIT=([prepare]=90 [tests]=150 [bench]=150)
 # The benchmark stops timing the (slow) host path after this many seconds, to end in its limit.
 BENCH_HOST_BUDGET=100
 
-site=${TMPDIR:-/tmp}/gpu_check_site.$$
+wheels=${TMPDIR:-/tmp}/gpu_check_site.$$   # the carried wheels, installed here
 state=${TMPDIR:-/tmp}/gpu_check_steps.$$
-trap 'rm -rf "$site" "$state"' EXIT
-export root out cpu PYTHON site BENCH_HOST_BUDGET
+trap 'rm -rf "$wheels" "$state"' EXIT
+site=$wheels
+export root out cpu PYTHON wheels BENCH_HOST_BUDGET
+# --cpu: Triton from the folder beside the test environment (scripts/bootstrap.sh --with-triton;
+# tests/triton_env.py says why it is not on that environment's path).
+triton_dir=${HVD_QUANT_TRITON_PATH:-$root/.venv/triton}
+if [ "$cpu" = 1 ] && [ -f "$triton_dir/triton/__init__.py" ]; then site="$site:$triton_dir"; fi
 export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 exec > >(tee -a "$out/gpu_check.log") 2>&1
 cd "$root" || exit 2
@@ -87,7 +92,7 @@ PYEOF
     command -v nvidia-smi >/dev/null && nvidia-smi -L
     if compgen -G "$root/.whl/*.whl" >/dev/null; then
         say "installing the carried wheels: $(cd "$root/.whl" && echo ./*.whl)"
-        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$root"/.whl/*.whl || return 1
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$wheels" "$root"/.whl/*.whl || return 1
     fi
     # Compile everything now, in parallel processes: the numba CPU kernels (the flavour this
     # machine's thread policy picks) and the Triton kernel variants in 4 parts.

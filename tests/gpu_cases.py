@@ -1,5 +1,5 @@
 """The cases every GPU kernel is checked on, for any device: the interpreter's CPU
-tensors (tests/test_gpu_kernels.py) and a GPU (tests/test_cuda.py).
+tensors (tests/gpu_interpreter.py) and a GPU (tests/test_cuda.py).
 
 :func:`cases` returns the test functions for one GPU kernel module, device and size
 lists; a test module puts them into its namespace, where pytest collects them. Each case

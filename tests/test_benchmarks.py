@@ -254,11 +254,11 @@ def test_gpu_benchmark_runs_under_the_interpreter(tmp_path):
     code) on the GPU kernels, the generic torch path and the host path, the baselines
     (PowerSGD's hook at ranks 1 and 4; CuPy's recipe measured or skipped with its
     reason), JSON and markdown written."""
-    import importlib.util
-
     from hvd_quant import kernels
+    from triton_env import triton_env
 
-    if importlib.util.find_spec("triton") is None:  # not imported here: the benchmark's process does
+    env = triton_env()  # Triton in the benchmark's process only (tests/triton_env.py says why)
+    if env is None:
         pytest.skip("Triton is not installed (scripts/bootstrap.sh --with-triton)")
     if not kernels.enabled():
         pytest.skip(kernels.why_disabled())
@@ -266,8 +266,7 @@ def test_gpu_benchmark_runs_under_the_interpreter(tmp_path):
     only = ",".join(kernels.NAMES + ("ef_sign", "global_qsgd"))  # two methods: the same code for all
     proc = subprocess.run([sys.executable, str(BENCH / "bench_gpu.py"), "--interpret", "--layouts", "1",
                            "--repeats", "1", "--host-repeats", "1", "--only", only, "--out", str(out)],
-                          capture_output=True, text=True, timeout=580, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, timeout=580, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "bench_gpu.json").read_text())
     assert report["interpret"] and report["versions"]["device"].startswith("CPU")

@@ -6,7 +6,7 @@ TensorFlow adapter's own, excepted), and the same bits: the same sign convention
 for ``>= 0``), bit order (least significant first), integer lanes and padding, the same
 counter-based draws (:mod:`hvd_quant.core.rng`) and the same float32 operations in the
 same order. :class:`hvd_quant.torch.backend.TorchBackend` hands them out for CUDA
-tensors; ``tests/test_gpu_kernels.py`` runs every one under Triton's interpreter against
+tensors; ``tests/gpu_interpreter.py`` runs every one under Triton's interpreter against
 the numba kernels and the numpy oracle, and ``tests/test_cuda.py`` on a GPU.
 
 The contract
