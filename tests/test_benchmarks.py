@@ -247,6 +247,72 @@ def test_kernel_benchmark_covers_every_kernel(tmp_path):
         assert words in text, words
 
 
+@pytest.mark.timeout(600)
+def test_gpu_benchmark_runs_under_the_interpreter(tmp_path):
+    """bench_gpu.py's harness on the CPU (``--interpret``: Triton's interpreter, the tiny
+    one-tensor layout): every fused primitive and two methods (the others take the same
+    code) on the GPU kernels, the generic torch path and the host path, the baselines
+    (PowerSGD's hook at ranks 1 and 4; CuPy's recipe measured or skipped with its
+    reason), JSON and markdown written."""
+    from hvd_quant import kernels
+    from triton_env import triton_env
+
+    env = triton_env()  # Triton in the benchmark's process only (tests/triton_env.py says why)
+    if env is None:
+        pytest.skip("Triton is not installed (scripts/bootstrap.sh --with-triton)")
+    if not kernels.enabled():
+        pytest.skip(kernels.why_disabled())
+    out = tmp_path / "gpu"
+    only = ",".join(kernels.NAMES + ("ef_sign", "global_qsgd"))  # two methods: the same code for all
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_gpu.py"), "--interpret", "--layouts", "1",
+                           "--repeats", "1", "--host-repeats", "1", "--only", only, "--out", str(out)],
+                          capture_output=True, text=True, timeout=580, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "bench_gpu.json").read_text())
+    assert report["interpret"] and report["versions"]["device"].startswith("CPU")
+    (layout,) = report["layouts"]
+    assert layout["tensors"] == 1 and layout["copy_gbps"] > 0 and layout["targets"] == []
+    rows = {r["primitive"]: r for r in layout["primitives"]}
+    assert set(rows) == set(kernels.NAMES)  # every fused primitive
+    assert all(r["ms"] > 0 and r["generic_ms"] > 0 and r["host_ms"] > 0 for r in rows.values())
+    methods = {r["method"]: r for r in layout["methods"]}
+    assert set(methods) == {"ef_sign", "global_qsgd"}
+    assert all(r["ms"] > 0 and r["generic_ms"] > 0 and r["host_ms"] > 0 for r in methods.values())
+    others = {r["name"]: r for r in layout["others"]}
+    assert set(others) == {"DeepSpeed 1-bit, CuPy recipe", "PowerSGD hook, rank 1", "PowerSGD hook, rank 4"}
+    assert all(r["ms"] is not None or r["skipped"] for r in others.values())
+    table = (out / "bench_gpu.md").read_text()
+    assert "times mean nothing" in table and "| ef_sign |" in table and "| sign_pack |" in table
+
+
+def test_gpu_benchmark_judges_the_issues_targets():
+    """bench_gpu.check_targets on made-up results: 60% of the copy bandwidth per hot
+    primitive, the per-method milliseconds, 20x the host path, faster than the CuPy
+    recipe and than PowerSGD's rank 4; a missing baseline is not judged; nothing is
+    judged under the interpreter."""
+    import bench_gpu
+
+    prims = [{"primitive": name, "copy_share": 0.7} for name in bench_gpu.HOT]
+    prims[0]["copy_share"] = 0.59
+    result = {"primitives": prims,
+              "methods": [{"method": "ef_sign", "ms": 1.5, "host_ms": 25.0},
+                          {"method": "global_qsgd", "ms": 3.5, "host_ms": 100.0},
+                          {"method": "onebit", "ms": 1.0, "host_ms": None}],
+              "others": [{"name": "DeepSpeed 1-bit, CuPy recipe", "ms": 2.0},
+                         {"name": "PowerSGD hook, rank 4", "ms": None, "skipped": "no NCCL"}]}
+    got = {what: passed for what, _, passed in bench_gpu.check_targets(result, interpret=False)}
+    assert got[f"{bench_gpu.HOT[0]} >= 60% of the copy bandwidth"] is False
+    assert all(got[f"{name} >= 60% of the copy bandwidth"] for name in bench_gpu.HOT[1:])
+    assert got["ef_sign <= 2 ms"] and got["global_qsgd <= 3 ms"] is False
+    assert got["ef_sign >= 20x faster than the host path"] is False  # 25 / 1.5: 16.7x
+    assert got["global_qsgd >= 20x faster than the host path"] is True
+    assert got["onebit >= 20x faster than the host path"] is None  # not measured
+    assert got["ef_sign faster than DeepSpeed's CuPy 1-bit recipe"] and \
+        got["global_qsgd faster than DeepSpeed's CuPy 1-bit recipe"] is False
+    assert got["ef_sign faster than PowerSGD's rank-4 compute"] is None  # the baseline did not run
+    assert all(p is None for _, _, p in bench_gpu.check_targets(result, interpret=True))
+
+
 def test_keras_benchmark_speed_up_and_share_of_the_ideal(tmp_path):
     """bench_keras.py's bookkeeping on made-up raw results: the slowest rank per batch,
     the fp32 and floor times of the method's own rounds, ideal = floor + own wire time,

@@ -1,17 +1,26 @@
 """The torch backend on CUDA tensors against the numpy oracle (skipped without a GPU).
 
-hvd_quant's fused kernels are CPU kernels; on a GPU every method runs its generic path,
-plain torch operations on the tensors' device (docs/guide/limits.md). These tests run
-that path where it runs for users: every compressor and every 1-bit optimizer rule, on
-simulated ranks (ThreadWorld, 2 and 3 ranks) whose tensors live on the GPU, against the
-numpy oracle on the same inputs and seeds; and the torch adapter's compressor with
-gradients on the GPU. CI has no GPU: this file is run on a GPU machine by hand
+On a GPU the fused primitives run as Triton kernels (hvd_quant.kernels.gpu). These tests
+run, where they run for users:
+
+* every compressor and every 1-bit optimizer rule on simulated ranks (ThreadWorld, 2 and 3
+  ranks) whose tensors live on the GPU, against the numpy oracle on the same inputs and
+  seeds, through the Triton kernels and through the generic path (plain torch operations,
+  as with ``HVD_QUANT_KERNELS=0`` or without Triton); and the torch adapter's compressor
+  with gradients on the GPU;
+* every Triton primitive against the numba CPU kernels, bit for bit, on the GPU itself:
+  the cases of ``tests/gpu_cases.py`` (which the interpreter runs in CI) at larger sizes;
+* that ``TorchBackend("cuda")`` hands out the Triton kernels, that no primitive makes the
+  host wait (``torch.cuda.set_sync_debug_mode("error")``, and a CUDA graph that captures
+  them: they launch on the current stream and copy nothing to the device per call).
+
+CI has no GPU: this file is run on a GPU machine by ``scripts/gpu_check.sh``
 (docs/development.md#a-gpu-check).
 
-Inputs are dyadic (multiples of 2**-10), so sums and means over ranks and segments are
-exact in any order, and most results agree bit for bit. What may differ is where a
-reduction's order rounds (the L2 norms of the scales): the comparison allows a few float32
-ulps there, and nothing else.
+Inputs of the whole-method tests are dyadic (multiples of 2**-10), so sums and means over
+ranks and segments are exact in any order, and most results agree bit for bit. What may
+differ is where a reduction's order rounds (the L2 norms of the scales): the comparison
+allows a few float32 ulps there, and nothing else.
 """
 
 import numpy as np
@@ -28,10 +37,13 @@ from hvd_quant.core.runner import CompressorRunner  # noqa: E402
 from hvd_quant.core.simulate import ThreadWorld  # noqa: E402
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule  # noqa: E402
 from hvd_quant.optimizers.oracle import OracleOptimizer  # noqa: E402
+from hvd_quant import kernels  # noqa: E402
+from hvd_quant.kernels import segment_tables  # noqa: E402
 from hvd_quant.torch.backend import TorchBackend  # noqa: E402
 
 NP = NumpyBackend()
 GPU = TorchBackend("cuda")
+GPU_KERNELS = kernels.gpu_module()  # hvd_quant.kernels.gpu, or None (no usable Triton)
 SEGMENTS = [("w1", 700), ("b1", 3), ("w2", 1300), ("empty", 0), ("b2", 65)]
 D = sum(n for _, n in SEGMENTS)
 STEPS = 3
@@ -76,9 +88,14 @@ def reduce_steps(backend, comp, xs):
     return outs, [r.state_dict() for r in runners]
 
 
+@pytest.mark.parametrize("path", ["kernels", "generic"])
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("name,opts", COMPRESSORS, ids=[f"{n}-{o}" for n, o in COMPRESSORS])
-def test_compressors_on_the_gpu_equal_the_oracle(name, opts, n):
+def test_compressors_on_the_gpu_equal_the_oracle(name, opts, n, path, monkeypatch):
+    if path == "generic":
+        monkeypatch.setattr(GPU, "kernel", lambda name, *tensors: None)
+    elif GPU_KERNELS is None:
+        pytest.skip(f"no Triton kernels: {kernels.why_gpu_disabled()}")
     comp = hvd_quant.get(name, **opts)
     xs = [[dyadic(D, 100 * r + s) for s in range(STEPS)] for r in range(n)]
     want, want_state = reduce_steps(NP, comp, xs)
@@ -147,11 +164,21 @@ def test_optimizer_rules_on_the_gpu_equal_the_oracle(which, n):
         assert got[r].state.scalars == pytest.approx(want[r].state.scalars)
 
 
-def test_the_cpu_kernels_leave_gpu_tensors_to_the_generic_path():
-    cpu = TorchBackend()
+def test_cuda_tensors_get_the_triton_kernels_never_the_numba_ones():
     x = torch.ones(16, device="cuda")
-    assert cpu.kernel("sign_pack_residual", x, x) is None
-    assert GPU.kernel("sign_pack_residual") is None
+    cpu = kernels.cpu_module()
+    for name in kernels.NAMES:
+        for backend in (GPU, TorchBackend()):  # the tensors' device decides
+            fn = backend.kernel(name, x)
+            if GPU_KERNELS is None:
+                assert fn is None, name
+            else:
+                assert getattr(fn, "func", fn) is getattr(GPU_KERNELS, name), name
+            assert fn is not getattr(cpu, name)
+    if GPU_KERNELS is not None:  # random draws take no tensor: the backend's device
+        assert GPU.kernel("uniform").keywords == {"device": GPU.device}
+        assert GPU.kernel("uniform")(5, 10).device.type == "cuda"
+    assert TorchBackend().kernel("sign_pack", x, torch.ones(16)) is None  # two devices: generic
 
 
 @pytest.mark.parametrize("name", ["ef_sign", "marsit", "global_qsgd", "onebit"])
@@ -232,3 +259,75 @@ def test_the_distributed_optimizer_takes_a_gpu_model(name, bucket_size_mb, monke
 
     for got, want in zip(run("cuda"), run("cpu")):
         assert_close(got, want, name)
+
+
+# --- the Triton kernels themselves ----------------------------------------------------------
+if GPU_KERNELS is not None:
+    import gpu_cases  # noqa: E402
+
+    _B, _T, _C = GPU_KERNELS.BLOCK, segment_tables.TILE, kernels.cpu_module().BLOCK
+    _SMALL = [0, 1, 7, 8, 31, 32, 33]
+    globals().update(gpu_cases.cases(
+        GPU_KERNELS, torch.device("cuda"), GPU, sizes=_SMALL + [_B - 1, _B, _B + 1, (1 << 20) + 3],
+        tile_sizes=_SMALL + [_T - 1, _T, _T + 1, (1 << 20) + 5],
+        sum_sizes=[0, 1, 33, _T - 1, _T + 1, _C + 9, 5 * _C + 3],
+        abs_sizes=[0, 1, 33, GPU_KERNELS._ABS_BLOCK + 1, (1 << 22) + 1],
+        byte_sizes=[0, 1, 9, _T // 8 - 1, _T // 8 + 1, (1 << 17) + 3], draw_sizes=_SMALL + [4 * _B + 3, (1 << 20) + 7],
+        inplace_sizes=[0, 33, _B + 1, (1 << 20) + 1]))
+
+
+def _require_kernels():
+    if GPU_KERNELS is None:
+        pytest.skip(f"no Triton kernels: {kernels.why_gpu_disabled()}")
+
+
+def test_no_primitive_makes_the_host_wait():
+    """Every primitive with each of its flags and both kinds of scalars (the calls of
+    ``gpu.warm_up``), once to compile and cache the layouts, then again with torch's sync
+    debug mode set to raise on any synchronising call (``.item()``, a device-to-host copy,
+    a synchronize, a blocking host-to-device copy): none; and no new segment layout."""
+    _require_kernels()
+    calls = GPU_KERNELS._warm_calls(torch.device("cuda"))  # the inputs made (copied) here, not in the calls
+    for call in calls:
+        call()
+    layouts = segment_tables.cached()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for call in calls:
+            call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert segment_tables.cached() == layouts
+
+
+def test_the_kernels_launch_on_the_current_stream_and_capture_in_a_graph():
+    """A step's primitives captured in a CUDA graph on a side stream (a launch on another
+    stream, a synchronisation or a per-call copy to the device would fail the capture),
+    replayed on new inputs: the results of direct calls."""
+    _require_kernels()
+    g = GPU_KERNELS
+    d, counts = 100_003, [40_000, 0, 3, 60_000]
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    x, e = torch.randn(d, device="cuda"), torch.randn(d, device="cuda")
+    scales = torch.rand(4, device="cuda")
+    lr = torch.full((1,), 1e-3, device="cuda")
+
+    def step():
+        sums, bits = g.compensate_sums_signs(x, e, bounds)
+        resid = g.sign_residual(x, e, scales, bounds)
+        mean = g.unpack_scaled_sum(torch.stack([bits, bits]), torch.cat([scales, scales]), bounds, d)
+        m, ok = g.absmax_finite(x)
+        return sums, bits, resid, mean, m, ok, g.descend(x, e, lr, 0.01)
+
+    step()  # compiled, layouts cached
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        captured = step()
+    x.copy_(torch.randn(d, device="cuda"))
+    lr.fill_(2e-3)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, step()):
+        assert torch.equal(got, want)

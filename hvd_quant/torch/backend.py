@@ -1,5 +1,7 @@
 """torch implementation of :class:`hvd_quant.core.backend.Backend`."""
 
+import functools
+
 import numpy as np
 import torch
 
@@ -25,6 +27,8 @@ class TorchBackend(Backend):
         return torch.zeros(n, dtype=_DTYPES[dtype], device=self.device)
 
     def full(self, n, value, dtype="float32"):
+        if torch.is_tensor(value):  # a one-element tensor (a GPU kernel's result): no host read
+            return value.reshape(1).to(_DTYPES[dtype]).expand(n).clone()
         return torch.full((n,), value, dtype=_DTYPES[dtype], device=self.device)
 
     def constant(self, values, dtype):
@@ -97,7 +101,8 @@ class TorchBackend(Backend):
     def all_finite(self, x):
         fast = self.kernel("all_finite", x) if x.dtype == torch.float32 and x.numel() > 4096 else None
         if fast is not None:  # one pass, no bool temporary (isfinite + all took 7x a copy)
-            return torch.tensor(fast(x))
+            ok = fast(x)  # a bool (CPU kernel) or a 0-d bool tensor on x's device (GPU kernel)
+            return ok if torch.is_tensor(ok) else torch.tensor(ok)
         return torch.isfinite(x).all()
 
     def greater_equal(self, a, b):
@@ -125,11 +130,20 @@ class TorchBackend(Backend):
         return torch.bitwise_left_shift(x, k)
 
     def kernel(self, name, *tensors):
-        """The numba CPU kernel ``name`` for CPU tensors (see :mod:`hvd_quant.kernels`),
-        called on zero-copy numpy views; ``None`` on other devices."""
-        if self.device.type != "cpu" or not _kernels.enabled():
+        """The fast kernel ``name`` for these tensors (see :mod:`hvd_quant.kernels`): the
+        numba CPU kernel for CPU tensors, called on zero-copy numpy views; the Triton GPU
+        kernel (:mod:`hvd_quant.kernels.gpu`) for CUDA tensors, called on the tensors
+        themselves. ``None`` (the generic path) for other devices, tensors on several
+        devices, a primitive without a kernel there, or kernels that cannot run (numba or
+        Triton missing, ``HVD_QUANT_KERNELS=0``). Without tensor arguments (random draws)
+        the backend's device decides."""
+        devices = {t.device for t in tensors if torch.is_tensor(t)} or {self.device}
+        if len(devices) != 1:
             return None
-        if any(torch.is_tensor(t) and t.device.type != "cpu" for t in tensors):
+        device = devices.pop()
+        if device.type == "cuda":
+            return _gpu_kernel(name, device)
+        if device.type != "cpu" or self.device.type != "cpu" or not _kernels.enabled():
             return None
         fn = getattr(_kernels.cpu_module(), name)
 
@@ -159,6 +173,16 @@ def prepare_kernels():
     _kernels.prepare()
     _kernels.threads.warn_oversubscribed("torch", torch.get_num_threads(),
                                          "torch.set_num_threads({share})")
+
+
+def _gpu_kernel(name, device):
+    """The Triton kernel ``name`` for tensors on the CUDA ``device`` (Triton is imported
+    on the first call), or ``None``. Random draws, which take no tensor, allocate there."""
+    gpu = _kernels.gpu_module()
+    fn = getattr(gpu, name, None) if gpu is not None and name in _kernels.NAMES else None
+    if fn is not None and name in ("uniform", "random_bytes"):
+        return functools.partial(fn, device=device)
+    return fn
 
 
 def _to_numpy(value):
