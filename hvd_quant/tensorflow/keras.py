@@ -47,6 +47,7 @@ import horovod.tensorflow as hvd
 from keras.optimizers import LossScaleOptimizer
 from keras.src.utils import tracking
 
+from ..process_sets import includes_this_rank
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor
 from .optimizers import resize_keras_variable
@@ -212,7 +213,7 @@ class DistributedOptimizer(LossScaleOptimizer):
         # names); a rank outside the process set reduces nothing and keeps no state.
         runner = self._compression.make_runner(make_variable=self._make_state_variable,
                                                strict=self._strict)
-        if not self.process_set.included():
+        if not includes_this_rank(self.process_set):
             return
         self._compression.prepare()  # Horovod is initialised now: the ranks on this host are known
         self._comm = HorovodTFComm(self.process_set)

@@ -23,6 +23,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from ..core.runner import digest63, values_digest63
+from ..process_sets import includes_this_rank
 from . import kernels
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor, variable_name
@@ -132,7 +133,7 @@ class DistributedGradientTape:
                 [(s, g) for s, g in pairs if not self._is_local(s)])
 
     def _reduce(self, grads, variables):
-        if not self.process_set.included():
+        if not includes_this_rank(self.process_set):
             # This rank's own gradients, as Horovod. The owner is still registered, so that
             # owners are numbered alike on every rank (their collective names).
             shared = [v for v in variables if not self._is_local(v)]

@@ -79,6 +79,7 @@ import horovod.torch as hvd
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
+from ..process_sets import includes_this_rank
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
 from .sparse import fill_flat, kept_flat
@@ -126,7 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # A rank outside the process set trains on its own gradients, as under Horovod: no
         # collective, no agreement check (hybrid-parallel programs give a sub-model's
         # optimizer the set of ranks that hold that sub-model).
-        self._included = bool(process_set.included())
+        self._included = includes_this_rank(process_set)
         self._comm = HorovodTorchComm(process_set) if self._included else None
 
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]

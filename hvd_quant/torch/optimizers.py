@@ -95,6 +95,7 @@ from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
 from ..optimizers.binsgdm import single_beta
+from ..process_sets import includes_this_rank
 from .backend import TorchBackend, prepare_kernels
 from .comm import HorovodTorchComm
 from .sparse import dense, fill_flat, kept_flat
@@ -168,7 +169,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             _hyper(group, rule, gi)  # refuse what the rule cannot do (non_freeze)
         process_set = process_set if process_set is not None else hvd.global_process_set
-        if not process_set.included():
+        if not includes_this_rank(process_set):
             raise ValueError(
                 f"hvd_quant.torch.{type(self).__name__}: this rank ({hvd.rank()}) is not in the "
                 f"process set {process_set!r}. The 1-bit optimizers communicate in every step; "
