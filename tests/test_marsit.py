@@ -371,7 +371,7 @@ def framework_run(backend, comp, xs_np, seed=0):
 
 def check_framework(backend):
     x = np.random.default_rng(0).standard_normal(D).astype(np.float32)
-    for topology, rows in (("ring", None), ("torus", 2)):
+    for topology, rows in (("ring", None), ("torus", 2), ("butterfly", None), ("direct", None)):
         comp = MarsitCompressor(topology=topology, torus_rows=rows, compensation="global")
         # Same input everywhere: the result must be exactly alpha * sign(x).
         outs, _ = framework_run(backend, comp, [x] * 4)
@@ -384,6 +384,14 @@ def check_framework(backend):
             state = runners[r].state_dict()
             got = np.concatenate([state[f"{k}/residual"] for k, _ in SEGMENTS])
             np.testing.assert_allclose(got, xs[r] - outs[0], rtol=1e-6, atol=1e-6)
+    # The default path (local compensation) on the direct layout, its scales riding in the
+    # alltoall: the numpy oracle's bits.
+    xs = random_xs(5, 1, seed=4)[0]
+    comp = MarsitCompressor()
+    outs, _ = framework_run(backend, comp, xs)
+    want, _ = framework_run(B, comp, xs)
+    for got, ref in zip(outs, want):
+        np.testing.assert_array_equal(got, ref)
 
 
 def test_torch_backend():
