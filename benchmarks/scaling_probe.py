@@ -13,7 +13,8 @@ Run inside an emulated cluster (one Horovod job; every variant side by side, int
     alltoall with one non-empty split), each call timed on every rank; per call the
     median wall time (slowest rank) and the CPU time the process used (all its threads:
     the caller's wait, Horovod's background thread, Gloo's), for every wait mode of
-    :mod:`hvd_quant.torch.comm` (``spin``: ``hvd.synchronize``; ``sleep``: poll and sleep).
+    :mod:`hvd_quant.torch.comm` (``spin``: ``hvd.synchronize``; ``sleep``: poll and sleep; ``default``: what the
+    library chose, ``HVD_QUANT_WAIT`` or ``auto``).
 ``digits``
     The digits MLP of ``examples/pytorch_train.py`` (its defaults: hidden 128, batch 32,
     SGD with momentum) through ``hq.DistributedOptimizer`` with each ``--configs`` entry
@@ -112,6 +113,15 @@ def idle_cpu(seconds):
     return (time.process_time() - c0) / (time.perf_counter() - t0)
 
 
+def set_wait(wait):
+    """Select a wait mode of :mod:`hvd_quant.torch.comm` (``default``: the one the library
+    chose, from ``HVD_QUANT_WAIT`` or ``auto``)."""
+    torch_comm.WAIT = DEFAULT_WAIT if wait == "default" else wait
+
+
+DEFAULT_WAIT = torch_comm.WAIT
+
+
 def chain(args):
     comm = HorovodTorchComm()
     kinds = args.kinds.split(",")
@@ -126,13 +136,13 @@ def chain(args):
     for kind in kinds:
         for nbytes in sizes:
             for wait in waits:  # warm-up: first use of each name is negotiated in full
-                torch_comm.WAIT = wait
+                set_wait(wait)
                 run_chain(comm, kind, nbytes, 4, "w")
             per = {w: {"wall": [], "cpu": []} for w in waits}
             for rep in range(args.repeats):
                 order = waits[rep % len(waits):] + waits[:rep % len(waits)]
                 for wait in order:
-                    torch_comm.WAIT = wait
+                    set_wait(wait)
                     barrier()
                     c0 = time.process_time()
                     times = run_chain(comm, kind, nbytes, args.calls, "t")
@@ -197,14 +207,14 @@ def digits(args):
     for c in configs:
         built[c] = build(c)
         for w in waits:
-            torch_comm.WAIT = w
+            set_wait(w)
             steps(*built[c], 3)  # warm-up: state, agreement check, first negotiations
     recorder.take()
     rows = {f"{c}|{w}": {"wall": [], "cpu": [], "calls": [], "wait": []} for c, w in pairs}
     for rnd in range(args.rounds):
         order = pairs[rnd % len(pairs):] + pairs[:rnd % len(pairs)]
         for c, w in order:
-            torch_comm.WAIT = w
+            set_wait(w)
             barrier()
             recorder.take()
             c0, t0 = time.process_time(), time.perf_counter()
@@ -261,6 +271,7 @@ def main(argv=None):
     d.add_argument("--batch", type=int, default=32)
     for q in (c, d):
         q.add_argument("--out", default="")
+    # "default": the library's own choice (HVD_QUANT_WAIT or auto), left as it is.
     args = p.parse_args(argv)
     hvd.init()
     torch.set_num_threads(hvd_quant.threads_per_rank())

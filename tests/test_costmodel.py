@@ -190,3 +190,139 @@ def test_link_model_round_trips_and_refuses_unknown_methods():
     assert LinkModel.from_dict(link.to_dict()) == link
     with pytest.raises(ValueError, match="does not know"):
         collectives("topk", 10, 4)
+
+
+# --- the warning at start -----------------------------------------------------------------------
+class _FakeComm:
+    def __init__(self, rank, size, k=None):
+        self.rank, self.size, self._k = rank, size, k
+
+    def ranks_per_node(self):
+        return self._k
+
+
+def test_scale_warning_names_the_flat_methods_once_on_rank_zero(caplog):
+    from hvd_quant.core import scale_check
+
+    class Owner:
+        pass
+
+    d = 1_000_000
+    assert scale_check.excess("ef_sign", d, 30) is None       # (n-1)/8 vs 2 (n-1)/n * 4: n/64
+    assert scale_check.excess("ef_sign", d, 40) is not None
+    assert scale_check.excess("onebit", d, 1024) is None      # flat in bytes
+    owner = Owner()
+    with caplog.at_level("WARNING", logger="hvd_quant"):
+        text = scale_check.warn_once(owner, "ef_sign", _FakeComm(0, 64), d)
+        assert scale_check.warn_once(owner, "ef_sign", _FakeComm(0, 64), d) is None  # once per owner
+        assert scale_check.warn_once(Owner(), "ef_sign", _FakeComm(3, 64), d) is None  # rank 0 only
+        assert scale_check.warn_once(Owner(), "marsit", _FakeComm(0, 64), d) is None  # flat
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage() == text
+    assert "ef_sign sends" in text and "at 64 ranks" in text
+    flat = text.split("stay flat here: ")[1]
+    for m in ("marsit", "onebit", "global_qsgd", "onebit_adam"):
+        assert m in flat
+    assert "ef_sign" not in flat and "binsgdm" not in flat
+
+
+def test_scale_warning_from_a_runner_and_a_rule(caplog):
+    """The hooks: a compressor's runner warns at its first reduction (every adapter's
+    compressors go through CompressorRunner.context), a 1-bit optimizer's rule when the
+    adapter sets it up (Rule.check_scale); the hierarchy BinSGDM follows counts."""
+    n, d = 40, 4096
+    xs = [np.ones(d, np.float32) for _ in range(n)]
+    runners = [CompressorRunner(hvd_quant.get("ef_sign"), B) for _ in range(n)]
+
+    def body(c):
+        for _ in range(2):
+            runners[c.rank].reduce(xs[c.rank], c, "g", [("w", d)])
+    with caplog.at_level("WARNING", logger="hvd_quant"):
+        ThreadWorld(n).run(body)
+    assert [r.getMessage().split(" sends")[0] for r in caplog.records] == ["hvd_quant: ef_sign"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hvd_quant"):
+        assert BinSGDMRule().check_scale(_FakeComm(0, 64), 10**6) is not None       # flat allgather
+        assert BinSGDMRule(ranks_per_node=8).check_scale(_FakeComm(0, 64), 10**6) is None  # hierarchy
+        assert OnebitAdamRule().check_scale(_FakeComm(0, 1024), 10**6) is None
+    assert len(caplog.records) == 1 and "binsgdm sends" in caplog.records[0].getMessage()
+
+
+# --- Compression.auto ---------------------------------------------------------------------------
+from hvd_quant.compressors.auto import AutoCompressor, choose, link_from_timings  # noqa: E402
+
+
+def _link(rate_bps, latency_s, memory_bps=20e9):
+    return LinkModel(rate_bps, dict.fromkeys(costmodel.KINDS, latency_s), dict.fromkeys(costmodel.KINDS, 0.0),
+                     dict(costmodel.EMULATED_EFFICIENCY), memory_bps)
+
+
+def test_auto_choice_follows_the_model_on_made_up_links():
+    d, T = 3_685_632, 101
+    # A slow link: 1-bit methods; flat in bytes beats the allgather at 16 ranks.
+    best, predicted = choose(("ef_sign", "marsit", "onebit"), d, 16, _link(1e8, 20e-3), segments=T)
+    assert best in ("marsit", "onebit") and predicted["none"] > 5 * predicted[best]
+    assert predicted["ef_sign"] > predicted[best]
+    # At 2 ranks the allgather sends as little as any: with every kind at the same share of
+    # the rate, ef_sign's single collective wins; at the calibrated shares (allgather 0.5,
+    # hops 0.9) Marsit's two hops do.
+    even = _link(1e8, 20e-3)
+    even.efficiency = dict.fromkeys(costmodel.KINDS, 0.9)
+    assert choose(("ef_sign", "marsit", "onebit"), d, 2, even, segments=T)[0] == "ef_sign"
+    assert choose(("ef_sign", "marsit", "onebit"), d, 2, _link(1e8, 20e-3), segments=T)[0] == "marsit"
+    # A small bucket stays fp32 where the methods need two collectives: the second one's
+    # latency outweighs the bytes saved (ef_sign's one allgather still pays for itself).
+    assert choose(("marsit", "onebit"), 2000, 16, _link(1e8, 20e-3))[0] == "none"
+    assert choose(("global_qsgd", "global_qsgd_exp"), 2000, 16, _link(1e8, 20e-3))[0] == "none"
+    assert choose(("ef_sign", "marsit", "onebit"), 2000, 16, _link(1e8, 20e-3))[0] == "ef_sign"
+    # A fast link and slow memory: the compressors' passes cost more than the wire saves.
+    assert choose(("ef_sign", "marsit", "onebit"), d, 16, _link(100e9, 1e-4, memory_bps=2e9))[0] == "none"
+    # The unbiased family, at 1 Gbit/s: Global-QSGD's integers.
+    assert choose(("global_qsgd", "global_qsgd_exp"), d, 8, _link(1e9, 1e-3))[0].startswith("global_qsgd")
+    # Exponential dithering stops at 104 ranks: not a candidate beyond.
+    assert "global_qsgd_exp" not in choose(("global_qsgd", "global_qsgd_exp"), d, 128, _link(1e9, 1e-3))[1]
+
+
+def test_link_from_timings():
+    link = link_from_timings(0.01, 0.01 + 2 * 3 / 4 * 2 ** 20 * 8 / 0.9e8, 0.004, 4)
+    assert link.rate_bps == pytest.approx(1e8)
+    assert link.latency("alltoall", 16) == pytest.approx(0.01)
+    assert link.memory_bps == pytest.approx(2 * 16 * 2 ** 20 / 0.004)
+
+
+class _Timed(AutoCompressor):
+    """Rank-dependent made-up timings instead of measured ones."""
+
+    def _local_timings(self, B, comm):
+        return [0.001 * (1 + comm.rank), 0.05 * (1 + comm.rank), 0.002]
+
+
+@pytest.mark.parametrize("family", ["onebit_ef", "unbiased", "any"])
+def test_auto_agrees_on_every_rank_and_runs_the_chosen_method(family):
+    """Ranks time differently; the gathered slowest timings make one link for all, so every
+    rank chooses alike, and each bucket's result is the chosen method's, state and all."""
+    n = 4
+    comps = [_Timed(family) for _ in range(n)]
+    sizes = {"small": 64, "large": 400_000}
+    rng = np.random.default_rng(2)
+    xs = {k: [rng.standard_normal(d).astype(np.float32) for _ in range(n)] for k, d in sizes.items()}
+
+    def body(c):
+        runner = CompressorRunner(comps[c.rank], B, seed=3)
+        outs = {k: runner.reduce(xs[k][c.rank], c, k, [(k, d)]) for k, d in sizes.items()}
+        return comps[c.rank].choices(c), outs, runner.state_dict()
+
+    results = ThreadWorld(n).run(body)
+    choices = results[0][0]
+    assert all(r[0] == choices for r in results)
+    assert set(choices) == set(sizes)
+    # The link of the slowest rank's timings (rank 3), and the model's choice on it.
+    link = link_from_timings(0.004, 0.2, 0.002, n)
+    for k, d in sizes.items():
+        assert choices[k] == choose(comps[0].candidates, d, n, link, segments=1)[0]
+    alone = ThreadWorld(n).run(lambda c: {k: CompressorRunner(hvd_quant.get(choices[k]), B, seed=3).reduce(
+        xs[k][c.rank], c, k, [(k, d)]) for k, d in sizes.items()})
+    for r in range(n):
+        for k in sizes:
+            np.testing.assert_array_equal(results[r][1][k], alone[r][k])
+    with pytest.raises(ValueError, match="family"):
+        AutoCompressor("biased")

@@ -42,7 +42,8 @@ from .ring import chunk_bounds, direct_padded_numel
 
 KINDS = ("allreduce", "allgather", "alltoall", "sendrecv")
 
-#: Compressors the model knows (``compression=``) and the 1-bit optimizers.
+#: Compressors the model knows (``compression=``) and the 1-bit optimizers; also
+#: ``horovod_fp32`` (``none``'s allreduce) and ``ddp_powersgd`` (torch's hook, with shapes).
 COMPRESSORS = ("none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd_exp",
                "onebit")
 OPTIMIZERS = ("onebit_adam", "zero_one_adam", "binsgdm")
@@ -114,8 +115,30 @@ def collectives(method, numel, world_size, ranks_per_node=None, segments=1, opti
         return _onebit(sizes, n)
     if method == "binsgdm":
         return _binsgdm(d, n, ranks_per_node)
+    if method == "ddp_powersgd":
+        return powersgd_collectives(options.get("shapes") or [(d,)], n, options.get("rank", 4))
     raise ValueError(f"the cost model does not know {method!r}; known: "
                      f"{', '.join(COMPRESSORS + OPTIMIZERS)}")
+
+
+def powersgd_collectives(shapes, n, rank=4, min_compression_rate=2):
+    """torch DDP's ``powerSGD_hook`` on one bucket holding tensors of ``shapes``: an
+    allreduce of the tensors it leaves uncompressed (1-D ones, and matrices that would not
+    shrink ``min_compression_rate`` times), then of the ``P`` factors, then of the ``Q``
+    factors (rank ``rank``), one after the other. (torch's code, not hvd_quant's: not
+    checked against a recording here.)"""
+    plain = ps = qs = 0
+    for shape in shapes:
+        if len(shape) <= 1:
+            plain += max(1, shape[0] if shape else 1)
+            continue
+        rows, cols = shape[0], math.prod(shape[1:])
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            ps, qs = ps + rows * r, qs + cols * r
+        else:
+            plain += rows * cols
+    return [Collective("allreduce", 4.0 * x, n) for x in (plain, ps, qs) if x]
 
 
 def _even_sizes(d, S):
@@ -346,7 +369,8 @@ def predict(method, numel, world_size, link, ranks_per_node=None, segments=1, bu
     :func:`bucket_numels` of ``numel``, one bucket for the 1-bit optimizers' group).
     ``segments``: tensors in the model, shared out over the buckets."""
     if buckets is None:
-        buckets = [int(numel)] if method in OPTIMIZERS else bucket_numels(numel)
+        one = method in OPTIMIZERS or method == "ddp_powersgd"  # one group / one DDP bucket
+        buckets = [int(numel)] if one else bucket_numels(numel)
     total = float(sum(buckets))
     comm = memory = nbytes = 0.0
     count = 0

@@ -158,6 +158,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             _hyper(group, rule, gi)  # refuse what the rule cannot do (non_freeze)
         self._comm = HorovodTorchComm(process_set if process_set is not None else hvd.global_process_set)
         self._rule.validate(self._comm.size)
+        self._rule.check_scale(self._comm, sum(p.numel() for g in self.param_groups for p in g["params"]))
         self._B = TorchBackend()
         prepare_kernels()  # loaded at set-up, not in the first step
         self._seed = int(seed)
