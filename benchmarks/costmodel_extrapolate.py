@@ -90,7 +90,7 @@ def crossover(method, shapes, link, ranks_per_node=None):
     return None, "faster everywhere" if first else "slower everywhere"
 
 
-def links(calibration, message_s, horovod_s, memory_bps):
+def links(calibration, message_s, horovod_s, memory_bps, flops):
     eff = None
     if calibration:
         effs = {}
@@ -98,12 +98,13 @@ def links(calibration, message_s, horovod_s, memory_bps):
             for k, v in m["efficiency"].items():
                 effs.setdefault(k, []).append(v)
         eff = {k: statistics.median(v) for k, v in effs.items()} or None
-    return {rate: LinkModel.datacenter(rate, message_s, horovod_s, memory_bps, eff) for rate in RATES}
+    return {rate: LinkModel.datacenter(rate, message_s, horovod_s, memory_bps, eff, flops) for rate in RATES}
 
 
 def run(args):
     calibration = json.loads(Path(args.calibration).read_text()) if args.calibration else None
-    link_of = links(calibration, args.message_us * 1e-6, args.horovod_ms * 1e-3, args.memory_gbps * 1e9)
+    link_of = links(calibration, args.message_us * 1e-6, args.horovod_ms * 1e-3, args.memory_gbps * 1e9,
+                    args.gflops * 1e9)
     k = args.ranks_per_node if args.ranks_per_node > 1 else None
     out = {"assumptions": {f"{r / 1e9:g}gbit":
                            link_of[r].to_dict() for r in RATES},
@@ -129,6 +130,7 @@ def run(args):
 def markdown(result, args):
     lines = [f"Assumed per rank: {args.message_us:g} us per Gloo message, {args.horovod_ms:g} ms of Horovod "
              f"negotiation per collective, {args.memory_gbps:g} GB/s memory, "
+             f"{args.gflops:g} GFLOP/s for PowerSGD's products, "
              f"{result['ranks_per_node']} rank(s) per host; the shares of the link rate per kind "
              + ("as calibrated on the emulated links." if args.calibration else
                 "measured on the emulated links in phase 1 (costmodel.EMULATED_EFFICIENCY).")
@@ -197,6 +199,7 @@ def main(argv=None):
     p.add_argument("--message-us", type=float, default=25.0, help="assumed latency of one Gloo message")
     p.add_argument("--horovod-ms", type=float, default=1.0, help="assumed Horovod negotiation per collective")
     p.add_argument("--memory-gbps", type=float, default=20.0, help="assumed memory bandwidth per rank")
+    p.add_argument("--gflops", type=float, default=50.0, help="assumed GFLOP/s per rank (PowerSGD's products)")
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--out-dir", default="", help="where extrapolation.{md,json,png} go (default: print)")
     args = p.parse_args(argv)

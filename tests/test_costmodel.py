@@ -160,7 +160,8 @@ def test_time_adds_latency_bytes_and_memory():
                      latency1=dict.fromkeys(costmodel.KINDS, 1e-4),
                      efficiency=dict(costmodel.EMULATED_EFFICIENCY), memory_bps=10e9)
     c = Collective("allgather", 1000.0, 8)
-    assert link.collective_s(c) == pytest.approx(1e-3 + 7e-4 + 8 * 7000 / (0.5 * 1e9))
+    share = costmodel.EMULATED_EFFICIENCY["allgather"]
+    assert link.collective_s(c) == pytest.approx(1e-3 + 7e-4 + 8 * 7000 / (share * 1e9))
     p = predict("ef_sign", 80_000, 8, link)
     want = link.collective_s(Collective("allgather", 10_004.0, 8))
     assert p["comm_s"] == pytest.approx(want)
@@ -263,12 +264,13 @@ def test_auto_choice_follows_the_model_on_made_up_links():
     assert best in ("marsit", "onebit") and predicted["none"] > 5 * predicted[best]
     assert predicted["ef_sign"] > predicted[best]
     # At 2 ranks the allgather sends as little as any: with every kind at the same share of
-    # the rate, ef_sign's single collective wins; at the calibrated shares (allgather 0.5,
-    # hops 0.9) Marsit's two hops do.
+    # the rate, ef_sign's single collective wins; where the allgather reaches half the
+    # rate and hops 0.9 of it, Marsit's two hops do.
     even = _link(1e8, 20e-3)
     even.efficiency = dict.fromkeys(costmodel.KINDS, 0.9)
     assert choose(("ef_sign", "marsit", "onebit"), d, 2, even, segments=T)[0] == "ef_sign"
-    assert choose(("ef_sign", "marsit", "onebit"), d, 2, _link(1e8, 20e-3), segments=T)[0] == "marsit"
+    even.efficiency["allgather"] = 0.5
+    assert choose(("ef_sign", "marsit", "onebit"), d, 2, even, segments=T)[0] == "marsit"
     # A small bucket stays fp32 where the methods need two collectives: the second one's
     # latency outweighs the bytes saved (ef_sign's one allgather still pays for itself).
     assert choose(("marsit", "onebit"), 2000, 16, _link(1e8, 20e-3))[0] == "none"

@@ -25,7 +25,9 @@ Time of one step of one buffer, per rank (:func:`predict`)::
   (Gloo's allgather and alltoall were measured at about half the link rate on shaped
   links);
 * memory: the passes of the method over the buffer (:func:`memory_bytes`, lower bounds),
-  at a measured copy bandwidth (bytes read plus written per second).
+  at a measured copy bandwidth (bytes read plus written per second);
+* for torch's PowerSGD only, its matrix products at a rate of floating-point operations
+  (:func:`powersgd_flops`).
 
 The link figures come from :class:`LinkModel`: calibrated on Gloo's own collectives on the
 emulated cluster (``benchmarks/costmodel_calibrate.py``), or assumed for a datacenter
@@ -292,6 +294,8 @@ class LinkModel:
     efficiency : dict kind -> fraction of ``rate_bps`` the kind's wire bytes move at.
     memory_bps : float
         Bytes read plus written per second (a copy's bandwidth).
+    flops : float
+        Floating-point operations per second of a rank (PowerSGD's matrix products).
     source : str
         Where the figures come from (a calibration file, an assumption).
     """
@@ -301,6 +305,7 @@ class LinkModel:
     efficiency: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 1.0))
     memory_bps: float = 10e9
     source: str = "defaults"
+    flops: float = 50e9
 
     def latency(self, kind, n):
         return self.latency0[kind] + self.latency1[kind] * max(0, n - 1)
@@ -313,19 +318,21 @@ class LinkModel:
 
     def with_rate(self, rate_bps):
         return LinkModel(rate_bps, dict(self.latency0), dict(self.latency1), dict(self.efficiency),
-                         self.memory_bps, self.source)
+                         self.memory_bps, self.source, self.flops)
 
     def to_dict(self):
         return {"rate_bps": self.rate_bps, "latency0": self.latency0, "latency1": self.latency1,
-                "efficiency": self.efficiency, "memory_bps": self.memory_bps, "source": self.source}
+                "efficiency": self.efficiency, "memory_bps": self.memory_bps, "source": self.source,
+                "flops": self.flops}
 
     @classmethod
     def from_dict(cls, d):
         return cls(float(d["rate_bps"]), dict(d["latency0"]), dict(d["latency1"]), dict(d["efficiency"]),
-                   float(d.get("memory_bps", 10e9)), str(d.get("source", "")))
+                   float(d.get("memory_bps", 10e9)), str(d.get("source", "")), float(d.get("flops", 50e9)))
 
     @classmethod
-    def datacenter(cls, rate_bps, message_s=25e-6, horovod_s=1e-3, memory_bps=20e9, efficiency=None):
+    def datacenter(cls, rate_bps, message_s=25e-6, horovod_s=1e-3, memory_bps=20e9, efficiency=None,
+                   flops=50e9):
         """Assumed figures for real hosts (one rank per host, its own cores): every
         collective pays Horovod's negotiation ``horovod_s`` (half a 1 ms cycle on average
         plus the cycle's cross-rank exchange, itself a Gloo ring) and Gloo's sequential
@@ -340,12 +347,28 @@ class LinkModel:
                    {k: (steps[k] + 4) * message_s for k in KINDS},
                    dict(efficiency or EMULATED_EFFICIENCY), memory_bps,
                    f"assumed: {message_s * 1e6:g} us per message, {horovod_s * 1e3:g} ms per "
-                   f"collective for Horovod's negotiation, {memory_bps / 1e9:g} GB/s memory")
+                   f"collective for Horovod's negotiation, {memory_bps / 1e9:g} GB/s memory, "
+                   f"{flops / 1e9:g} GFLOP/s", flops)
 
 
-#: Share of the link rate each kind reached on the emulated links (phase-1 calibration,
-#: 2026-11-28, ``benchmarks/costmodel_calibrate.py``; to be refreshed from phase 2).
-EMULATED_EFFICIENCY = {"allreduce": 0.9, "allgather": 0.5, "alltoall": 0.5, "sendrecv": 0.9}
+#: Share of the link rate each kind reached on the emulated 100 Mbit/s links, medians over
+#: 2, 4, 8 and 16 hosts (phase-1 calibration of issue 42, 2026-11-28, under contention:
+#: benchmarks/reference/scaling-2026-11-28-phase1/calibration; to be refreshed in phase 2).
+EMULATED_EFFICIENCY = {"allreduce": 0.84, "allgather": 0.82, "alltoall": 0.57, "sendrecv": 0.78}
+
+
+def powersgd_flops(shapes, rank=4, min_compression_rate=2):
+    """Floating-point operations of one PowerSGD step on the matrices it compresses:
+    ``P = M Q``, ``Q = M^T P`` and the approximation ``P Q^T`` (``2 rows cols r`` each)."""
+    total = 0.0
+    for shape in shapes:
+        if len(shape) <= 1:
+            continue
+        rows, cols = shape[0], math.prod(shape[1:])
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            total += 6.0 * rows * cols * r
+    return total
 
 
 def comm_seconds(colls, link):
@@ -381,8 +404,11 @@ def predict(method, numel, world_size, link, ranks_per_node=None, segments=1, bu
         nbytes += wire_bytes(colls)
         count += sum(1 for c in colls if not c.overlapped)
         memory += memory_bytes(method, b, world_size) / link.memory_bps
-    return {"comm_s": comm, "memory_s": memory, "total_s": comm + memory, "bytes": nbytes,
-            "collectives": count}
+    compute = 0.0
+    if method == "ddp_powersgd" and (options or {}).get("shapes"):
+        compute = powersgd_flops(options["shapes"], options.get("rank", 4)) / link.flops
+    return {"comm_s": comm, "memory_s": memory, "compute_s": compute, "total_s": comm + memory + compute,
+            "bytes": nbytes, "collectives": count}
 
 
 def flat_methods(world_size, numel, ranks_per_node=None, candidates=COMPRESSORS + OPTIMIZERS):
