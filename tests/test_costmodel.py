@@ -285,7 +285,8 @@ def test_auto_choice_follows_the_model_on_made_up_links():
 
 
 def test_link_from_timings():
-    link = link_from_timings(0.01, 0.01 + 2 * 3 / 4 * 2 ** 20 * 8 / 0.9e8, 0.004, 4)
+    share = costmodel.EMULATED_EFFICIENCY["allreduce"]
+    link = link_from_timings(0.01, 0.01 + 2 * 3 / 4 * 2 ** 20 * 8 / (share * 1e8), 0.004, 4)
     assert link.rate_bps == pytest.approx(1e8)
     assert link.latency("alltoall", 16) == pytest.approx(0.01)
     assert link.memory_bps == pytest.approx(2 * 16 * 2 ** 20 / 0.004)
