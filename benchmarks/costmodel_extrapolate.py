@@ -188,7 +188,7 @@ def plot(result, path):
             ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
