@@ -109,6 +109,7 @@ from common import powersgd_bytes  # noqa: E402  (PowerSGD's byte model, shared 
 
 import hvd_quant  # noqa: E402
 import hvd_quant.torch as hq  # noqa: E402
+from hvd_quant.core import costmodel  # noqa: E402  (the bytes-touched models, one place)
 from hvd_quant.core.onebit import compressed_allreduce_compensated, padded_size  # noqa: E402
 from hvd_quant.torch.backend import TorchBackend  # noqa: E402
 from hvd_quant.torch.comm import HorovodTorchComm  # noqa: E402
@@ -265,20 +266,20 @@ def touched_ring_fp32(d, n):
     """Ring allreduce in place: reduce-scatter reads own + received and writes own on
     (n-1)/n of the buffer (3 passes), all-gather writes the received (n-1)/n (1 pass);
     averaging folded into the last write."""
-    return 4 * d * 4 * (n - 1) / n
+    return costmodel.memory_bytes("none", d, n)
 
 
 def touched_fp16(d, n):
     """Cast down (read F, write F/2), fp16 ring allreduce on F/2, cast back (read F/2,
     write F)."""
-    return 3 * 4 * d + touched_ring_fp32(d, n) / 2
+    return costmodel.memory_bytes("fp16", d, n)
 
 
 def touched_powersgd(d, n):
     """With error feedback: M = g + e (read 2F, write F), P = M Q and Q = M^T P (read M
     twice), output P Q^T (write F), new error M - P Q^T (read F, write F): 8 passes; the
     small factors' allreduce is negligible."""
-    return 8 * 4 * d
+    return costmodel.memory_bytes("ddp_powersgd", d, n)
 
 
 def touched_sign(d, n):
@@ -286,12 +287,12 @@ def touched_sign(d, n):
     bits F/32), then the residual and the decode of the packed inputs into the output
     (read 2F and the gathered bits, write e and the output: 2F; one fused pass,
     ``unpack_sum_residual``, after the gather for ef_sign and after the ring for marsit)."""
-    return 4 * d * (6 + (2 * n - 1) / 32)
+    return costmodel.memory_bytes("ef_sign", d, n)
 
 
 def touched_cascading(d, n):
     """No residual: scale (read F), sign + pack (read F), decode (write F)."""
-    return 4 * d * (3 + n / 32)
+    return costmodel.memory_bytes("cascading_sign", d, n)
 
 
 def touched_integer(wire_bytes_per_element):
@@ -310,27 +311,26 @@ def touched_onebit(d, n):
     F/n in one pass (read c_s, write the new c_s over it, its sums and signs taken from
     the cache: 2F/n), then the worker residual and the decode in one pass (read x, e,
     write e and the output: 4F); bit buffers (1/32 F each) neglected."""
-    D = padded_size(d, n)
-    return 4 * (6 * D + 2 * D / n)
+    return costmodel.memory_bytes("onebit", d, n)
 
 
 def touched_adam_onebit(d, n):
     """1-bit Adam step: momentum update (read m, g, write m: 3F), compressed allreduce of
     m, parameter update (read x, m, v, write x: 4F)."""
-    return 7 * 4 * d + touched_onebit(d, n)
+    return costmodel.memory_bytes("onebit_adam", d, n)
 
 
 def touched_zero_one_adam(d, n):
     """0/1 Adam sync step: momentum (3F), local update of x and u (read m, v, x, u, write
     x, u: 6F), scaled accumulator into the compressed allreduce (read u, v, write: 3F),
     momentum re-estimate (2F), x correction (4F), u reset (F): 19F + the allreduce."""
-    return 19 * 4 * d + touched_onebit(d, n)
+    return costmodel.memory_bytes("zero_one_adam", d, n)
 
 
 def touched_binsgdm(d, n):
     """BinSGDM step: momentum (3F), randomized sign of m / b (read m, b, write bits), 1-bit
     allreduce (as ef_sign without residual), update (read x and the result, write x: 3F)."""
-    return 4 * d * (3 + 2 + 3 + 3) + touched_cascading(d, n)
+    return costmodel.memory_bytes("binsgdm", d, n)
 
 
 def touched_sgd_step(d, n):
