@@ -60,8 +60,8 @@ from ..core.hops import HopOperator
 from ..core.packing import (bytes_float, float_bytes, pack_signs, packed_sign_bytes, sign_pack_residual,
                             unpack_scaled_sum, unpack_signs, unpack_sum_residual)
 from ..core.pipeline import _Done, start_allgather
-from ..core.ring import (butterfly_allreduce, direct_allreduce, direct_padded_numel, is_power_of_two,
-                         ring_allreduce, torus_allreduce)
+from ..core.ring import (DIRECT_FROM, butterfly_allreduce, direct_allreduce, direct_padded_numel,
+                         is_power_of_two, ring_allreduce, torus_allreduce)
 from ..core.rng import dyadic_bits, select_bits
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
 
@@ -133,17 +133,13 @@ _HOPS = {"marsit": MarsitSelect, "cascade": CascadingSign}
 TOPOLOGIES = ("auto", "ring", "torus", "butterfly", "direct")
 
 
-#: From this many ranks on, ``topology="auto"`` runs the direct layout (two collectives).
-DIRECT_FROM = 5
-
-
 def auto_layout(n, ranks_per_node=None):
     """The layout ``topology="auto"`` runs on ``n`` ranks, ``ranks_per_node`` per host
     (``None``: unknown or one): as :meth:`MarsitCompressor.layout` returns it.
 
     Up to 4 ranks, a torus with one row per host where the hosts are known, else a ring
     (2, 4 or 6 hops: what these sizes ran before 2026-11-28, bit for bit). From
-    :data:`DIRECT_FROM` ranks on, ``"direct"``: under Horovod every hop is a collective of
+    :data:`~hvd_quant.core.ring.DIRECT_FROM` ranks on, ``"direct"``: under Horovod every hop is a collective of
     its own, negotiated by every rank's background thread, and at 16 ranks on the emulated
     cluster a ring's 30 hops took 2.5-4.2 s a step against 0.26-0.42 s for the direct
     layout's two collectives, with the same bytes (docs/benchmarks/scaling.md)."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from .onebit import padded_size
 from .packing import packed_sign_bytes
-from .ring import chunk_bounds, direct_padded_numel
+from .ring import DIRECT_FROM, chunk_bounds, direct_padded_numel
 
 KINDS = ("allreduce", "allgather", "alltoall", "sendrecv")
 
@@ -108,6 +108,10 @@ def collectives(method, numel, world_size, ranks_per_node=None, segments=1, opti
         scale = Collective("allreduce", 4.0, n) if norm == "max" else Collective("allgather", 8.0, n)
         return [scale, Collective("allreduce", float(int_payload_bytes(d, width, ("int32", "int64"))), n)]
     if method == "global_qsgd_exp":
+        if n >= DIRECT_FROM:
+            per = direct_padded_numel(d, n) // n
+            return [Collective("allreduce", 4.0, n), Collective("alltoall", float(n * per), n),
+                    Collective("allgather", float(per), n)]
         return [Collective("allreduce", 4.0, n)] + _ring_hops(d, n, n, rank)
     if method == "onebit":
         return _onebit([d], n)

@@ -193,6 +193,12 @@ def torus_allreduce(B, row_comm, col_comm, wire, op, name, rng):
     return B.concat(ring_allgather(B, row_comm, chunks, index, f"{name}.row"))
 
 
+#: From this many ranks on, the ring methods' default layout is the direct allreduce (two
+#: collectives) instead of ``2 (n - 1)`` hops: Marsit's ``topology="auto"`` and
+#: exponential dithering (docs/benchmarks/scaling.md).
+DIRECT_FROM = 5
+
+
 def is_power_of_two(n):
     return n >= 1 and n & (n - 1) == 0
 
