@@ -220,32 +220,26 @@ def scaling_tables(runs):
         names = []
         for r in at:
             names += [n for n in r["summary"]["methods"] if n not in names]
-        out += [f"### {format_rate(rate)}", "", "| method | " + " | ".join(heads) + " |",
-                "|---|" + "---:|" * len(heads)]
-        for name in names:
-            cells = []
-            for r in at:
-                row = r["summary"]["methods"].get(name)
-                if row is None:
-                    cells.append("–")
+        def table(title, cell, skip=()):
+            rows = [f"| {title} | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+            for name in names:
+                if name in skip:
                     continue
-                x = row["speedup_vs_horovod_fp32"]
-                cells.append(f"{1e3 * row['median_s']:.0f}" + (f" ({x:.2f}x)" if x and name != BASELINE else ""))
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
-        out += ["", "| MB/rank/step: sent / link out / link in | " + " | ".join(heads) + " |",
-                "|---|" + "---:|" * len(heads)]
-        for name in names:
-            if name == "local":
-                continue
-            cells = []
-            for r in at:
-                row = r["summary"]["methods"].get(name)
-                if row is None:
-                    cells.append("–")
-                    continue
-                link = row.get("link_mb")
-                cells.append(f"{row['sent_mb']:.2f}" + (f" / {link['tx']:.2f} / {link['rx']:.2f}" if link else ""))
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
+                found = [r["summary"]["methods"].get(name) for r in at]
+                rows.append(f"| {name} | " + " | ".join("–" if row is None else cell(name, row)
+                                                          for row in found) + " |")
+            return rows
+
+        def step(name, row):
+            x = row["speedup_vs_horovod_fp32"]
+            return f"{1e3 * row['median_s']:.0f}" + (f" ({x:.2f}x)" if x and name != BASELINE else "")
+
+        def sent(name, row):
+            link = row.get("link_mb")
+            return f"{row['sent_mb']:.2f}" + (f" / {link['tx']:.2f} / {link['rx']:.2f}" if link else "")
+
+        out += [f"### {format_rate(rate)}", ""] + table("method", step) + [""]
+        out += table("MB/rank/step: sent / link out / link in", sent, skip=("local",))
         out.append("")
     return out
 
