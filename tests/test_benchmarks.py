@@ -193,6 +193,62 @@ def test_cluster_benchmark_end_to_end(can_run, tmp_path):
     assert (out / "speedup.png").exists()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(560)
+def test_scaling_benchmark_end_to_end(can_run, tmp_path):
+    """The scaling case at its smallest layout (2 hosts x 1 at 1 Gbit/s, one repeat, two
+    methods): the step of the 3.7M-parameter model is timed, the host link's counters give
+    the bytes per rank (at least the wire meter's: headers and Horovod's own traffic come
+    on top), and the scaling table and plot are written."""
+    out = tmp_path / "scaling"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_cluster.py"), "--cases", "scaling", "--rates", "1gbit",
+         "--layouts", "2x1", "--repeats", "1", "--methods", "horovod_fp32,marsit", "--out-dir", str(out),
+         "--job-timeout", "400"],
+        capture_output=True, text=True, timeout=500, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["raw"]["config"]["numel"] == 3_685_632 and run["raw"]["config"]["batch"] == 1
+    rows = run["summary"]["methods"]
+    assert sorted(rows) == ["horovod_fp32", "local", "marsit"]
+    for name in ("horovod_fp32", "marsit"):
+        link = rows[name]["link_mb"]
+        assert link["tx"] >= rows[name]["sent_mb"] * 0.99 and link["rx"] >= rows[name]["sent_mb"] * 0.99, name
+        assert link["tx"] < rows[name]["sent_mb"] * 1.5 + 0.5, name
+    assert rows["horovod_fp32"]["sent_mb"] == pytest.approx(4 * 3_685_632 / 1e6)
+    report = (out / "report.md").read_text()
+    assert "## Scaling" in report and "| marsit |" in report
+    assert (out / "scaling.png").stat().st_size > 1000
+
+
+def scaling_run(hosts, slots, rate, times):
+    """A summarized scaling run: ``times`` maps a method to its seconds (both ranks)."""
+    raw = raw_result(case="scaling", numel=1000, methods={
+        name: ([[t] * 3, [t] * 3], 4000.0 * (i + 1), 0.0) for i, (name, t) in enumerate(times.items())})
+    raw["methods"]["marsit"]["link_bytes"] = {"tx": 2.5e6, "rx": 2.4e6}
+    return {"rate": bench_cluster.format_rate(rate), "rate_bps": rate, "hosts": hosts, "slots": slots,
+            "case": "scaling", "raw": raw, "summary": bench_cluster.summarize(raw, rate)}
+
+
+def test_scaling_tables_and_plot_by_layout(tmp_path):
+    """One table per rate: every method's step time (speed-up vs the paired Horovod fp32)
+    at every layout, ordered by ranks, then the bytes per rank: meter / link out / link in."""
+    pytest.importorskip("matplotlib")
+    runs = [scaling_run(4, 1, 1e8, {"horovod_fp32": 2.0, "local": 0.5, "marsit": 0.5}),
+            scaling_run(2, 1, 1e8, {"horovod_fp32": 1.0, "local": 0.5, "marsit": 0.8}),
+            scaling_run(8, 2, 1e8, {"horovod_fp32": 4.0, "local": 0.5, "marsit": 1.0})]
+    text = "\n".join(bench_cluster.scaling_tables(runs))
+    assert "| method | 2x1 | 4x1 | 8x2 |" in text
+    assert "| marsit | 800 (1.25x) | 500 (4.00x) | 1000 (4.00x) |" in text
+    assert "| horovod_fp32 | 1000 | 2000 | 4000 |" in text
+    assert "| marsit | 0.01 / 2.50 / 2.40 | 0.01 / 2.50 / 2.40 | 0.01 / 2.50 / 2.40 |" in text
+    assert bench_cluster.plot_scaling(runs, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 1000
+    assert bench_cluster.scaling_tables([]) == []
+    assert bench_cluster.parse_layouts("2x1,8X2") == [(2, 1), (8, 2)]
+    with pytest.raises(ValueError, match="HOSTSxRANKS"):
+        bench_cluster.parse_layouts("8by2")
+
+
 def test_resume_reuses_only_the_same_job(tmp_path):
     args = argparse.Namespace(
         repeats=3, threads=0, thp=False, numel=1000, methods="", worker_arg=[])

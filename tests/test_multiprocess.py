@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import hvd_quant
+import hvd_quant.compressors.auto
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
 
@@ -175,6 +176,20 @@ def test_ranks_whose_values_differ_train_on_unless_strict(job):
         assert len(default["warnings"]) == (1 if r == 0 else 0), default["warnings"]
         if r == 0:
             assert "broadcast" in default["warnings"][0]
+
+
+def test_auto_chooses_alike_on_every_rank(job):
+    """Compression.auto: one link measurement per owner, then per bucket the same method
+    on every rank, whose values are those of that method run on its own (same seed)."""
+    ranks = job["ranks"]
+    first = _ok(ranks[0]["auto"])
+    for other in ranks[1:]:
+        assert _ok(other["auto"]) == first
+    for family, sizes in first.items():
+        for d, case in sizes.items():
+            allowed = ("none",) + hvd_quant.compressors.auto.FAMILIES[family]
+            assert case["chosen"] in allowed and case["same_as_alone"], (family, d)
+            assert np.isfinite(case["values"]).all() and len(case["values"]) == int(d)
 
 
 def test_unknown_name_lists_available(job):

@@ -12,6 +12,7 @@ import zlib
 
 import numpy as np
 
+from . import scale_check
 from .compressor import ReduceContext
 from .state import StateStore
 
@@ -341,6 +342,8 @@ class CompressorRunner:
         """The :class:`ReduceContext` of buffer ``group`` on ``comm``: its state view (with
         the buffer slots sized for ``comm.size`` ranks), collective names and random stream;
         ``out``: where the result may be written (:class:`ReduceContext`)."""
+        scale_check.warn_once(self, self.compressor.name, comm, sum(int(c) for _, c in segments),
+                              self.compressor.options())
         state = None
         if self.store is not None:
             state = self.store.view(group, segments, world=(comm.rank, comm.size),

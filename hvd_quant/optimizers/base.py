@@ -268,6 +268,19 @@ class Rule:
     def validate(self, world_size):
         """Raise ``ValueError`` when the options cannot work with ``world_size`` ranks."""
 
+    def check_scale(self, comm, numel):
+        """Once per rule (per optimizer): warn on rank 0 when this rule's 1-bit steps send
+        more than half an fp32 ring allreduce's bytes per rank at ``comm.size`` ranks for
+        ``numel`` parameters (:mod:`hvd_quant.core.scale_check`). The adapters call it at
+        set-up, after :meth:`validate`."""
+        from ..core import scale_check
+        return scale_check.warn_once(self, self.name, comm, numel, ranks_per_node=self.layout_hint())
+
+    def layout_hint(self):
+        """Ranks per node this rule's collectives follow (``None``: flat), for the cost
+        model."""
+        return getattr(self, "ranks_per_node", None)
+
     def step(self, ctx):
         """Update the group: return the new flat parameters (float32)."""
         raise NotImplementedError

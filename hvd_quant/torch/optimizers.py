@@ -178,6 +178,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._comm = HorovodTorchComm(process_set)
         self._values = ValueAgreement(strict)
         self._rule.validate(self._comm.size)
+        self._rule.check_scale(self._comm, sum(p.numel() for g in self.param_groups for p in g["params"]))
         self._B = TorchBackend()
         prepare_kernels()  # loaded at set-up, not in the first step
         self._seed = int(seed)
