@@ -62,6 +62,8 @@ counters every rank holds identically, so every rank takes the same branch and i
 same collectives in the same order, which is what lets collectives sit inside a branch.
 """
 
+from ..core.backend import truth
+
 #: What a step did on the wire: DeepSpeed's initialisation step, a full-precision
 #: allreduce, a 1-bit compressed allreduce, or nothing (a local step).
 KINDS = ("init", "full", "onebit", "local")
@@ -193,7 +195,7 @@ class StepContext:
 
     def _writes_in_place(self, ok):
         # x_writable first: in a graph (TensorFlow) it is False and ``ok`` is a tensor.
-        return self.x_writable and not self.state.deferred and bool(ok)
+        return self.x_writable and not self.state.deferred and truth(ok)
 
     def x_buffer(self):
         """Where new parameters go when not into ``x``: while the verdict is open (several
@@ -428,7 +430,7 @@ class EagerGroupState(GroupState):
         self.scalars[name] = value.item() if hasattr(value, "item") else value
 
     def commit(self, ok, slots=None, scalars=None):
-        ok = bool(ok)
+        ok = truth(ok)  # a GPU verdict is read from the device once per step
         self.vote = self.vote and ok
         if self.deferred:
             if ok:  # a False one makes the whole step's verdict False

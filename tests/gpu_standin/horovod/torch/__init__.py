@@ -34,3 +34,15 @@ def size():
 
 def rank():
     return 0
+
+
+def cuda_built():  # a Horovod without GPU operations: hvd_quant stages GPU tensors
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def nccl_built():
+    return 0
