@@ -358,3 +358,35 @@ def test_the_meter_counts_both_ways():
     assert m.bytes == 8 and m.snapshot()["payload"] == 8
     m.reset()
     assert m.bytes == 0
+
+
+def test_fp32_rounds_cross_once_each_way(thread_comms):
+    """A 1-bit optimizer's fp32 round (a ring of 2 (n - 1) hops) runs on one host copy of
+    the gradient: one staged transfer and 4 bytes per element each way, not a transfer
+    per hop; the same bits as the plain ring."""
+    def warm_up(m):  # every step an fp32 round
+        return hvd_quant.torch.OnebitAdam(m.parameters(), lr=1e-2, freeze_step=100, process_set=FakeProcessSet())
+
+    def body(c):
+        comm = set_thread_comm(staged(c))
+        model, data = model_and_data(c.rank)
+        opt = warm_up(model)
+        numel = sum(p.numel() for p in model.parameters())
+        per_step = []
+        for x, y in data:
+            before = comm.host_meter.snapshot()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            after = comm.host_meter.snapshot()
+            per_step.append({k: after[k] - before[k] for k in after})
+        return numel, per_step, opt.step_kinds, [p.detach().clone() for p in model.parameters()]
+
+    got = ThreadWorld(3).run(body)
+    want = train_on_threads(3, warm_up, lambda c: Transport(c, B))
+    for r, (numel, per_step, kinds, params) in enumerate(got):
+        assert kinds[1:] == ["full"] * (len(kinds) - 1)
+        for step in per_step[1:]:  # past the first step's agreement check
+            assert step["staged"] == 1 and step["to_host"] == step["to_device"] == 4 * numel, step
+        for a, b in zip(params, want[r][0]):
+            assert_same(a.numpy(), b.numpy(), f"rank {r}")

@@ -373,7 +373,14 @@ def full_precision_mean(B, comm, g, name):
 
     if comm.size == 1:
         return g
-    return ring_allreduce(B, comm, g, FloatSum(), name, None) * (1.0 / comm.size)
+
+    def mean(B, comm, g):
+        return ring_allreduce(B, comm, g, FloatSum(), name, None) * (1.0 / comm.size)
+    # A communicator that stages a GPU's tensors through host memory runs the whole ring
+    # there: one copy over and one back, where staging each of its 2 (n - 1) hops would
+    # copy the gradient 2 (n - 1) / n times each way (hvd_quant.torch.staging).
+    on_host = getattr(comm, "on_host", None)
+    return on_host(mean, g) if on_host is not None else mean(B, comm, g)
 
 
 def full_precision_bytes(numel, world_size):

@@ -142,10 +142,9 @@ class TorchCompressor(CompressorHandle):
         """Bytes copied between the GPU and host memory for this handle's collectives in
         Horovod's stock ``optimizer`` (:class:`~hvd_quant.torch.staging.HostMeter`; 0 when
         nothing was staged). ``optimizer`` may be left out while only one uses it."""
-        from .staging import host_meter_of
+        from .staging import host_bytes
 
-        meter = host_meter_of(self._find(optimizer).comm)
-        return meter.bytes if meter is not None else 0
+        return host_bytes(self._find(optimizer).comm)
 
     def decompress(self, tensor, ctx):
         if ctx is None:

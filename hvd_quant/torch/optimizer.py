@@ -85,7 +85,7 @@ from ..optimizers.base import same_memory
 from .compression import Compression, TorchCompressor
 from .devices import BucketStreams, home_device
 from .sparse import fill_flat, kept_flat
-from .staging import host_meter_of, make_comm
+from .staging import host_bytes, make_comm
 
 log = logging.getLogger("hvd_quant")
 
@@ -389,11 +389,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def host_bytes(self):
-        """Bytes copied between the GPU and host memory for the collectives, both ways,
-        since the optimizer was made (:class:`~hvd_quant.torch.staging.HostMeter`; 0 when
-        nothing is staged: CPU parameters, or a Horovod that takes GPU tensors)."""
-        meter = host_meter_of(self._comm)
-        return meter.bytes if meter is not None else 0
+        """Bytes copied between the GPU and host memory for the collectives since the
+        optimizer was made (:func:`hvd_quant.torch.staging.host_bytes`)."""
+        return host_bytes(self._comm)
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()

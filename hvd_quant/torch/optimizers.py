@@ -104,7 +104,7 @@ from .backend import TorchBackend, prepare_kernels
 from .comm import HorovodTorchComm
 from .devices import home_device
 from .sparse import dense, fill_flat, kept_flat
-from .staging import host_meter_of, make_comm
+from .staging import host_bytes, make_comm
 
 _STATE_KEY = "hvd_quant.group{}"
 _CHECK_KEY = "optimizer"  # the agreement check's key (ValueAgreement)
@@ -257,11 +257,9 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     @property
     def host_bytes(self):
-        """Bytes copied between the GPU and host memory for the collectives, both ways,
-        since the optimizer was made (:class:`~hvd_quant.torch.staging.HostMeter`; 0 when
-        nothing is staged: CPU parameters, or a Horovod that takes GPU tensors)."""
-        meter = host_meter_of(self._comm)
-        return meter.bytes if meter is not None else 0
+        """Bytes copied between the GPU and host memory for the collectives since the
+        optimizer was made (:func:`hvd_quant.torch.staging.host_bytes`)."""
+        return host_bytes(self._comm)
 
     def load_state_dict(self, state_dict):
         # DeepSpeed's OnebitAdam/ZeroOneAdam.load_state_dict: exp_avg_mask is the training

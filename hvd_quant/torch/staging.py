@@ -247,6 +247,17 @@ class StagingComm(Communicator):
         host, device = self._stage(x)
         return _StagedHandle(self, start_allreduce(self.inner, host, op, name), device, host)
 
+    def on_host(self, fn, x):
+        """``fn(backend, comm, x)`` on a host copy of ``x``, with a CPU backend and the
+        wrapped communicator, its result returned on ``x``'s device: one copy over and one
+        back (one wait) for a round of many hops over full-size data, the 1-bit optimizers'
+        fp32 rounds (:func:`hvd_quant.optimizers.base.full_precision_mean`), where staging
+        each hop would copy the data ``2 (n - 1) / n`` times each way."""
+        from .backend import TorchBackend
+
+        host, device = self._stage(x)
+        return self._unstage(fn(TorchBackend("cpu"), self.inner, host), device, host)
+
     def subgroups(self, rows):
         """The wrapped communicator's torus rows and columns, staged the same way. Where
         those route their hops through the wrapped communicator itself, the hops are
@@ -333,3 +344,11 @@ def _note(device, wire, hvd):
 def host_meter_of(comm):
     """The :class:`HostMeter` of ``comm`` (None when nothing is staged)."""
     return getattr(comm, "host_meter", None) if isinstance(comm, StagingComm) else None
+
+
+def host_bytes(comm):
+    """Bytes copied between the GPU and host memory for ``comm``'s collectives, both ways,
+    since it was made (:class:`HostMeter`; 0 when nothing is staged: CPU tensors, or a
+    Horovod that takes GPU tensors itself). The optimizers' ``host_bytes``."""
+    meter = host_meter_of(comm)
+    return meter.bytes if meter is not None else 0
