@@ -302,6 +302,8 @@ def environment(device, args):
            "wire": os.environ.get("HVD_QUANT_WIRE", "auto")}
     with staged_if(args):
         env["wire_chosen"] = wire_for(device, hvd)
+    rate = os.environ.get("HVDQ_CLUSTER_RATE_BPS")  # set by python -m hvd_quant.cluster run
+    env["cluster_rate_bps"] = float(rate) if rate else None
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
@@ -400,8 +402,10 @@ def report(result):
              f"{'Triton' if env.get('gpu_kernels') else 'none (generic torch path)'}; the device's "
              f"collectives: {env.get('wire_chosen')} (HVD_QUANT_WIRE={env.get('wire')}).",
              f"Model: TinyLM {cfg['size']} ({cfg['numel']:,} parameters), batch {cfg['batch']} per rank.",
-             f"Network namespaces (emulated cluster): {env.get('network_namespaces')}; the emulated "
-             "cluster is not run by this job.", ""]
+             (f"Each rank in an emulated host of its own, linked at {env['cluster_rate_bps'] / 1e9:g} Gbit/s "
+              "(python -m hvd_quant.cluster)." if env.get("cluster_rate_bps") else
+              f"Network namespaces (the emulated cluster): {env.get('network_namespaces')}; this run is "
+              "on one host (HVD_QUANT_GPU_CLUSTER_RATES adds emulated-cluster runs)."), ""]
     if result["bits"]:
         lines += ["## Bits", "",
                   "A rank's bits on the GPU against a CPU twin fed the same gradients (compressors: "

@@ -15,9 +15,14 @@
 # most 15 MiB (OUTDIR/horovod-wheel.part-*, with its file name in horovod-wheel.name):
 # `cat horovod-wheel.part-* > .gpu_carry/$(cat horovod-wheel.name)` carries it to the
 # next run, which then installs it instead of building (seconds instead of minutes).
-# Time limits, in seconds: HVD_QUANT_GPU_BUILD_S for the build (default 240),
+# Time limits, in seconds: HVD_QUANT_GPU_BUILD_S for the build (default 300),
 # HVD_QUANT_GPU_TRAIN_S for the job (default 240). Exit status: the job's (124 when a
 # limit was reached).
+#
+# HVD_QUANT_GPU_CLUSTER_RATES="1gbit 10gbit" (default: none) also times the methods (no
+# bit checks) with each rank in an emulated host of its own, linked at that rate
+# (python -m hvd_quant.cluster: network namespaces, root), into OUTDIR/cluster-RATE/, each
+# under the job's time limit; a machine without namespaces says so in OUTDIR/gpu_train.md.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -51,6 +56,9 @@ if [ "${1:-}" = -- ]; then
     job+=("$@")
 fi
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+job[1]=$out
+cd "$root"  # python -m hvd_quant.cluster finds this checkout's hvd_quant
 log="$out/gpu_train.log"
 say() { echo "[gpu_train_check] $*" | tee -a "$log"; }
 
@@ -75,7 +83,7 @@ if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
     export HVD_QUANT_CACHE=${HVD_QUANT_CACHE:-${TMPDIR:-/tmp}/hvd_quant_cache}
     status=0
     HVD_QUANT_HOROVOD_SDIST="$sdist" HOROVOD_WITHOUT_TENSORFLOW=1 PYTHON="$PY" \
-        timeout "${HVD_QUANT_GPU_BUILD_S:-240}" bash "$root/scripts/build_horovod.sh" 2>&1 | tee -a "$log" \
+        timeout "${HVD_QUANT_GPU_BUILD_S:-300}" bash "$root/scripts/build_horovod.sh" 2>&1 | tee -a "$log" \
         || status=$?
     cp "$HVD_QUANT_CACHE/horovod-build.log" "$out/horovod-build.log" 2>/dev/null || true
     if [ "$status" != 0 ]; then
@@ -97,4 +105,16 @@ HOROVOD_GLOO_TIMEOUT_SECONDS=${HOROVOD_GLOO_TIMEOUT_SECONDS:-120} PYTHONUNBUFFER
     timeout "${HVD_QUANT_GPU_TRAIN_S:-240}" "$PY" -m horovod.runner.launch -np 2 -H localhost:2 --gloo \
     "$PY" "$root/benchmarks/gpu_train.py" "${job[@]}" 2>&1 | tee -a "$log" || status=$?
 say "job finished with status $status in $((SECONDS - start)) s"
+
+for rate in ${HVD_QUANT_GPU_CLUSTER_RATES:-}; do
+    say "the emulated cluster: 2 hosts x 1 rank at $rate"
+    start=$SECONDS
+    cstatus=0
+    PYTHONUNBUFFERED=1 "$PY" -m hvd_quant.cluster run --hosts 2 --slots 1 --rate "$rate" \
+        --timeout "${HVD_QUANT_GPU_TRAIN_S:-240}" -- \
+        "$PY" "$root/benchmarks/gpu_train.py" "${job[@]}" --out "$out/cluster-$rate" --bits-steps 0 \
+        2>&1 | tee -a "$log" || cstatus=$?
+    say "emulated cluster at $rate finished with status $cstatus in $((SECONDS - start)) s"
+    [ "$status" != 0 ] || status=$cstatus
+done
 exit "$status"

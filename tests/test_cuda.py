@@ -222,7 +222,7 @@ def test_the_distributed_optimizer_takes_a_gpu_model(name, bucket_size_mb, monke
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.125),
                                    named_parameters=model.named_parameters(),
                                    compression=getattr(Compression, name)(seed=2),
-                                   bucket_size_mb=bucket_size_mb)
+                                   bucket_size_mb=bucket_size_mb, process_set=FakeProcessSet())
         c = {k: torch.from_numpy(v).to(device) for k, v in weights.items()}
 
         def body(comm):

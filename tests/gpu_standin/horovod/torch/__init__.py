@@ -4,6 +4,9 @@ Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "ma
 class _GlobalSet:
     process_set_id = 0
 
+    def included(self):
+        return True
+
     def rank(self):
         return 0
 
