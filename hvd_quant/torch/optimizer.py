@@ -324,8 +324,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _write_back(self, gi, mean):
         """The mean into ``.grad``: a float32 gradient becomes a view of the reduced buffer
         (no copy; the buffer is refilled at the next reduction, as DDP's
-        ``gradient_as_bucket_view`` gradients are), others (other dtypes, GPU parameters) get
-        a copy in their dtype on their device, and a sparse one stays sparse (as Horovod
+        ``gradient_as_bucket_view`` gradients are), others (other dtypes; parameters on
+        another device than the buffer's, when the model spans several) get a copy in their
+        dtype on their device, and a sparse one stays sparse (as Horovod
         gives it back; ``torch.optim.SparseAdam`` needs it): the rows of the mean."""
         offset = 0
         for p in self._groups[gi]:
