@@ -27,10 +27,14 @@ PATCH_LEVEL=p5
 PY=${PYTHON:-python}
 
 versions=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" - <<'PYEOF'
-import sys, torch, tensorflow as tf
-print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split('+')[0]}-tf{tf.__version__}")
+import importlib.util, os, sys, torch
+tf = "none"  # torch only: no TensorFlow here, or HOROVOD_WITHOUT_TENSORFLOW=1
+if os.environ.get("HOROVOD_WITHOUT_TENSORFLOW") != "1" and importlib.util.find_spec("tensorflow"):
+    import tensorflow; tf = tensorflow.__version__
+print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split('+')[0]}-tf{tf}")
 PYEOF
 )
+with_tf=1; case $versions in *-tfnone) with_tf=0 ;; esac
 cache_root=${HVD_QUANT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_quant}
 wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions-$PATCH_LEVEL"
 
@@ -40,7 +44,11 @@ else
     echo "[build_horovod] no cached wheel for $versions; building Horovod $HOROVOD_VERSION from source (about 10 minutes on 2 cores)"
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+    if [ -n "${HVD_QUANT_HOROVOD_SDIST:-}" ]; then  # no network: the sdist carried along
+        cp "$HVD_QUANT_HOROVOD_SDIST" "$work/horovod-$HOROVOD_VERSION.tar.gz"
+    else
+        "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+    fi
     tar -C "$work" -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz"
     src="$work/horovod-$HOROVOD_VERSION"
 
@@ -70,6 +78,8 @@ else
     echo "[build_horovod] compiling; log in $log"
     (
         cd "$src"
+        # Torch only: this wins over HOROVOD_WITH_TENSORFLOW (horovod/tensorflow/CMakeLists.txt).
+        [ "$with_tf" = 1 ] || export HOROVOD_WITHOUT_TENSORFLOW=1
         export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
                HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo \
                CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j"$(nproc)"

@@ -405,3 +405,45 @@ def test_keras_benchmark_speed_up_and_share_of_the_ideal(tmp_path):
     assert ef["skipped_steps"] == 3 and not ef["meets_target"]
     table = bench_keras.write_outputs(tmp_path, raw, ["bench_keras.py"])
     assert "| ef_sign **3 timed step(s) skipped, not finite** | 400 |" in table and "**missed**" in table
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(560)
+def test_gpu_training_job_on_the_cpu(tmp_path):
+    """The GPU check's training job (``scripts/gpu_train_check.sh``, ``--cpu``: a tiny
+    model on the CPU, the device optimizers' collectives staged through host buffers) runs
+    end to end under ``horovodrun``: every compressor and 1-bit optimizer gives its CPU
+    twin's bits on both ranks after every step and the ranks agree; every method and
+    baseline is timed; the staged bytes are the collectives' payload; JSON and markdown
+    are written."""
+    import hvd_quant
+
+    out = tmp_path / "gpu"
+    env = dict(os.environ, PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HVD_QUANT_GPU_TRAIN_S="480")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train_check.sh"), str(out), "--cpu"],
+                          capture_output=True, text=True, timeout=520, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu_train.json").read_text())
+    methods = hvd_quant.available() + ["onebit_adam", "zero_one_adam", "binsgdm"]
+    assert sorted(result["bits"]) == sorted(methods)
+    for name, bits in result["bits"].items():
+        assert len(bits["steps"]) == 3, name
+        for step in bits["steps"]:
+            assert step["gpu_equals_cpu"] and step["max_ulps"] == 0, (name, step)
+            assert step["ranks_agree"] is not False, (name, step)
+        host = bits["host"]
+        assert host["to_host"] + host["to_device"] == host["payload"] > 0, (name, host)
+    kinds = {name: [s["kind"] for s in bits["steps"]] for name, bits in result["bits"].items()}
+    assert kinds["onebit_adam"] == ["init", "full", "onebit"]
+    assert "local" in kinds["zero_one_adam"] or "onebit" in kinds["zero_one_adam"]
+    assert sorted(result["timing"]) == sorted(["local", "ddp_fp32", "ddp_powersgd", "horovod_fp32"] + methods)
+    for name, row in result["timing"].items():
+        assert len(row["step_s"]) == 3 and min(row["step_s"]) > 0, name
+        if name in methods:
+            assert row["sent_bytes"] > 0 and row["host"]["payload"] > 0, name
+    report = (out / "gpu_train.md").read_text()
+    assert all(f"| {m} |" in report for m in methods + ["ddp_powersgd", "horovod_fp32"])
+    assert "1-bit methods faster than both" in report
+    assert "2 ranks:" in (out / "gpu_train.log").read_text()

@@ -224,6 +224,23 @@ def test_stock_horovod_and_fused_paths_train(job):
             assert "hvd_quant.tensorflow.DistributedGradientTape" in err["message"]
 
 
+def test_staged_collectives_train_the_same_bits(job):
+    """``HVD_QUANT_WIRE=staged`` (what GPU tensors get from a Horovod without GPU
+    operations: each collective's tensors copied into host buffers and the results copied
+    back, here from CPU tensors) trains the very parameters the plain path trains, in
+    ``hq.DistributedOptimizer`` and through Horovod's stock optimizer, on every rank; what
+    crossed is the compressed payload, far below the 8 bytes per element a copy of the
+    gradient and its mean would be."""
+    if job["framework"] != "torch":
+        pytest.skip("the staging communicator is the torch adapter's")
+    for rank in job["ranks"]:
+        plain, staged = _ok(rank["train"]), _ok(rank["train_staged"])
+        assert staged["params"] == plain
+        numel = 10 * 6 + 6 + 6 * 3 + 3
+        for key, nbytes in staged["host_bytes"].items():
+            assert 0 < nbytes < 3 * 8 * numel, (key, nbytes)  # 3 steps
+
+
 def test_checkpoint_restores_error_feedback_by_name(job):
     ckpt = _ok(job["ranks"][0]["checkpoint"])
     np.testing.assert_array_equal(ckpt["uninterrupted"], ckpt["restored"])

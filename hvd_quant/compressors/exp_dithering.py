@@ -93,7 +93,7 @@ def encode(B, x, scale, world_size, rng):
     key = rng.next_key(B)
     fast = B.kernel("exp_encode", x)
     if fast is not None:
-        return fast(x, B.item(scale), world_size, key)
+        return fast(x, B.kernel_scalar(scale), world_size, key)
     return exp_encode(B, x, scale, world_size, draws(B, key, B.numel(x)))
 
 
@@ -107,7 +107,7 @@ def exp_decode(B, codes, scale, world_size, into=None):
     factor = 2.0 ** (world_size - 1) / world_size
     fast = B.kernel("exp_decode", codes)
     if fast is not None:
-        return fast(codes, factor, B.item(scale), out=into)
+        return fast(codes, factor, B.kernel_scalar(scale), out=into)
     c = B.cast(codes, "int32")
     mag_code = B.bitwise_and(c, _shift(B, 127))
     mag = B.bitcast(B.left_shift(128 - mag_code, _shift(B, 23)), "float32")  # 2**(1-c)

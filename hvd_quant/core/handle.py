@@ -103,10 +103,12 @@ class CompressorHandle:
         ``Compression.get(name, seed=seed, **options)`` (Keras ``get_config``)."""
         return {"name": self.name, "options": dict(self._options), "seed": self.seed}
 
-    def make_runner(self, make_variable=None, strict=None):
+    def make_runner(self, make_variable=None, strict=None, device=None):
         """A new runner (fresh state and random streams) for a new owner; ``strict``: see
-        :func:`~hvd_quant.core.runner.strict_default`."""
-        return CompressorRunner(self.core, self.make_backend(), seed=self.seed,
+        :func:`~hvd_quant.core.runner.strict_default`; ``device``: where the runner's
+        state lives (a framework that places tensors, torch: ``make_backend(device)``)."""
+        backend = self.make_backend() if device is None else self.make_backend(device)
+        return CompressorRunner(self.core, backend, seed=self.seed,
                                 make_variable=make_variable, scope=new_scope(), strict=strict)
 
     # --- owners of the stock path and the TF tapes ----------------------------------------

@@ -213,6 +213,19 @@ class CompressorRunner:
         self._checked = set()
         self.values = ValueAgreement(strict)
 
+    def place(self, backend):
+        """Make the state from now on with ``backend`` (the same framework on another
+        device: the stock path learns its gradients' device from the first one). Only
+        before the first reduction: state that exists stays where it is, so then
+        ``RuntimeError``. State restored from a checkpoint and not yet used is kept (it
+        waits as numpy arrays)."""
+        if self.store is not None and self.store.variables():
+            raise RuntimeError("hvd_quant: the compressor's state exists already; it cannot move "
+                               "to another device")
+        self.backend = backend
+        if self.store is not None:
+            self.store.backend = backend
+
     def state_slots(self):
         """Names of the per-element float32 state tensors the compressor keeps.
 

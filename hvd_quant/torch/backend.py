@@ -32,7 +32,9 @@ class TorchBackend(Backend):
         return torch.full((n,), value, dtype=_DTYPES[dtype], device=self.device)
 
     def constant(self, values, dtype):
-        return torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype], device=self.device).reshape(-1)
+        if self.device.type == "cpu":
+            return torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype], device=self.device).reshape(-1)
+        return to_device(torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype]).reshape(-1), self.device)
 
     def cast(self, x, dtype):
         return x.to(_DTYPES[dtype])
@@ -45,6 +47,10 @@ class TorchBackend(Backend):
 
     def to_numpy(self, x):
         return x.detach().cpu().numpy()
+
+    def kernel_scalar(self, x):
+        # The GPU kernels read a one-element device tensor themselves: no host read.
+        return x if torch.is_tensor(x) and x.device.type != "cpu" else self.item(x)
 
     def numel(self, x):
         return x.numel()
@@ -70,7 +76,12 @@ class TorchBackend(Backend):
         return _NAMES[x.dtype]
 
     def repeat(self, values, counts):
-        return torch.repeat_interleave(values, torch.as_tensor(counts, device=values.device))
+        if values.device.type == "cpu":
+            return torch.repeat_interleave(values, torch.as_tensor(counts, device=values.device))
+        # On a GPU: the counts copied without a stream sync, and the output's size given,
+        # which repeat_interleave would otherwise read back from the device.
+        repeats = to_device(torch.as_tensor(counts, dtype=torch.int64).reshape(-1), values.device)
+        return torch.repeat_interleave(values, repeats, output_size=int(np.sum(counts, dtype=np.int64)))
 
     def arange(self, n, dtype="int64"):
         return torch.arange(n, dtype=_DTYPES[dtype], device=self.device)
@@ -159,11 +170,36 @@ class TorchBackend(Backend):
     # Fast paths: uint8 arithmetic, no int32 detour.
     def packbits(self, bits):
         groups = bits.to(torch.uint8).reshape(-1, 8)
-        return (groups << _BIT_SHIFTS.to(groups.device)).sum(dim=1, dtype=torch.uint8)
+        return (groups << _bit_shifts(groups.device)).sum(dim=1, dtype=torch.uint8)
 
     def unpackbits(self, packed):
-        shifts = _BIT_SHIFTS.to(packed.device)
+        shifts = _bit_shifts(packed.device)
         return ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)
+
+
+_SHIFTS_ON = {}  # device -> _BIT_SHIFTS there (a copy per call would wait for the stream)
+
+
+def _bit_shifts(device):
+    if device.type == "cpu":
+        return _BIT_SHIFTS
+    shifts = _SHIFTS_ON.get(device)
+    if shifts is None:
+        shifts = _SHIFTS_ON[device] = _BIT_SHIFTS.to(device)
+    return shifts
+
+
+def to_device(host, device):
+    """A copy of the CPU tensor ``host`` on ``device`` that makes the host wait for nothing.
+
+    ``tensor.to(device)`` from ordinary host memory is a synchronous copy: torch then waits
+    for everything queued on the stream before it (every step's small constants, a
+    divisor or a segment table, would stall the host until the GPU caught up). The bytes
+    go through page-locked memory (torch's caching host allocator, which keeps the block
+    until the copy is done) with a non-blocking copy instead."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def prepare_kernels():

@@ -1,5 +1,16 @@
 """Horovod (torch) implementation of :class:`hvd_quant.core.comm.Communicator`.
 
+Where a collective's tensors live (``wire``): ``"host"`` when Horovod is handed tensors in
+host memory (CPU parameters, or GPU tensors staged through host buffers by
+:class:`hvd_quant.torch.staging.StagingComm`), ``"device"`` when Horovod is handed GPU
+tensors itself (a Horovod built with GPU operations). Every rank must hand Horovod the
+same kind: before its first collective (and again after an elastic reset) a
+communicator compares its ``wire`` with every rank's in one small allgather of host
+memory, named after that first collective, and all ranks raise
+:class:`~hvd_quant.core.runner.RankDisagreement` together if they differ (Horovod would
+refuse the collective, or, for a GPU tensor that Horovod copies to the host itself
+without a GPU build, read it before the copy is done).
+
 Waiting for a collective
 ------------------------
 ``hvd.synchronize`` busy-waits: Horovod 0.28.1 polls the handle in a loop that calls
@@ -18,8 +29,12 @@ import torch
 import horovod.torch as hvd
 
 from ..core.comm import Communicator
+from ..core.runner import check_agreement
 from ..core.watchdog import WATCHDOG
-from ..process_sets import ProcessSetTorus
+from ..process_sets import ProcessSetTorus, torus_subgroups
+
+#: The ``wire`` values, as the codes the agreement check gathers.
+WIRES = {"host": 1, "device": 2}
 
 # Horovod's torch allreduce handles these dtypes only (no int8/uint8/bool: horovod #3661).
 _ALLREDUCE_DTYPES = (torch.int32, torch.int64, torch.float16, torch.float32, torch.float64)
@@ -83,6 +98,48 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
 
     _horovod = hvd  # ProcessSetTorus reads the global process set and the layout from it
 
+    def __init__(self, process_set=None, wire="host"):
+        super().__init__(process_set)
+        if wire not in WIRES:
+            raise ValueError(f"wire must be one of {sorted(WIRES)}, got {wire!r}")
+        self.wire = wire
+        self._wire_checked = False
+
+    def refresh(self):
+        super().refresh()
+        self._wire_checked = False  # ranks that joined check theirs: so must the others
+
+    def _check_wire(self, name):
+        """Before the first collective (named ``name``, the same on every rank): every rank
+        hands Horovod tensors of the same kind (module docstring). Not counted on the
+        meter: it is set-up, not gradient traffic."""
+        if self._wire_checked:
+            return
+        self._wire_checked = True
+        if self.size == 1:
+            return
+        code = torch.tensor([WIRES[self.wire]], dtype=torch.int64)
+        label = f"hvd_quant.wire.{name}"
+        with WATCHDOG.guard(f"allgather {label!r}"):
+            gathered = wait_for(hvd.allgather_async(code, name=label, process_set=self.process_set))
+        check_agreement(
+            gathered.numpy().reshape(self.size, 1),
+            ["where the tensors handed to Horovod live (1: host memory, 2: the GPU)"],
+            ["Horovod takes GPU tensors itself only when it was built with GPU operations "
+             "(hvd.cuda_built()); hvd_quant stages them through host memory otherwise, and "
+             "CPU parameters are in host memory. Build the same Horovod on every host, and "
+             "put the model on the same kind of device on every rank, or set "
+             "HVD_QUANT_WIRE=staged on every rank (GPU tensors staged through host memory)."])
+
+    def subgroups(self, rows):
+        """Torus rows and columns (:meth:`ProcessSetTorus.subgroups`); over registered
+        process sets they hand Horovod the same kind of tensors as this communicator."""
+        cache = self.__dict__.setdefault("_torus", {})
+        if rows not in cache:
+            cache[rows] = (torus_subgroups(self, rows, lambda ps: type(self)(ps, wire=self.wire))
+                           or Communicator.subgroups(self, rows))
+        return cache[rows]
+
     @staticmethod
     def _check_allreduce_dtype(x):
         if x.dtype not in _ALLREDUCE_DTYPES:
@@ -91,12 +148,14 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
 
     def allreduce(self, x, op, name):
         self._check_allreduce_dtype(x)
+        self._check_wire(name)
         self._count_allreduce(x.numel() * x.element_size())
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
         with WATCHDOG.guard(f"allreduce {name!r}"):
             return wait_for(hvd.allreduce_async(x, name=name, op=hvd_op, process_set=self.process_set))
 
     def allgather(self, x, name):
+        self._check_wire(name)
         self._count_allgather(x.numel() * x.element_size())
         with WATCHDOG.guard(f"allgather {name!r}"):
             return wait_for(hvd.allgather_async(x, name=name, process_set=self.process_set))
@@ -105,11 +164,13 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
     # start_allreduce): the collective is on the wire while the caller computes; wait()
     # returns its result.
     def allgather_async(self, x, name):
+        self._check_wire(name)
         self._count_allgather(x.numel() * x.element_size())
         return _AsyncHandle(hvd.allgather_async(x, name=name, process_set=self.process_set),
                             f"allgather {name!r}")
 
     def alltoall_async(self, x, name):
+        self._check_wire(name)
         if self.size == 1:
             from ..core.pipeline import _Done
             return _Done(x.clone())
@@ -120,12 +181,14 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
 
     def allreduce_async(self, x, op, name):
         self._check_allreduce_dtype(x)
+        self._check_wire(name)
         self._count_allreduce(x.numel() * x.element_size())
         hvd_op = {"sum": hvd.Sum, "max": hvd.Max}[op]
         return _AsyncHandle(hvd.allreduce_async(x, name=name, op=hvd_op, process_set=self.process_set),
                             f"allreduce {name!r}")
 
     def alltoall(self, x, name):
+        self._check_wire(name)
         if self.size == 1:
             return x.clone()
         self._count_alltoall(x.numel() * x.element_size())
@@ -133,6 +196,7 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
             return wait_for(hvd.alltoall_async(x, name=name, process_set=self.process_set))[0]
 
     def sendrecv(self, x, dest, source, name, recv_numel=None):
+        self._check_wire(name)
         if self.size == 1:
             return x.clone()
         self._count_send(x.numel() * x.element_size(), dest)

@@ -31,9 +31,12 @@ Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
   ``load_state_dict()`` restores it;
 * the compression object is configuration: each optimizer keeps its own state, so one
   object may serve several optimizers (a GAN's generator and discriminator);
-* gradients on a GPU are copied into a CPU buffer and reduced there (the compressor's
-  state in CPU tensors, Horovod's CPU path, the fused kernels); the mean is copied back to
-  the parameter's device (``tests/test_cuda.py``);
+* gradients on a GPU are reduced on the GPU: the fused buffers and the compressor's state
+  live on the parameters' device, and only what the collectives carry (packed bytes and
+  scales) crosses to the host when Horovod has no GPU operations
+  (:mod:`hvd_quant.torch.staging`; ``host_bytes`` counts it). Under overlap the buckets
+  are reduced on a CUDA stream of their own (:mod:`hvd_quant.torch.devices`). Parameters
+  on several devices are reduced through the host, as before (one warning);
 * fp16 and bf16 parameters and gradients are reduced in fp32 and written back in the
   parameter's dtype. With ``torch.amp.GradScaler``, reduce before unscaling, as with
   Horovod: ``opt.synchronize(); scaler.unscale_(opt); with opt.skip_synchronize():
@@ -80,9 +83,10 @@ from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
 from ..process_sets import includes_this_rank
-from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
+from .devices import BucketStreams, home_device
 from .sparse import fill_flat, kept_flat
+from .staging import host_bytes, make_comm
 
 log = logging.getLogger("hvd_quant")
 
@@ -119,7 +123,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._passes = _check_passes(backward_passes_per_step)
         self._compression = compression
         compression.prepare()  # Horovod is initialised now: the ranks on this host are known
-        self._runner = compression.make_runner(strict=strict)  # this optimizer's own state
+        all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        # The fused buffers and the compressor's state live on the parameters' device.
+        self._device, _ = home_device(all_params, "hvd_quant.torch.DistributedOptimizer")
+        self._runner = compression.make_runner(strict=strict, device=self._device)  # this optimizer's own state
         # Horovod's public attributes, read by integrations (Lightning, Ray).
         self.op, self.process_set, self.sparse_as_dense = op, process_set, bool(sparse_as_dense)
         self.backward_passes_per_step = self._passes
@@ -128,9 +135,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # collective, no agreement check (hybrid-parallel programs give a sub-model's
         # optimizer the set of ranks that hold that sub-model).
         self._included = includes_this_rank(process_set)
-        self._comm = HorovodTorchComm(process_set) if self._included else None
+        self._comm = make_comm(process_set, self._device) if self._included else None
 
-        all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         names = {}
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -156,8 +162,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._chunk_numel = int(pipeline_chunk_mb * 2 ** 20) // 4 if pipeline_chunk_mb else 0
         self._overlap = bool(bucket_size_mb) if overlap is None else bool(overlap)
         self._hooks = []
+        self._streams = None
         if self._overlap and self._included:
-            self._pipeline = BucketPipeline(len(self._groups), self._reduce_group)
+            self._streams = BucketStreams.make(self._device, len(self._groups))
+            self._pipeline = BucketPipeline(len(self._groups), self._reduce_bucket)
             self._group_of = {p: gi for gi, group in enumerate(self._groups) for p in group}
             self._hook_lock = threading.Lock()
             self._reset_counts()
@@ -177,6 +185,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _reset_counts(self):
         self._grad_count = {p: 0 for p in self._group_of}
         self._remaining = [len(g) * self._passes for g in self._groups]
+        self._hook_launched = set()  # buckets that backward completed this round
+        if self._streams is not None:
+            self._streams.end_round()
 
     def set_backward_passes_per_step(self, passes):
         """Reduce after ``passes`` backward passes per step from now on (Horovod's
@@ -214,6 +225,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gi = self._group_of.get(p)
         if gi is None:
             return
+        if self._streams is not None:  # the bucket's worker stream waits for this gradient
+            self._streams.gradient_ready(p)
         with self._hook_lock:
             count = self._grad_count[p] + 1
             too_many = count > self._passes or self._pipeline.launched(gi)
@@ -229,6 +242,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "already being reduced). Raise backward_passes_per_step, or call "
                 "step()/synchronize() after each backward(), or pass overlap=False.")
         if ready:
+            self._hook_launched.add(gi)
             self._pipeline.launch(gi)
 
     def _finish_round(self):
@@ -254,6 +268,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     # --- communication --------------------------------------------------------------------
+    def _reduce_bucket(self, gi):
+        """The bucket worker's reduction of bucket ``gi``: on a GPU, on the worker's own
+        stream, after the bucket's gradients (:class:`~hvd_quant.torch.devices.BucketStreams`)."""
+        if self._streams is None:
+            return self._reduce_group(gi)
+        return self._streams.run(gi, self._groups[gi], gi in self._hook_launched,
+                                 lambda: self._reduce_group(gi))
+
     def _reduce_group(self, gi):
         """Mean (or sum) over ranks of group ``gi``'s gradients, as a flat float32 tensor.
         Runs on the bucket worker thread under overlap, else on the caller's."""
@@ -265,17 +287,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # result goes back into the same memory where the compressor can (ReduceContext.out):
         # then the mean is already in .grad, with no fresh buffer and no copy (_write_back
         # sees the same storage). Several go into one kept buffer (sparse.fill_flat).
-        # A GPU gradient is copied into the CPU buffer: state and collectives stay on the CPU
-        # (Horovod's CPU path, the fused kernels), and _write_back copies the mean back.
+        # The buffer is on the parameters' device (the host when they are on several:
+        # gradients are copied in, and _write_back copies the means back).
         g = group[0].grad if len(group) == 1 else None
         if (g is not None and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous()
-                and g.device.type == "cpu"):
+                and g.device == self._device):
             flat = g.detach().reshape(-1)
         else:
             if not self.sparse_as_dense:
                 self._note_sparse(group)
-            flat = fill_flat(kept_flat(self._fused, gi, sum(p.numel() for p in group)), group,
-                             True, self._param_name.get, "DistributedOptimizer")
+            flat = fill_flat(kept_flat(self._fused, gi, sum(p.numel() for p in group), self._device),
+                             group, True, self._param_name.get, "DistributedOptimizer")
         into = flat if flat.is_contiguous() and self.op == hvd.Average else None
         mean = chunked_reduce(self._runner, flat, self._comm, key, segments, self._chunk_numel,
                               out=into)
@@ -304,8 +326,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _write_back(self, gi, mean):
         """The mean into ``.grad``: a float32 gradient becomes a view of the reduced buffer
         (no copy; the buffer is refilled at the next reduction, as DDP's
-        ``gradient_as_bucket_view`` gradients are), others (other dtypes, GPU parameters) get
-        a copy in their dtype on their device, and a sparse one stays sparse (as Horovod
+        ``gradient_as_bucket_view`` gradients are), others (other dtypes; parameters on
+        another device than the buffer's, when the model spans several) get a copy in their
+        dtype on their device, and a sparse one stays sparse (as Horovod
         gives it back; ``torch.optim.SparseAdam`` needs it): the rows of the mean."""
         offset = 0
         for p in self._groups[gi]:
@@ -331,10 +354,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_sync = False
             return
         if self._overlap:
+            if self._streams is not None:
+                self._streams.round_point()
             try:
                 means = self._pipeline.wait_all()
             finally:
                 self._reset_counts()
+            if self._streams is not None:  # the step waits for the worker's stream
+                for gi, mean in enumerate(means):
+                    self._streams.hand_over(gi, mean)
         else:
             means = [self._reduce_group(gi) for gi in range(len(self._groups))]
         for gi, mean in enumerate(means):
@@ -361,6 +389,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def bytes_sent(self):
         """Bytes this rank has sent for gradient reduction (cost model of WireMeter)."""
         return self._comm.meter.bytes_sent if self._comm is not None else 0.0
+
+    @property
+    def host_bytes(self):
+        """Bytes copied between the GPU and host memory for the collectives since the
+        optimizer was made (:func:`hvd_quant.torch.staging.host_bytes`)."""
+        return host_bytes(self._comm)
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()

@@ -194,6 +194,8 @@ if FRAMEWORK == "torch":
 else:
     import train_tf as train
 record("train", train.fused_vs_stock)
+if FRAMEWORK == "torch":
+    record("train_staged", train.staged_vs_host)
 record("checkpoint", train.checkpoint_roundtrip)
 record("checkpoint_onebit", lambda: train.checkpoint_roundtrip("onebit"))
 record("params_differ", train.params_differ)
