@@ -79,7 +79,14 @@ fi
 # One line on the Horovod build found (what `horovodrun --check-build` says, 18 s sooner).
 horovod_build() { "$py" -c "import horovod, horovod.torch as h, horovod.tensorflow
 print(horovod.__version__, 'with torch and TensorFlow ops,', 'Gloo' if h.gloo_built() else 'NO Gloo')" 2>/dev/null; }
-if ! built=$(horovod_build); then
+# A Horovod installed before scripts/build_horovod.sh's Fix 5 (horovodrun's rendezvous race:
+# hvd.init() after hvd.shutdown() could abort) is replaced by the patched build.
+horovod_patched() {
+    local server
+    server=$("$py" -c "import horovod.runner.http.http_server as m; print(m.__file__)" 2>/dev/null) &&
+        grep -q 'finished_list\[scope\]\.clear()' "$server"
+}
+if ! built=$(horovod_build) || ! horovod_patched; then
     PYTHON="$py" "$root/scripts/build_horovod.sh"
     built=$(horovod_build) || { echo "[bootstrap] Horovod was built but does not import" >&2; exit 1; }
 fi
