@@ -680,6 +680,54 @@ def test_a_backward_on_a_non_default_stream(bucket_size_mb, monkeypatch):
             np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+@pytest.mark.parametrize("bucket_size_mb", [0.5, None])
+def test_an_error_mid_round_leaves_no_bucket_writing_into_grad(bucket_size_mb, monkeypatch):
+    """``zero_grad()`` between backward and step raises after reducing the round's buckets
+    (so no collective is left in flight). On a GPU that reduction is ordered like
+    ``synchronize()``'s: a ``zero_grad(set_to_none=False)`` the program then makes on its
+    stream comes after every bucket's write into ``.grad``, so the gradients stay zero,
+    and the next round trains. The backward runs on a stream of its own and is made slow,
+    so that an unordered bucket would still be writing."""
+    from hvd_quant.torch import Compression, DistributedOptimizer
+
+    use_thread_comms(monkeypatch)
+
+    def body(c):
+        init = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(1 << 18, generator=init).cuda()) for _ in range(6)]
+        set_thread_comm(staged_comm(c, "cuda"))
+        opt = DistributedOptimizer(torch.optim.SGD(params, lr=0.125),
+                                   named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
+                                   compression=Compression.ef_sign, bucket_size_mb=bucket_size_mb,
+                                   process_set=PS)
+        x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(c.rank)).cuda()
+
+        def backward():
+            loss = 0
+            for p in params:
+                h = p * x
+                for _ in range(40):
+                    h = torch.sin(h) * 1.5
+                loss = loss + h.sum()
+            loss.backward()
+
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            backward()
+            with pytest.raises(AssertionError, match="zero_grad"):
+                opt.zero_grad()
+            opt.zero_grad(set_to_none=False)
+            torch.cuda.synchronize()
+            zeroed = [bool((p.grad == 0).all()) for p in params]
+            backward()
+            opt.step()
+        torch.cuda.synchronize()
+        return zeroed, [bool(torch.isfinite(p).all()) for p in params]
+
+    for zeroed, finite in ThreadWorld(2).run(body):
+        assert all(zeroed) and all(finite)
+
+
 def test_parameters_on_two_devices_are_reduced_through_the_host(monkeypatch, caplog):
     """A model split over the CPU and the GPU: each optimizer says so once and keeps its
     state in host memory, and trains as the same model on the CPU does."""

@@ -250,9 +250,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``zero_grad()`` before the step): reduce the round's remaining buckets and drop
         the results. Every rank that reaches this point issues the same collectives, as
         ``synchronize()`` would, so none is left in flight: a program that catches the
-        error and calls ``hvd.shutdown()``/``hvd.init()`` starts clean."""
+        error and calls ``hvd.shutdown()``/``hvd.init()`` starts clean. On a GPU the streams
+        are ordered as in ``synchronize()``: the buckets launched here wait for the caller's
+        stream, and the caller's stream for them (a later ``zero_grad()`` must not race a
+        bucket still writing into ``.grad``)."""
         try:
-            self._pipeline.wait_all()
+            if self._streams is not None:
+                self._streams.round_point()
+            means = self._pipeline.wait_all()
+            if self._streams is not None:
+                for gi, mean in enumerate(means):
+                    self._streams.hand_over(gi, mean)
         except Exception:  # noqa: BLE001 - the error being raised is the one to report
             pass
         finally:
