@@ -26,14 +26,17 @@ HOROVOD_VERSION=0.28.1
 PATCH_LEVEL=p5
 PY=${PYTHON:-python}
 
-versions=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" - <<'PYEOF'
+# The probe's stderr (TensorFlow's start-up lines: no CUDA drivers, absl) is shown only if it fails.
+probe_err=$(mktemp)
+versions=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" - 2>"$probe_err" <<'PYEOF'
 import importlib.util, os, sys, torch
 tf = "none"  # torch only: no TensorFlow here, or HOROVOD_WITHOUT_TENSORFLOW=1
 if os.environ.get("HOROVOD_WITHOUT_TENSORFLOW") != "1" and importlib.util.find_spec("tensorflow"):
     import tensorflow; tf = tensorflow.__version__
 print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split('+')[0]}-tf{tf}")
 PYEOF
-)
+) || { cat "$probe_err" >&2; rm -f "$probe_err"; exit 1; }
+rm -f "$probe_err"
 with_tf=1; case $versions in *-tfnone) with_tf=0 ;; esac
 cache_root=${HVD_QUANT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_quant}
 wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions-$PATCH_LEVEL"
