@@ -630,6 +630,34 @@ def test_a_step_synchronises_the_host_only_where_the_algorithm_needs_it(which, m
         assert waits == staged > 0, (which, waits, staged)
 
 
+def slow_ef_sign_model(c, bucket_size_mb):
+    """Rank ``c``'s six GPU parameters of 2**18 elements (the same on every rank) and an
+    ef_sign ``DistributedOptimizer`` over them with SGD, staged as a Horovod without GPU
+    operations stages them."""
+    from hvd_quant.torch import Compression, DistributedOptimizer
+
+    init = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1 << 18, generator=init).cuda()) for _ in range(6)]
+    set_thread_comm(staged_comm(c, "cuda"))
+    opt = DistributedOptimizer(torch.optim.SGD(params, lr=0.125),
+                               named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
+                               compression=Compression.ef_sign, bucket_size_mb=bucket_size_mb,
+                               process_set=PS)
+    return params, opt
+
+
+def slow_backward(params, x):
+    """A backward made slow on purpose (40 elementwise passes per parameter), so that a
+    reduction not ordered after it would read gradients still being written."""
+    loss = 0
+    for p in params:
+        h = p * x
+        for _ in range(40):
+            h = torch.sin(h) * 1.5
+        loss = loss + h.sum()
+    loss.backward()
+
+
 @pytest.mark.parametrize("bucket_size_mb", [0.5, None])
 def test_a_backward_on_a_non_default_stream(bucket_size_mb, monkeypatch):
     """Each rank runs forward, backward and step on a stream of its own: the bucket
@@ -638,19 +666,11 @@ def test_a_backward_on_a_non_default_stream(bucket_size_mb, monkeypatch):
     every step (elementwise work only, so both are bit for bit the same). The backward is
     made slow (many passes per layer) so that a reduction started before its gradient was
     complete would read the wrong values."""
-    from hvd_quant.torch import Compression, DistributedOptimizer
-
     use_thread_comms(monkeypatch)
 
     def run(side):
         def body(c):
-            init = torch.Generator().manual_seed(0)
-            params = [torch.nn.Parameter(torch.randn(1 << 18, generator=init).cuda()) for _ in range(6)]
-            set_thread_comm(staged_comm(c, "cuda"))
-            opt = DistributedOptimizer(torch.optim.SGD(params, lr=0.125),
-                                       named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
-                                       compression=Compression.ef_sign, bucket_size_mb=bucket_size_mb,
-                                       process_set=PS)
+            params, opt = slow_ef_sign_model(c, bucket_size_mb)
             stream = torch.cuda.Stream() if side else torch.cuda.current_stream()
             g = torch.Generator().manual_seed(c.rank)
             xs = [torch.randn(1 << 18, generator=g).cuda() for _ in range(3)]
@@ -658,13 +678,7 @@ def test_a_backward_on_a_non_default_stream(bucket_size_mb, monkeypatch):
             with torch.cuda.stream(stream):
                 for x in xs:
                     opt.zero_grad()
-                    loss = 0
-                    for p in params:
-                        h = p * x
-                        for _ in range(40):
-                            h = torch.sin(h) * 1.5
-                        loss = loss + h.sum()
-                    loss.backward()
+                    slow_backward(params, x)
                     if not side:
                         torch.cuda.synchronize()
                     opt.step()
@@ -688,38 +702,21 @@ def test_an_error_mid_round_leaves_no_bucket_writing_into_grad(bucket_size_mb, m
     stream comes after every bucket's write into ``.grad``, so the gradients stay zero,
     and the next round trains. The backward runs on a stream of its own and is made slow,
     so that an unordered bucket would still be writing."""
-    from hvd_quant.torch import Compression, DistributedOptimizer
-
     use_thread_comms(monkeypatch)
 
     def body(c):
-        init = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(1 << 18, generator=init).cuda()) for _ in range(6)]
-        set_thread_comm(staged_comm(c, "cuda"))
-        opt = DistributedOptimizer(torch.optim.SGD(params, lr=0.125),
-                                   named_parameters=[(f"p{i}", p) for i, p in enumerate(params)],
-                                   compression=Compression.ef_sign, bucket_size_mb=bucket_size_mb,
-                                   process_set=PS)
+        params, opt = slow_ef_sign_model(c, bucket_size_mb)
         x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(c.rank)).cuda()
-
-        def backward():
-            loss = 0
-            for p in params:
-                h = p * x
-                for _ in range(40):
-                    h = torch.sin(h) * 1.5
-                loss = loss + h.sum()
-            loss.backward()
 
         torch.cuda.synchronize()
         with torch.cuda.stream(torch.cuda.Stream()):
-            backward()
+            slow_backward(params, x)
             with pytest.raises(AssertionError, match="zero_grad"):
                 opt.zero_grad()
             opt.zero_grad(set_to_none=False)
             torch.cuda.synchronize()
             zeroed = [bool((p.grad == 0).all()) for p in params]
-            backward()
+            slow_backward(params, x)
             opt.step()
         torch.cuda.synchronize()
         return zeroed, [bool(torch.isfinite(p).all()) for p in params]
