@@ -61,6 +61,7 @@ from cluster_worker import ONEBIT_ADAM_LR, TinyLM, init_torch_distributed, model
 
 import hvd_quant  # noqa: E402
 import hvd_quant.torch as hq  # noqa: E402
+from hvd_quant.core import costmodel  # noqa: E402
 from hvd_quant.torch.staging import host_meter_of, wire_for  # noqa: E402
 
 SIZES = {  # TinyLM's configurations: the cluster benchmark's LM, and one for CPU test runs
@@ -73,6 +74,13 @@ ONEBIT = ("onebit_adam", "zero_one_adam", "binsgdm")
 ONE_BIT_METHODS = ("ef_sign", "marsit", "cascading_sign", "onebit") + ONEBIT
 BASELINES = ("local", "ddp_fp32", "ddp_powersgd", "horovod_fp32")
 LR = 1e-3
+#: ``auto``'s link in phase 1: a fixed one (100 Mbit/s, 1 ms per collective). Measured
+#: twice, once by the device optimizer and once by its CPU twin, the link may differ
+#: enough for the two to choose different methods, and their bits would differ by design;
+#: on this slow link every bucket of both models is sent compressed, so the check covers
+#: a compressor's device path. Phase 2 times ``auto`` as users run it, measuring.
+BITS_LINK = costmodel.LinkModel(1e8, dict.fromkeys(costmodel.KINDS, 1e-3), dict.fromkeys(costmodel.KINDS, 0.0),
+                                dict(costmodel.EMULATED_EFFICIENCY), 10e9, "fixed for the bits check")
 
 
 def compressors():
@@ -106,8 +114,9 @@ def make_optimizer(name, model, bits):
         return hq.ZeroOneAdam(params, lr=ONEBIT_ADAM_LR, named_parameters=named, **extra)
     if name == "binsgdm":
         return hq.BinSGDM(params, lr=1e-4, named_parameters=named)
+    options = {"link": BITS_LINK} if bits and name == "auto" else {}
     return hq.DistributedOptimizer(torch.optim.Adam(params, lr=LR), named_parameters=named,
-                                   compression=hq.Compression.get(name))
+                                   compression=hq.Compression.get(name, **options))
 
 
 def staged_if(args):
@@ -178,7 +187,11 @@ def bits_check(name, args, rank, device):
         steps.append({"kind": kind, "gpu_equals_cpu": same, "max_ulps": 0 if same else ulps(got, want),
                       "digest": zlib.crc32(got.view(np.uint8))})
     host = host_meter_of(opt._comm)
-    return {"steps": steps, "host": host.snapshot() if host else None, "bytes_sent": opt.bytes_sent}
+    out = {"steps": steps, "host": host.snapshot() if host else None, "bytes_sent": opt.bytes_sent}
+    if name == "auto":  # each bucket's method, on both devices (the twin must have chosen alike)
+        out["choices"] = opt._runner.compressor.choices(opt._comm)
+        out["twin_choices"] = twin_opt._runner.compressor.choices(twin_opt._comm)
+    return out
 
 
 # --- phase 2: timing ------------------------------------------------------------------------------
@@ -365,6 +378,9 @@ def run(args):
                               "max_ulps": max(s["max_ulps"] for s in per_rank),
                               "ranks_agree": None if local else len({s["digest"] for s in per_rank}) == 1})
             result["bits"][name] = {"steps": steps, "host": ranks[0]["host"], "bytes_sent": ranks[0]["bytes_sent"]}
+            if "choices" in mine:
+                result["bits"][name].update(choices=ranks[0]["choices"], twin_choices=ranks[0]["twin_choices"],
+                                            ranks_chose_alike=all(r["choices"] == ranks[0]["choices"] for r in ranks))
             ok = all(s["gpu_equals_cpu"] and s["ranks_agree"] is not False for s in steps)
             say(f"bits {name:16s} {'ok' if ok else 'DIFFERENT'} ({time.perf_counter() - t:.1f} s)")
 

@@ -435,6 +435,12 @@ def test_gpu_training_job_on_the_cpu(tmp_path):
             assert step["ranks_agree"] is not False, (name, step)
         host = bits["host"]
         assert host["to_host"] + host["to_device"] == host["payload"] > 0, (name, host)
+    # auto chose on a fixed slow link: the same compressed method on both devices.
+    auto = result["bits"]["auto"]
+    # (bucket names carry the owner's number: o0 the device optimizer, o1 its twin)
+    assert list(auto["choices"].values()) == list(auto["twin_choices"].values()), auto
+    assert auto["choices"] and auto["ranks_chose_alike"], auto
+    assert "none" not in auto["choices"].values(), auto
     kinds = {name: [s["kind"] for s in bits["steps"]] for name, bits in result["bits"].items()}
     assert kinds["onebit_adam"] == ["init", "full", "onebit"]
     assert "local" in kinds["zero_one_adam"] or "onebit" in kinds["zero_one_adam"]

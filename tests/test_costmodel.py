@@ -329,3 +329,28 @@ def test_auto_agrees_on_every_rank_and_runs_the_chosen_method(family):
             np.testing.assert_array_equal(results[r][1][k], alone[r][k])
     with pytest.raises(ValueError, match="family"):
         AutoCompressor("biased")
+
+
+class _Unmeasured(AutoCompressor):
+    def _measure(self, B, comm):
+        raise AssertionError("measured the link although it was given")
+
+
+def test_auto_with_a_given_link_chooses_on_it_without_measuring():
+    """``link=``: no timing collectives; the choice is the model's on those figures, in
+    every run; the link is part of the options the ranks compare."""
+    n, link = 3, _link(1e8, 1e-3)
+    comps = [_Unmeasured("onebit_ef", link=link) for _ in range(n)]
+    x = np.ones(400_000, np.float32)
+
+    def body(c):
+        CompressorRunner(comps[c.rank], B, seed=3).reduce(x, c, "big", [("big", x.size)])
+        return comps[c.rank].choices(c)
+
+    results = ThreadWorld(n).run(body)
+    want = choose(comps[0].candidates, x.size, n, link, segments=1)[0]
+    assert all(r == {"big": want} for r in results) and want != "none"
+    assert comps[0].options() != AutoCompressor("onebit_ef").options()
+    assert comps[0].options() == AutoCompressor("onebit_ef", link=_link(1e8, 1e-3)).options()
+    with pytest.raises(TypeError, match="LinkModel"):
+        AutoCompressor(link=1e9)

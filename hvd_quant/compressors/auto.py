@@ -28,6 +28,11 @@ the world changes size (an elastic reset). The chosen method keeps its state in 
 owner's store as it would alone (``ef_sign`` and ``marsit`` share the key ``residual``;
 ``onebit``'s error buffers are buffer slots), so checkpoints work as for that method.
 
+``link=`` (a :class:`~hvd_quant.core.costmodel.LinkModel`, the same on every rank) skips
+the measurement and chooses on those figures: the choice is then the same in every run
+(a test that compares two runs bit for bit, a link known from
+``benchmarks/costmodel_calibrate.py``).
+
 Caveat: the model's error was measured on the emulated cluster (issue 42,
 docs/benchmarks/scaling.md); where it misjudges, the choice may be the second best.
 """
@@ -90,16 +95,21 @@ class AutoCompressor(Compressor):
     Parameters
     ----------
     family : "onebit_ef", "unbiased" or "any" (default)
+    link : :class:`~hvd_quant.core.costmodel.LinkModel`, optional
+        The link to choose on instead of measuring it; every rank must pass equal
+        figures (they are part of :meth:`options`, which the ranks compare).
     """
 
     name = "auto"
     stateful = True
     multi_hop = True  # it may choose Marsit's ring
 
-    def __init__(self, family="any"):
+    def __init__(self, family="any", link=None):
         if family not in FAMILIES:
             raise ValueError(f"auto: family must be one of {', '.join(map(repr, FAMILIES))}, got {family!r}")
-        self.family = family
+        if link is not None and not isinstance(link, costmodel.LinkModel):
+            raise TypeError(f"auto: link must be a hvd_quant.core.costmodel.LinkModel, got {type(link).__name__}")
+        self.family, self.link = family, link
         self.candidates = FAMILIES[family]
         from ..registry import get  # the registry imports this module
         self._methods = {m: get(m) for m in ("none",) + self.candidates}
@@ -113,7 +123,7 @@ class AutoCompressor(Compressor):
         self._worlds = weakref.WeakKeyDictionary()  # comm -> {"size", "link", "choices"}
 
     def options(self):
-        return {"family": self.family}
+        return {"family": self.family} if self.link is None else {"family": self.family, "link": repr(self.link)}
 
     def buffer_state_sizes(self, numel, world_size):
         return {"worker_error": padded_size(numel, world_size),
@@ -131,7 +141,8 @@ class AutoCompressor(Compressor):
         first use, and again when the world changed size)."""
         entry = self._worlds.get(comm)
         if entry is None or entry["size"] != comm.size:
-            entry = {"size": comm.size, "link": self._measure(B, comm), "choices": {}}
+            link = self.link if self.link is not None else self._measure(B, comm)
+            entry = {"size": comm.size, "link": link, "choices": {}}
             self._worlds[comm] = entry
         return entry
 
