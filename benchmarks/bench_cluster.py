@@ -5,6 +5,9 @@
         --hosts 2 --slots 1,2                                          # the LM, as users run it
     sudo .venv/bin/python benchmarks/bench_cluster.py --rates 1gbit --hosts 2 \
         --numel 4000000 --repeats 3 --cases buffer --methods horovod_fp32,ef_sign,marsit
+    sudo .venv/bin/python benchmarks/bench_cluster.py --cases scaling --rates 100mbit,1gbit \
+        --layouts 2x1,4x1,8x1,16x1,8x2 --repeats 3 --resume --out-dir benchmarks/results/scaling
+                                                                       # how cost grows with ranks
 
 For every host count and ranks per host, one :class:`hvd_quant.cluster.EmulatedCluster`
 is built (each host pinned to its own share of the machine's CPUs); for every link rate
@@ -33,7 +36,12 @@ Output (in ``--out-dir``):
 * ``results.json``: configuration, every raw time (per rank, per repeat), the derived
   numbers, failed jobs;
 * ``speedup.png``: speed-up against Horovod fp32 versus link rate, one line per method,
-  one panel per (case, host count, ranks per host).
+  one panel per (case, host count, ranks per host);
+* with the ``scaling`` case: a table per link rate of every method's step time and
+  speed-up at every layout, with the bytes each rank sent (wire meter) and the bytes that
+  left and entered its host's link (the link counters), in ``report.md``, and
+  ``scaling.png``: speed-up against Horovod fp32 versus the number of ranks, one panel per
+  link rate.
 
 Ideal and roofline per method (see :func:`summarize`)::
 
@@ -69,6 +77,9 @@ from hvd_quant.cluster import (ClusterUnavailable, EmulatedCluster, JobTimeout, 
 
 BASELINE, POWERSGD = "horovod_fp32", "ddp_powersgd"
 DEFAULT_RATES = "100mbit,1gbit,10gbit"
+#: Cases that time a model's step (with the ``local`` compute floor).
+MODEL_CASES = ("model", "scaling")
+CASES = ("buffer",) + MODEL_CASES
 
 
 # --- summarising one job ------------------------------------------------------------------------
@@ -103,7 +114,7 @@ def summarize(raw, rate_bps):
     copy_s = statistics.median(slowest_per_repeat(raw["copy_s"]))
     copy_bw = 2 * raw["copy_bytes"] / copy_s if copy_s > 0 else float("inf")  # read + write
     methods = raw["methods"]
-    model = raw["config"]["case"] == "model"
+    model = raw["config"]["case"] in MODEL_CASES
     medians = {name: statistics.median(slowest_per_repeat(m["times_s"])) for name, m in methods.items()}
 
     def paired(name, kept):
@@ -143,6 +154,7 @@ def summarize(raw, rate_bps):
             "ceiling_pct_of_ideal": 100.0 * (base - bound) / (base - ideal) if additive else None,
             "kinds": m.get("kinds", []),
             "skipped_steps": m.get("skipped_steps", 0),
+            "link_mb": ({k: v / 1e6 for k, v in m["link_bytes"].items()} if m.get("link_bytes") else None),
         }
     return {"copy_s": copy_s, "copy_gbps": copy_bw / 1e9, "compute_floor_s": floor, "methods": rows}
 
@@ -167,7 +179,7 @@ def markdown_table(run):
              f"median of {cfg['repeats']} repeats (slowest rank per repeat); copy bandwidth "
              f"{s['copy_gbps']:.1f} GB/s (read + write)"
              + (f"; step without communication (`local`) {1e3 * s['compute_floor_s']:.0f} ms"
-                if run["case"] == "model" else "")
+                if run["case"] in MODEL_CASES else "")
              + (f". Settings: {'; '.join(x for x in settings if x)}" if any(settings) else ""), "",
              "| method | median ms | vs horovod_fp32 | vs DDP+PowerSGD | MB sent/rank | ideal ms | % of ideal | "
              "% of roofline | roofline's % of ideal |",
@@ -185,6 +197,91 @@ def markdown_table(run):
                      f"{pct(r['pct_of_ideal'])} | {pct(r['pct_of_roofline'])} | "
                      f"{pct(r.get('ceiling_pct_of_ideal'))} |")
     return "\n".join(lines) + "\n"
+
+
+def layout_key(run):
+    return (run["hosts"] * run.get("slots", 1), run.get("slots", 1))
+
+
+def scaling_tables(runs):
+    """Markdown, one table per link rate of the ``scaling`` runs: per method and layout the
+    step time (ms, median of the slowest rank) with its speed-up against Horovod fp32 (the
+    paired baseline), then per layout the MB per rank per step: sent (wire meter) and
+    what left / entered the host's link (its counters, per rank)."""
+    mine = [r for r in runs if r["case"] == "scaling"]
+    if not mine:
+        return []
+    out = ["## Scaling: step time and bytes per rank, by layout", "",
+           "Cells: step ms (speed-up vs Horovod fp32, paired); bytes: MB per rank per step, "
+           "sent by the wire meter / left the host's link / entered it (link counters, per rank).", ""]
+    for rate in sorted({r["rate_bps"] for r in mine}):
+        at = sorted((r for r in mine if r["rate_bps"] == rate), key=layout_key)
+        heads = [f"{r['hosts']}x{r.get('slots', 1)}" for r in at]
+        names = []
+        for r in at:
+            names += [n for n in r["summary"]["methods"] if n not in names]
+        def table(title, cell, skip=()):
+            rows = [f"| {title} | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+            for name in names:
+                if name in skip:
+                    continue
+                found = [r["summary"]["methods"].get(name) for r in at]
+                rows.append(f"| {name} | " + " | ".join("–" if row is None else cell(name, row)
+                                                          for row in found) + " |")
+            return rows
+
+        def step(name, row):
+            x = row["speedup_vs_horovod_fp32"]
+            return f"{1e3 * row['median_s']:.0f}" + (f" ({x:.2f}x)" if x and name != BASELINE else "")
+
+        def sent(name, row):
+            link = row.get("link_mb")
+            return f"{row['sent_mb']:.2f}" + (f" / {link['tx']:.2f} / {link['rx']:.2f}" if link else "")
+
+        out += [f"### {format_rate(rate)}", ""] + table("method", step) + [""]
+        out += table("MB/rank/step: sent / link out / link in", sent, skip=("local",))
+        out.append("")
+    return out
+
+
+def plot_scaling(runs, path):
+    """Speed-up against Horovod fp32 versus ranks (``scaling`` runs), one panel per rate;
+    layouts with several ranks per host are drawn as separate points."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in runs if r["case"] == "scaling"]
+    rates = sorted({r["rate_bps"] for r in mine})
+    if not rates:
+        return False
+    fig, axes = plt.subplots(1, len(rates), figsize=(6.0 * len(rates), 4.8), squeeze=False)
+    markers = "os^vD<>ph*xP+Xd1234"
+    for ax, rate in zip(axes[0], rates):
+        at = sorted((r for r in mine if r["rate_bps"] == rate), key=layout_key)
+        names = []
+        for r in at:
+            names += [n for n in r["summary"]["methods"] if n not in names and n not in ("local", BASELINE)]
+        for i, name in enumerate(names):
+            for slots, style in ((1, "-"), (2, ":")):
+                pts = [(r["hosts"] * slots, r["summary"]["methods"][name]["speedup_vs_horovod_fp32"])
+                       for r in at if r.get("slots", 1) == slots and name in r["summary"]["methods"]
+                       and r["summary"]["methods"][name]["speedup_vs_horovod_fp32"]]
+                if pts:
+                    ax.plot(*zip(*pts), marker=markers[i % len(markers)], linestyle=style,
+                            color=f"C{i % 10}", label=name if slots == 1 else None)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks (dotted: 2 ranks per host)")
+        ax.set_ylabel("speed-up vs Horovod fp32 (step)")
+        ax.set_title(f"scaling model, {format_rate(rate)}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 # --- the plot -------------------------------------------------------------------------------------
@@ -251,15 +348,26 @@ def estimate_job_s(case, numel, hosts, slots, rate_bps, repeats, n_methods):
     method runs its warm-up and repeats paired with the fp32 baseline (and the compute
     floor in the model case), plus start-up."""
     n = hosts * slots
-    d = numel if case == "buffer" else 31.7e6
+    d = {"buffer": numel, "model": 31.7e6, "scaling": 3.7e6}[case]
     fp32_link = slots * 2 * (n - 1) / n * 4 * d * 8 / rate_bps if rate_bps else 0.0
-    compute = (0.04 * d / 1e6 if case == "buffer" else 0.6) * max(1.0, n / 2)
-    per_repeat = (fp32_link + compute) + (fp32_link / 8 + 1.5 * compute) + (compute if case == "model" else 0)
+    compute = {"buffer": 0.04 * d / 1e6, "model": 0.6, "scaling": 0.15}[case] * max(1.0, n / 2)
+    per_repeat = (fp32_link + compute) + (fp32_link / 8 + 1.5 * compute) + (compute if case in MODEL_CASES else 0)
     return 60 + n_methods * (repeats + 3) * per_repeat
 
 
 def parse_list(text, kind=str):
     return [kind(x) for x in text.split(",") if x.strip()]
+
+
+def parse_layouts(text):
+    """``"2x1,8x2"`` -> ``[(2, 1), (8, 2)]`` (hosts, ranks per host)."""
+    out = []
+    for item in parse_list(text):
+        hosts, sep, slots = item.lower().partition("x")
+        if not sep or not hosts.isdigit() or not slots.isdigit():
+            raise ValueError(f"--layouts: {item!r} is not HOSTSxRANKS, e.g. 8x2")
+        out.append((int(hosts), int(slots)))
+    return out
 
 
 def main(argv=None):
@@ -268,8 +376,12 @@ def main(argv=None):
     p.add_argument("--rates", default=DEFAULT_RATES, help=f"link rates (default {DEFAULT_RATES})")
     p.add_argument("--hosts", default="2,3", help="host counts (default 2,3)")
     p.add_argument("--slots", default="1", help="ranks per host, one or several (e.g. 1,2; default 1)")
+    p.add_argument("--layouts", default="",
+                   help="hosts x ranks per host, e.g. 2x1,4x1,8x1,16x1,8x2 (instead of --hosts and --slots)")
     p.add_argument("--delay", default=None, help="one-way delay, e.g. 0.1ms (needs tc netem)")
-    p.add_argument("--cases", default="buffer,model", help="buffer and/or model (default both)")
+    p.add_argument("--cases", default="buffer,model",
+                   help="buffer, model and/or scaling (default buffer,model; scaling: a 3.7M-parameter "
+                        "model of 101 tensors, small enough for 16 ranks on one machine)")
     p.add_argument("--numel", type=int, default=25_000_000, help="buffer case size in floats (default 25M)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--methods", default="", help="comma-separated (default: all; see cluster_worker.py --list)")
@@ -291,35 +403,40 @@ def main(argv=None):
     rates = [parse_rate(r) for r in parse_list(args.rates)]
     if any(r is None for r in rates):
         p.error("--rates: every rate must be a real rate (the speed-up plot needs it)")
-    hosts_list = parse_list(args.hosts, int)
-    slots_list = parse_list(args.slots, int)
+    try:
+        layouts = parse_layouts(args.layouts) if args.layouts else [
+            (h, k) for h in parse_list(args.hosts, int) for k in parse_list(args.slots, int)]
+    except ValueError as exc:
+        p.error(str(exc))
     cases = parse_list(args.cases)
-    if not set(cases) <= {"buffer", "model"} or not cases:
-        p.error("--cases: buffer and/or model")
-    if args.repeats < 1 or min(hosts_list) < 1 or not slots_list or min(slots_list) < 1:
+    if not set(cases) <= set(CASES) or not cases:
+        p.error(f"--cases: one or more of {', '.join(CASES)}")
+    if args.repeats < 1 or not layouts or min(min(h, k) for h, k in layouts) < 1:
         p.error("--repeats, --hosts and --slots must be >= 1")
     out_dir = Path(args.out_dir or HERE / "results" / f"cluster-{datetime.now():%Y%m%d-%H%M%S}")
     (out_dir / "raw").mkdir(parents=True, exist_ok=True)
     n_methods = len(parse_list(args.methods)) or 12
-    jobs = [(h, k, r, c) for h in hosts_list for k in slots_list for r in rates for c in cases]
+    jobs = [(h, k, r, c) for h, k in layouts for r in rates for c in cases]
     estimates = {j: estimate_job_s(j[3], args.numel, j[0], j[1], j[2], args.repeats, n_methods)
                  for j in jobs}
     total_est = sum(estimates.values())
-    log(f"{len(jobs)} jobs ({', '.join(format_rate(r) for r in rates)}; hosts {hosts_list}; ranks per host "
-        f"{slots_list}; {', '.join(cases)}); rough estimate {total_est / 60:.0f} min; results in {out_dir}")
+    log(f"{len(jobs)} jobs ({', '.join(format_rate(r) for r in rates)}; layouts "
+        f"{', '.join(f'{h}x{k}' for h, k in layouts)}; {', '.join(cases)}); rough estimate "
+        f"{total_est / 60:.0f} min; results in {out_dir}")
 
     runs, failures = [], []
     start = time.monotonic()
-    for hosts in hosts_list:
-        for slots in slots_list:
-            status = run_layout(args, hosts, slots, rates, cases, estimates, jobs, out_dir, runs, failures, start)
-            if status:
-                return status
+    for hosts, slots in layouts:
+        status = run_layout(args, hosts, slots, rates, cases, estimates, jobs, out_dir, runs, failures, start)
+        if status:
+            return status
 
     write_outputs(out_dir, args, runs, failures, start)
     png = out_dir / "speedup.png"
     if runs and plot(runs, png):
         log(f"plot: {png}")
+    if any(r["case"] == "scaling" for r in runs) and plot_scaling(runs, out_dir / "scaling.png"):
+        log(f"plot: {out_dir / 'scaling.png'}")
     log(f"done in {(time.monotonic() - start) / 60:.1f} min: {len(runs)} jobs ok, {len(failures)} failed; "
         f"{out_dir / 'report.md'}, {out_dir / 'results.json'}")
     return 1 if failures else 0
@@ -413,6 +530,7 @@ def write_outputs(out_dir, args, runs, failures, start):
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "failures": failures},
                                                      indent=1))
     report = ["# Emulated-cluster benchmark", "", f"`{' '.join(sys.argv)}`", ""]
+    report += scaling_tables(runs)
     report += [markdown_table(r) for r in runs]
     if failures:
         report += ["## Failed jobs", ""] + [f"- {f['rate']} {f['hosts']} hosts x {f.get('slots', 1)} {f['case']}: "

@@ -17,6 +17,13 @@ Cases
     Methods that only write ``.grad`` share the parameter; optimizers whose ``step()``
     updates it get a copy of their own (0/1 Adam's local steps, for one, leave the ranks'
     parameters a few ulps apart, which would fail the next method's agreement check).
+``scaling``
+    The ``model`` case with a small many-tensor model (:data:`SCALING_MODEL`: 3.7M
+    parameters in 101 tensors, batch 1 of 16 tokens), so that 16 ranks fit on one 2-core
+    machine with little compute each and the link and the collectives dominate. Each call
+    also reads the host's link counters (``/sys/class/net/eth0/statistics``, inside the
+    emulated host's namespace): the bytes that really left and entered the host per step,
+    headers and Horovod's own coordination included, divided by the ranks on the host.
 ``model``
     A full training step (forward, backward, reduction, optimizer update) of a GPT-style
     language model built from ``torch.nn`` (:class:`TinyLM`: 31.7M parameters in 53
@@ -102,6 +109,7 @@ from common import powersgd_bytes  # noqa: E402  (PowerSGD's byte model, shared 
 
 import hvd_quant  # noqa: E402
 import hvd_quant.torch as hq  # noqa: E402
+from hvd_quant.core import costmodel  # noqa: E402  (the bytes-touched models, one place)
 from hvd_quant.core.onebit import compressed_allreduce_compensated, padded_size  # noqa: E402
 from hvd_quant.torch.backend import TorchBackend  # noqa: E402
 from hvd_quant.torch.comm import HorovodTorchComm  # noqa: E402
@@ -142,14 +150,25 @@ class Step:
 class Method:
     name: str
     setup: Callable[["Context"], Step]
-    cases: tuple = ("buffer", "model")
+    cases: tuple = ("buffer", "model", "scaling")
     doc: str = ""
 
 
 METHODS = {}
 
+#: The cases that time a model's training step (the others time one buffer's reduction).
+MODEL_CASES = ("model", "scaling")
 
-def register(name, setup, cases=("buffer", "model"), doc=""):
+#: The scaling case's model: a TinyLM of 3.7M parameters in 101 tensors (8 layers of
+#: width 128), batch 1 of 16 tokens: 16 ranks fit on a 2-core machine, and a step's
+#: compute is a few ms per rank.
+SCALING_MODEL = dict(vocab=8192, dim=128, layers=8, heads=4, ff=512, seq=16)
+SCALING_BATCH = 1
+#: The model case's LM (:class:`TinyLM`'s defaults).
+LM_MODEL = dict(vocab=32000, dim=384, layers=4, heads=6, ff=1536, seq=32)
+
+
+def register(name, setup, cases=("buffer", "model", "scaling"), doc=""):
     """Add a method under ``name`` (see "Adding a method" in the module docstring)."""
     if name in METHODS:
         raise ValueError(f"method {name!r} is already registered")
@@ -247,20 +266,20 @@ def touched_ring_fp32(d, n):
     """Ring allreduce in place: reduce-scatter reads own + received and writes own on
     (n-1)/n of the buffer (3 passes), all-gather writes the received (n-1)/n (1 pass);
     averaging folded into the last write."""
-    return 4 * d * 4 * (n - 1) / n
+    return costmodel.memory_bytes("none", d, n)
 
 
 def touched_fp16(d, n):
     """Cast down (read F, write F/2), fp16 ring allreduce on F/2, cast back (read F/2,
     write F)."""
-    return 3 * 4 * d + touched_ring_fp32(d, n) / 2
+    return costmodel.memory_bytes("fp16", d, n)
 
 
 def touched_powersgd(d, n):
     """With error feedback: M = g + e (read 2F, write F), P = M Q and Q = M^T P (read M
     twice), output P Q^T (write F), new error M - P Q^T (read F, write F): 8 passes; the
     small factors' allreduce is negligible."""
-    return 8 * 4 * d
+    return costmodel.memory_bytes("ddp_powersgd", d, n)
 
 
 def touched_sign(d, n):
@@ -268,12 +287,12 @@ def touched_sign(d, n):
     bits F/32), then the residual and the decode of the packed inputs into the output
     (read 2F and the gathered bits, write e and the output: 2F; one fused pass,
     ``unpack_sum_residual``, after the gather for ef_sign and after the ring for marsit)."""
-    return 4 * d * (6 + (2 * n - 1) / 32)
+    return costmodel.memory_bytes("ef_sign", d, n)
 
 
 def touched_cascading(d, n):
     """No residual: scale (read F), sign + pack (read F), decode (write F)."""
-    return 4 * d * (3 + n / 32)
+    return costmodel.memory_bytes("cascading_sign", d, n)
 
 
 def touched_integer(wire_bytes_per_element):
@@ -292,27 +311,26 @@ def touched_onebit(d, n):
     F/n in one pass (read c_s, write the new c_s over it, its sums and signs taken from
     the cache: 2F/n), then the worker residual and the decode in one pass (read x, e,
     write e and the output: 4F); bit buffers (1/32 F each) neglected."""
-    D = padded_size(d, n)
-    return 4 * (6 * D + 2 * D / n)
+    return costmodel.memory_bytes("onebit", d, n)
 
 
 def touched_adam_onebit(d, n):
     """1-bit Adam step: momentum update (read m, g, write m: 3F), compressed allreduce of
     m, parameter update (read x, m, v, write x: 4F)."""
-    return 7 * 4 * d + touched_onebit(d, n)
+    return costmodel.memory_bytes("onebit_adam", d, n)
 
 
 def touched_zero_one_adam(d, n):
     """0/1 Adam sync step: momentum (3F), local update of x and u (read m, v, x, u, write
     x, u: 6F), scaled accumulator into the compressed allreduce (read u, v, write: 3F),
     momentum re-estimate (2F), x correction (4F), u reset (F): 19F + the allreduce."""
-    return 19 * 4 * d + touched_onebit(d, n)
+    return costmodel.memory_bytes("zero_one_adam", d, n)
 
 
 def touched_binsgdm(d, n):
     """BinSGDM step: momentum (3F), randomized sign of m / b (read m, b, write bits), 1-bit
     allreduce (as ef_sign without residual), update (read x and the result, write x: 3F)."""
-    return 4 * d * (3 + 2 + 3 + 3) + touched_cascading(d, n)
+    return costmodel.memory_bytes("binsgdm", d, n)
 
 
 def touched_sgd_step(d, n):
@@ -597,7 +615,7 @@ def local_setup(ctx):
     return Step(run=lambda: ctx.train_step(model, ctx.batch, opt.step), sent_bytes=0.0, touched_bytes=0.0)
 
 
-register("local", local_setup, cases=("model",), doc="model step with no communication (compute floor)")
+register("local", local_setup, cases=MODEL_CASES, doc="model step with no communication (compute floor)")
 
 
 # --- the timing loop ---------------------------------------------------------------------------
@@ -606,6 +624,19 @@ COPIES_PER_REPEAT = 3
 
 def barrier():
     hvd.barrier()
+
+
+def link_counters():
+    """``(tx, rx)`` bytes of this emulated host's link so far, or ``None`` outside the
+    emulated cluster (its ranks run in the host's namespace, where ``eth0`` is the link)."""
+    if not os.environ.get("HVDQ_CLUSTER_PREFIX"):
+        return None
+    try:
+        base = "/sys/class/net/eth0/statistics/"
+        with open(base + "tx_bytes") as tx, open(base + "rx_bytes") as rx:
+            return int(tx.read()), int(rx.read())
+    except (OSError, ValueError):
+        return None
 
 
 def log(ctx, msg):
@@ -635,13 +666,18 @@ def build_context(args, rank, size):
 #: compressor, Global-QSGD and the 1-bit optimizers.
 MODEL_DEFAULT = ("horovod_fp32", "ddp_fp32", "ddp_powersgd", "ef_sign", "marsit", "global_qsgd",
                  "onebit", "onebit_adam", "zero_one_adam", "binsgdm")
+#: The scaling case: every method at its defaults against Horovod fp32 and DDP PowerSGD,
+#: with hvd_quant's own fp32 path (``hq_none``: the same allreduce, waited for as
+#: hvd_quant waits; Horovod's stock optimizer busy-waits).
+SCALING_DEFAULT = ("horovod_fp32", "hq_none", "ddp_powersgd", "ef_sign", "marsit", "cascading_sign",
+                   "global_qsgd", "global_qsgd_exp", "onebit", "onebit_adam", "zero_one_adam", "binsgdm")
 
 
 def select_methods(args):
     if args.methods:
         names = [m for m in args.methods.split(",") if m]
-    elif args.case == "model":
-        names = list(MODEL_DEFAULT)
+    elif args.case in MODEL_CASES:
+        names = list(MODEL_DEFAULT if args.case == "model" else SCALING_DEFAULT)
     else:
         names = [m for m, spec in METHODS.items() if args.case in spec.cases]
     unknown = [m for m in names if m not in METHODS]
@@ -651,7 +687,7 @@ def select_methods(args):
     names = [m for m in names if m not in skipped]
     if BASELINE not in names:
         names.insert(0, BASELINE)  # every method is paired with it
-    if args.case == "model" and "local" not in names:
+    if args.case in MODEL_CASES and "local" not in names:
         names.append("local")  # the model's compute floor, paired with every method
     return names, skipped
 
@@ -684,14 +720,20 @@ def recommended_torch_threads():
     return max(1, cores // max(1, hvd.local_size()))
 
 
-def timed_call(ctx, step):
-    """One call of ``step``, after its prepare and a barrier: seconds on this rank."""
+def timed_call(ctx, step, link=None):
+    """One call of ``step``, after its prepare and a barrier: seconds on this rank. With a
+    list ``link``, the host link's (tx, rx) bytes during the call are appended to it."""
     if step.prepare:
         step.prepare()
     barrier()
+    before = link_counters() if link is not None else None
     t = time.perf_counter()
     step.run()
-    return time.perf_counter() - t
+    elapsed = time.perf_counter() - t
+    if before is not None:
+        after = link_counters()
+        link.append((after[0] - before[0], after[1] - before[1]))
+    return elapsed
 
 
 def resident_gb():
@@ -759,11 +801,12 @@ def measure(args):
     kinds = {name: [] for name in names}
     skips = {name: 0 for name in names}  # timed calls whose step was skipped (non-finite)
     sent = {name: [] for name in names}
+    link = {name: [] for name in names}  # the host link's (tx, rx) bytes per timed call
     copy_times = []
 
     def run(name, step, rep, label):
         before = step.bytes_counter() if step.bytes_counter else 0.0
-        elapsed = timed_call(ctx, step)
+        elapsed = timed_call(ctx, step, link[name])
         if step.bytes_counter:
             sent[name].append(step.bytes_counter() - before)
         if step.kind:
@@ -810,16 +853,29 @@ def measure(args):
                    "cpus": os.environ.get("HVDQ_CLUSTER_CPUS") or None,
                    "thp": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
                    "shape": list(ctx.weight.shape) if ctx.weight is not None else None,
-                   "model": model_config(args) if args.case == "model" else None,
-                   "batch": args.batch if args.case == "model" else None},
+                   "model": model_config(args) if args.case in MODEL_CASES else None,
+                   "batch": args.batch if args.case in MODEL_CASES else None},
         "copy_s": gather(copy_times),
         "copy_bytes": 4 * ctx.numel,
         "methods": {},
         "skipped": skipped,
     }
+    def link_per_rank(calls):
+        """Median (tx, rx) bytes per call of this host's link, shared out over its ranks,
+        averaged over the hosts (None outside the emulated cluster)."""
+        mine = ([statistics.median(c[0] for c in calls), statistics.median(c[1] for c in calls)]
+                if calls else [float("nan")] * 2)
+        rows = gather(mine)
+        if any(v != v for row in rows for v in row):  # NaN: no counters somewhere
+            return None
+        share = float(hvd.local_size())
+        return {"tx": statistics.fmean(r[0] for r in rows) / share,
+                "rx": statistics.fmean(r[1] for r in rows) / share}
+
     for name in names:
         step_sent = sent[name]
         result["methods"][name] = {
+            "link_bytes": link_per_rank(link[name]),
             "times_s": gather(times[name]),          # [rank][repeat]
             "paired_s": {k: gather(v) for k, v in pairs[name].items()} if name in pairs else None,
             "sent_bytes": statistics.median(step_sent) if step_sent else cost[name]["sent"],
@@ -835,7 +891,7 @@ def main(argv=None):
     # `kill -USR1 <pid>` prints every thread's stack: how to see where a stuck rank waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--case", choices=("buffer", "model"), default="buffer")
+    p.add_argument("--case", choices=("buffer",) + MODEL_CASES, default="buffer")
     p.add_argument("--numel", type=int, default=25_000_000, help="buffer case: floats (default 25M)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--methods", default="", help="comma-separated names (default: all for the case)")
@@ -848,13 +904,14 @@ def main(argv=None):
                    help="torch.optim.Adam(fused=True) for the fp32, DDP, compressor and floor rows "
                         "(default: torch's default Adam, as a user's script has it)")
     p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--ff", type=int, default=1536)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=4, help="model case: sequences per rank per step")
+    p.add_argument("--vocab", type=int, default=None, help="model size (default: the case's model)")
+    p.add_argument("--dim", type=int, default=None, help="model size (default: the case's model)")
+    p.add_argument("--layers", type=int, default=None, help="model size (default: the case's model)")
+    p.add_argument("--heads", type=int, default=None, help="model size (default: the case's model)")
+    p.add_argument("--ff", type=int, default=None, help="model size (default: the case's model)")
+    p.add_argument("--seq", type=int, default=None, help="model size (default: the case's model)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="model cases: sequences per rank per step (default 4; scaling: 1)")
     p.add_argument("--gloo-timeout", type=float, default=600)
     p.add_argument("--label", default="", help="shown in progress lines")
     p.add_argument("--out", default="", help="rank 0 writes the raw results here (JSON)")
@@ -867,6 +924,12 @@ def main(argv=None):
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     args.label = args.label or args.case
+    sizes = SCALING_MODEL if args.case == "scaling" else LM_MODEL
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.batch is None:
+        args.batch = SCALING_BATCH if args.case == "scaling" else 4
     ctx, result = measure(args)
     if ctx.rank == 0:
         if args.out:

@@ -46,9 +46,20 @@ def node_process_sets(ranks_per_node, size):
     return torus_process_sets(size // ranks_per_node, size)
 
 
+def includes_this_rank(process_set):
+    """Whether this rank is in ``process_set`` (Horovod's ``ProcessSet.included()``), with
+    the global set always included: Horovod computes ``included()`` through whichever
+    framework's Horovod was imported last, so with both ``horovod.torch`` and
+    ``horovod.tensorflow`` imported, the global set reads as empty (seen with 0.28.1)."""
+    return process_set.process_set_id == 0 or bool(process_set.included())
+
+
 def registered_set(ranks):
     """The initialised ProcessSet made by :func:`torus_process_sets` with exactly these
-    ranks, or ``None``."""
+    ranks, or ``None``. Sets from an earlier ``hvd.init()`` that Horovod no longer knows
+    are forgotten first: after ``hvd.shutdown(); hvd.init()`` their ids may name other
+    ranks."""
+    forget_stale_sets()
     for ps in _CREATED:
         if ps.process_set_id is not None and list(ps.ranks) == sorted(ranks):
             return ps

@@ -2,6 +2,7 @@
 
 import difflib
 
+from .compressors.auto import AutoCompressor
 from .compressors.baseline import FP16Compression, NoCompression
 from .compressors.ef_sign import EFSignCompressor
 from .compressors.exp_dithering import GlobalQSGDExpCompressor
@@ -45,5 +46,5 @@ def get(name, **options):
 
 for _cls in (NoCompression, FP16Compression, EFSignCompressor, MarsitCompressor,
              CascadingSignCompressor, GlobalQSGDCompressor, GlobalQSGDExpCompressor,
-             OnebitCompressor):
+             OnebitCompressor, AutoCompressor):
     register(_cls)

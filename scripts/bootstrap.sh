@@ -8,12 +8,31 @@
 # (pyproject.toml: numpy, numba; hvd_quant/_requirements.py: the frameworks and Horovod,
 # checked at import).
 # Safe to run again: it installs only what is missing.
+#
+#   scripts/bootstrap.sh                 the library, its tests' and docs' tools, Horovod
+#   scripts/bootstrap.sh --with-triton   also Triton 3.9.0 (about 1 GB) into .venv/triton, off
+#                                        the environment's path: the GPU kernels' tests run
+#                                        it as an interpreter on the CPU in processes of their
+#                                        own (tests/triton_env.py says why; scripts/test.sh
+#                                        asks for it; HVD_QUANT_WITH_TRITON=1 does the same)
 set -euo pipefail
+with_triton=${HVD_QUANT_WITH_TRITON:-0}
+for arg in "$@"; do
+    case "$arg" in
+        --with-triton) with_triton=1 ;;
+        *) echo "[bootstrap] unknown option $arg (known: --with-triton)" >&2; exit 2 ;;
+    esac
+done
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVD_QUANT_VENV:-$root/.venv}
 py="$venv/bin/python"
 
 TORCH=torch==2.13.0          # always pinned: an unpinned torch pulls the CUDA build
+# Triton, for the GPU kernels' interpreter tests only (the CPU torch build has no Triton;
+# the library imports it only when CUDA tensors arrive, and a GPU machine's torch brings its
+# own). Not on the environment's path: torch imports Triton whenever it finds it, and a
+# process that loaded TensorFlow first then aborts (both bundle LLVM).
+TRITON_VERSION=3.9.0
 TF=tensorflow-cpu==2.21.0
 TFK=tf-keras==2.21.0
 NUMBA=numba==0.68.1          # the fused CPU kernels (hvd_quant/kernels); llvmlite comes with it
@@ -51,13 +70,27 @@ if ! have "${deps[@]}"; then
     "$py" -m pip install --quiet "${deps[@]}" 2> >(grep -v "^WARNING: Location" >&2)
 fi
 
+if [ "$with_triton" = 1 ] && ! compgen -G "$venv/triton/triton-$TRITON_VERSION.dist-info" >/dev/null; then
+    echo "[bootstrap] installing Triton $TRITON_VERSION into $venv/triton (off the path) for the GPU kernels' tests under its interpreter (about 1 GB)"
+    rm -rf "$venv/triton"
+    "$py" -m pip install --quiet --no-deps --target "$venv/triton" "triton==$TRITON_VERSION" \
+        2> >(grep -v "^WARNING: Location" >&2)
+fi
+
 # One line on the Horovod build found (what `horovodrun --check-build` says, 18 s sooner).
 # A build without the controllers this machine supports (an MPI installed since) is replaced.
 horovod_build() { "$py" -c "import horovod, horovod.torch as h, horovod.tensorflow
 built = [name for name, has in (('Gloo', h.gloo_built()), ('MPI', h.mpi_built())) if has]
 print(horovod.__version__, 'with torch and TensorFlow ops, controllers:', ', '.join(built) or 'none')" 2>/dev/null; }
+# A Horovod installed before scripts/build_horovod.sh's Fix 5 (horovodrun's rendezvous race:
+# hvd.init() after hvd.shutdown() could abort) is replaced by the patched build.
+horovod_patched() {
+    local server
+    server=$("$py" -c "import horovod.runner.http.http_server as m; print(m.__file__)" 2>/dev/null) &&
+        grep -q 'finished_list\[scope\]\.clear()' "$server"
+}
 want=$("$root/scripts/build_horovod.sh" --controllers)
-if ! built=$(horovod_build) || [ "${built##*controllers: }" != "$want" ]; then
+if ! built=$(horovod_build) || [ "${built##*controllers: }" != "$want" ] || ! horovod_patched; then
     PYTHON="$py" "$root/scripts/build_horovod.sh"
     built=$(horovod_build) || { echo "[bootstrap] Horovod was built but does not import" >&2; exit 1; }
 fi

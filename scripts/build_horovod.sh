@@ -29,9 +29,18 @@
 #      includes); we leave that one source file out of the TF build.
 #   4. cmake 4.x refuses gloo's cmake_minimum_required; CMAKE_POLICY_VERSION_MINIMUM=3.5
 #      keeps any cmake working (the system cmake 3.25 needs nothing).
+#   5. horovodrun's rendezvous server clears the finished-lists of every scope when one
+#      scope completes (finished_list.clear() in horovod/runner/http/http_server.py), so
+#      a scope whose ranks finished out of order keeps its addresses, and hvd.init()
+#      after hvd.shutdown() can read a peer's old address and abort (gloo Connect timeout;
+#      upstream's own test_horovod_reinit flakes so, horovod PR #2839). We clear that
+#      scope's list only (docs/guide/failure.md, "Recovery after an error").
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
+# Bump when a patch below changes: it is part of the wheel cache's key, so a machine
+# that cached a wheel built without it builds again.
+PATCH_LEVEL=p5
 PY=${PYTHON:-python}
 
 # Which controllers: "Gloo" or "Gloo, MPI" (as the bootstrap's summary line names them).
@@ -47,15 +56,22 @@ if [ "${1:-}" = --controllers ]; then
     exit 0
 fi
 
-versions=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" - <<'PYEOF'
-import sys, torch, tensorflow as tf
-print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split('+')[0]}-tf{tf.__version__}")
+# The probe's stderr (TensorFlow's start-up lines: no CUDA drivers, absl) is shown only if it fails.
+probe_err=$(mktemp)
+versions=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" - 2>"$probe_err" <<'PYEOF'
+import importlib.util, os, sys, torch
+tf = "none"  # torch only: no TensorFlow here, or HOROVOD_WITHOUT_TENSORFLOW=1
+if os.environ.get("HOROVOD_WITHOUT_TENSORFLOW") != "1" and importlib.util.find_spec("tensorflow"):
+    import tensorflow; tf = tensorflow.__version__
+print(f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.split('+')[0]}-tf{tf}")
 PYEOF
-)
+) || { cat "$probe_err" >&2; rm -f "$probe_err"; exit 1; }
+rm -f "$probe_err"
+with_tf=1; case $versions in *-tfnone) with_tf=0 ;; esac
 cache_root=${HVD_QUANT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_quant}
-wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions-$key"
+wheel_dir="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions-$key-$PATCH_LEVEL"
 # Caches written before the key named the controllers hold Gloo-only wheels.
-legacy="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions"
+legacy="$cache_root/wheels/horovod-$HOROVOD_VERSION-$versions-$PATCH_LEVEL"
 if [ "$key" = gloo ] && ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1 \
         && ls "$legacy"/horovod-*.whl >/dev/null 2>&1; then
     wheel_dir=$legacy
@@ -71,7 +87,11 @@ else
     fi
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+    if [ -n "${HVD_QUANT_HOROVOD_SDIST:-}" ]; then  # no network: the sdist carried along
+        cp "$HVD_QUANT_HOROVOD_SDIST" "$work/horovod-$HOROVOD_VERSION.tar.gz"
+    else
+        "$PY" -m pip download --quiet --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+    fi
     tar -C "$work" -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz"
     src="$work/horovod-$HOROVOD_VERSION"
 
@@ -82,10 +102,14 @@ else
     sed -i 's/-std=c++11 -fPIC/-std=c++17 -fPIC/' "$src/third_party/gloo/CMakeLists.txt"
     # Fix 3: drop the optional XLA MPI ops that do not compile against TF 2.21.
     sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+    # Fix 5: the rendezvous server clears the finished scope's list, not every scope's.
+    sed -i 's/self\.server\.finished_list\.clear()/self.server.finished_list[scope].clear()/' \
+        "$src/horovod/runner/http/http_server.py"
     for check in "CMAKE_CXX_STANDARD 14:$src/CMakeLists.txt" \
                  "CMAKE_CXX_STANDARD 14:$src/horovod/torch/CMakeLists.txt" \
                  "-std=c++11 -fPIC:$src/third_party/gloo/CMakeLists.txt" \
-                 "xla_mpi_ops.cc:$src/horovod/tensorflow/CMakeLists.txt"; do
+                 "xla_mpi_ops.cc:$src/horovod/tensorflow/CMakeLists.txt" \
+                 "self.server.finished_list.clear():$src/horovod/runner/http/http_server.py"; do
         if grep -qF -- "${check%%:*}" "${check#*:}"; then
             echo "[build_horovod] patch did not apply: '${check%%:*}' still in ${check#*:}" >&2
             exit 1
@@ -97,6 +121,8 @@ else
     echo "[build_horovod] compiling; log in $log"
     (
         cd "$src"
+        # Torch only: this wins over HOROVOD_WITH_TENSORFLOW (horovod/tensorflow/CMakeLists.txt).
+        [ "$with_tf" = 1 ] || export HOROVOD_WITHOUT_TENSORFLOW=1
         export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
                HOROVOD_WITHOUT_MXNET=1 CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j"$(nproc)"
         unset HOROVOD_WITH_MPI HOROVOD_WITHOUT_MPI HOROVOD_CPU_OPERATIONS

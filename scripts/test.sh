@@ -20,14 +20,15 @@ for a in "$@"; do
         *) args+=("$a") ;;
     esac
 done
-"$root/scripts/bootstrap.sh"
+# --with-triton: the GPU kernels' tests run them under Triton's interpreter (no GPU needed).
+"$root/scripts/bootstrap.sh" --with-triton
 cd "$root"
 export TF_CPP_MIN_LOG_LEVEL=3
+# The documented-commands check starts at collection and runs beside the single-process
+# tests, which run first; the tests that launch processes come after it (tests/conftest.py).
+export HVD_QUANT_DOCS_CHECK_EARLY=1
 if [ "$tier" = quick ]; then
     echo "[test] quick tier (./scripts/test.sh --full runs everything)"
-    # The documented-commands check starts at collection and runs beside the unit tests
-    # (tests/conftest.py); in the full tier it runs in its turn.
-    export HVD_QUANT_DOCS_CHECK_EARLY=1
     exec "$root/.venv/bin/python" -m pytest -m "quick or not (multiprocess or cluster or slow)" "${args[@]}"
 fi
 echo "[test] full tier"

@@ -45,9 +45,10 @@ def pytest_runtest_logreport(report):
                                 "seconds": round(report.duration, 3), "outcome": report.outcome}) + "\n")
 
 
-# --- the documented-commands check, started early in the quick tier ----------------------------
+# --- the documented-commands check, started early, beside the single-process tests ----------
 DOCS_CHECK_TEST = "test_every_documented_command_runs"
 DOCS_CHECK_TIMEOUT = 880
+LAUNCHING_MARKS = ("multiprocess", "cluster", "slow")  # tests that start processes or jobs
 _docs_check = None  # (Popen, output file) of a check started at collection
 
 
@@ -58,18 +59,35 @@ def _start_docs_check():
     return proc, out
 
 
+def _early_docs_check(items):
+    return os.environ.get("HVD_QUANT_DOCS_CHECK_EARLY") == "1" and any(
+        item.name == DOCS_CHECK_TEST for item in items)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """With the check started early (``HVD_QUANT_DOCS_CHECK_EARLY=1``: ``scripts/test.sh``
+    sets it in both tiers), the single-process tests run first, then the check's test (which
+    waits for it), then everything that launches processes: the check overlaps only the
+    single-process tests, never the jobs whose collective deadlines and timings a second
+    busy core would disturb. The order within each part is pytest's, so a module's
+    launched tests stay together and its ``horovodrun`` job runs once."""
+    if not _early_docs_check(items):
+        return
+    launches = [any(item.get_closest_marker(m) for m in LAUNCHING_MARKS) for item in items]
+    check = [item for item in items if item.name == DOCS_CHECK_TEST]
+    single = [item for item, launched in zip(items, launches) if not launched and item not in check]
+    launched = [item for item, launched in zip(items, launches) if launched and item not in check]
+    items[:] = single + check + launched
+
+
 def pytest_collection_finish(session):
-    """With ``HVD_QUANT_DOCS_CHECK_EARLY=1`` (``scripts/test.sh`` sets it for the quick tier)
-    and the documented-commands test selected, start ``scripts/check_docs.py`` now, beside
-    the tests. Its blocks are mostly process start-up (one core each), so it runs in the
-    other core's idle time while the single-process tests run; the test then only collects
-    its result. Not in the full tier, whose timing-sensitive jobs (collective deadlines,
-    the benchmark jobs) run early in the order."""
+    """Start ``scripts/check_docs.py`` at collection when it runs early (above). Its blocks
+    are mostly process start-up (one core each), so it runs in the other core's idle time
+    while the single-process tests run; its test then only collects the result."""
     global _docs_check
     if session.config.option.collectonly:
         return
-    if os.environ.get("HVD_QUANT_DOCS_CHECK_EARLY") == "1" and any(
-            item.name == DOCS_CHECK_TEST for item in session.items):
+    if _early_docs_check(session.items):
         _docs_check = _start_docs_check()
 
 

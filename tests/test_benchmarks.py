@@ -193,6 +193,62 @@ def test_cluster_benchmark_end_to_end(can_run, tmp_path):
     assert (out / "speedup.png").exists()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(560)
+def test_scaling_benchmark_end_to_end(can_run, tmp_path):
+    """The scaling case at its smallest layout (2 hosts x 1 at 1 Gbit/s, one repeat, two
+    methods): the step of the 3.7M-parameter model is timed, the host link's counters give
+    the bytes per rank (at least the wire meter's: headers and Horovod's own traffic come
+    on top), and the scaling table and plot are written."""
+    out = tmp_path / "scaling"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_cluster.py"), "--cases", "scaling", "--rates", "1gbit",
+         "--layouts", "2x1", "--repeats", "1", "--methods", "horovod_fp32,marsit", "--out-dir", str(out),
+         "--job-timeout", "400"],
+        capture_output=True, text=True, timeout=500, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["raw"]["config"]["numel"] == 3_685_632 and run["raw"]["config"]["batch"] == 1
+    rows = run["summary"]["methods"]
+    assert sorted(rows) == ["horovod_fp32", "local", "marsit"]
+    for name in ("horovod_fp32", "marsit"):
+        link = rows[name]["link_mb"]
+        assert link["tx"] >= rows[name]["sent_mb"] * 0.99 and link["rx"] >= rows[name]["sent_mb"] * 0.99, name
+        assert link["tx"] < rows[name]["sent_mb"] * 1.5 + 0.5, name
+    assert rows["horovod_fp32"]["sent_mb"] == pytest.approx(4 * 3_685_632 / 1e6)
+    report = (out / "report.md").read_text()
+    assert "## Scaling" in report and "| marsit |" in report
+    assert (out / "scaling.png").stat().st_size > 1000
+
+
+def scaling_run(hosts, slots, rate, times):
+    """A summarized scaling run: ``times`` maps a method to its seconds (both ranks)."""
+    raw = raw_result(case="scaling", numel=1000, methods={
+        name: ([[t] * 3, [t] * 3], 4000.0 * (i + 1), 0.0) for i, (name, t) in enumerate(times.items())})
+    raw["methods"]["marsit"]["link_bytes"] = {"tx": 2.5e6, "rx": 2.4e6}
+    return {"rate": bench_cluster.format_rate(rate), "rate_bps": rate, "hosts": hosts, "slots": slots,
+            "case": "scaling", "raw": raw, "summary": bench_cluster.summarize(raw, rate)}
+
+
+def test_scaling_tables_and_plot_by_layout(tmp_path):
+    """One table per rate: every method's step time (speed-up vs the paired Horovod fp32)
+    at every layout, ordered by ranks, then the bytes per rank: meter / link out / link in."""
+    pytest.importorskip("matplotlib")
+    runs = [scaling_run(4, 1, 1e8, {"horovod_fp32": 2.0, "local": 0.5, "marsit": 0.5}),
+            scaling_run(2, 1, 1e8, {"horovod_fp32": 1.0, "local": 0.5, "marsit": 0.8}),
+            scaling_run(8, 2, 1e8, {"horovod_fp32": 4.0, "local": 0.5, "marsit": 1.0})]
+    text = "\n".join(bench_cluster.scaling_tables(runs))
+    assert "| method | 2x1 | 4x1 | 8x2 |" in text
+    assert "| marsit | 800 (1.25x) | 500 (4.00x) | 1000 (4.00x) |" in text
+    assert "| horovod_fp32 | 1000 | 2000 | 4000 |" in text
+    assert "| marsit | 0.01 / 2.50 / 2.40 | 0.01 / 2.50 / 2.40 | 0.01 / 2.50 / 2.40 |" in text
+    assert bench_cluster.plot_scaling(runs, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 1000
+    assert bench_cluster.scaling_tables([]) == []
+    assert bench_cluster.parse_layouts("2x1,8X2") == [(2, 1), (8, 2)]
+    with pytest.raises(ValueError, match="HOSTSxRANKS"):
+        bench_cluster.parse_layouts("8by2")
+
+
 def test_resume_reuses_only_the_same_job(tmp_path):
     args = argparse.Namespace(
         repeats=3, threads=0, thp=False, numel=1000, methods="", worker_arg=[])
@@ -247,6 +303,72 @@ def test_kernel_benchmark_covers_every_kernel(tmp_path):
         assert words in text, words
 
 
+@pytest.mark.timeout(600)
+def test_gpu_benchmark_runs_under_the_interpreter(tmp_path):
+    """bench_gpu.py's harness on the CPU (``--interpret``: Triton's interpreter, the tiny
+    one-tensor layout): every fused primitive and two methods (the others take the same
+    code) on the GPU kernels, the generic torch path and the host path, the baselines
+    (PowerSGD's hook at ranks 1 and 4; CuPy's recipe measured or skipped with its
+    reason), JSON and markdown written."""
+    from hvd_quant import kernels
+    from triton_env import triton_env
+
+    env = triton_env()  # Triton in the benchmark's process only (tests/triton_env.py says why)
+    if env is None:
+        pytest.skip("Triton is not installed (scripts/bootstrap.sh --with-triton)")
+    if not kernels.enabled():
+        pytest.skip(kernels.why_disabled())
+    out = tmp_path / "gpu"
+    only = ",".join(kernels.NAMES + ("ef_sign", "global_qsgd"))  # two methods: the same code for all
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_gpu.py"), "--interpret", "--layouts", "1",
+                           "--repeats", "1", "--host-repeats", "1", "--only", only, "--out", str(out)],
+                          capture_output=True, text=True, timeout=580, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "bench_gpu.json").read_text())
+    assert report["interpret"] and report["versions"]["device"].startswith("CPU")
+    (layout,) = report["layouts"]
+    assert layout["tensors"] == 1 and layout["copy_gbps"] > 0 and layout["targets"] == []
+    rows = {r["primitive"]: r for r in layout["primitives"]}
+    assert set(rows) == set(kernels.NAMES)  # every fused primitive
+    assert all(r["ms"] > 0 and r["generic_ms"] > 0 and r["host_ms"] > 0 for r in rows.values())
+    methods = {r["method"]: r for r in layout["methods"]}
+    assert set(methods) == {"ef_sign", "global_qsgd"}
+    assert all(r["ms"] > 0 and r["generic_ms"] > 0 and r["host_ms"] > 0 for r in methods.values())
+    others = {r["name"]: r for r in layout["others"]}
+    assert set(others) == {"DeepSpeed 1-bit, CuPy recipe", "PowerSGD hook, rank 1", "PowerSGD hook, rank 4"}
+    assert all(r["ms"] is not None or r["skipped"] for r in others.values())
+    table = (out / "bench_gpu.md").read_text()
+    assert "times mean nothing" in table and "| ef_sign |" in table and "| sign_pack |" in table
+
+
+def test_gpu_benchmark_judges_the_issues_targets():
+    """bench_gpu.check_targets on made-up results: 60% of the copy bandwidth per hot
+    primitive, the per-method milliseconds, 20x the host path, faster than the CuPy
+    recipe and than PowerSGD's rank 4; a missing baseline is not judged; nothing is
+    judged under the interpreter."""
+    import bench_gpu
+
+    prims = [{"primitive": name, "copy_share": 0.7} for name in bench_gpu.HOT]
+    prims[0]["copy_share"] = 0.59
+    result = {"primitives": prims,
+              "methods": [{"method": "ef_sign", "ms": 1.5, "host_ms": 25.0},
+                          {"method": "global_qsgd", "ms": 3.5, "host_ms": 100.0},
+                          {"method": "onebit", "ms": 1.0, "host_ms": None}],
+              "others": [{"name": "DeepSpeed 1-bit, CuPy recipe", "ms": 2.0},
+                         {"name": "PowerSGD hook, rank 4", "ms": None, "skipped": "no NCCL"}]}
+    got = {what: passed for what, _, passed in bench_gpu.check_targets(result, interpret=False)}
+    assert got[f"{bench_gpu.HOT[0]} >= 60% of the copy bandwidth"] is False
+    assert all(got[f"{name} >= 60% of the copy bandwidth"] for name in bench_gpu.HOT[1:])
+    assert got["ef_sign <= 2 ms"] and got["global_qsgd <= 3 ms"] is False
+    assert got["ef_sign >= 20x faster than the host path"] is False  # 25 / 1.5: 16.7x
+    assert got["global_qsgd >= 20x faster than the host path"] is True
+    assert got["onebit >= 20x faster than the host path"] is None  # not measured
+    assert got["ef_sign faster than DeepSpeed's CuPy 1-bit recipe"] and \
+        got["global_qsgd faster than DeepSpeed's CuPy 1-bit recipe"] is False
+    assert got["ef_sign faster than PowerSGD's rank-4 compute"] is None  # the baseline did not run
+    assert all(p is None for _, _, p in bench_gpu.check_targets(result, interpret=True))
+
+
 def test_keras_benchmark_speed_up_and_share_of_the_ideal(tmp_path):
     """bench_keras.py's bookkeeping on made-up raw results: the slowest rank per batch,
     the fp32 and floor times of the method's own rounds, ideal = floor + own wire time,
@@ -283,3 +405,51 @@ def test_keras_benchmark_speed_up_and_share_of_the_ideal(tmp_path):
     assert ef["skipped_steps"] == 3 and not ef["meets_target"]
     table = bench_keras.write_outputs(tmp_path, raw, ["bench_keras.py"])
     assert "| ef_sign **3 timed step(s) skipped, not finite** | 400 |" in table and "**missed**" in table
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(560)
+def test_gpu_training_job_on_the_cpu(tmp_path):
+    """The GPU check's training job (``scripts/gpu_train_check.sh``, ``--cpu``: a tiny
+    model on the CPU, the device optimizers' collectives staged through host buffers) runs
+    end to end under ``horovodrun``: every compressor and 1-bit optimizer gives its CPU
+    twin's bits on both ranks after every step and the ranks agree; every method and
+    baseline is timed; the staged bytes are the collectives' payload; JSON and markdown
+    are written."""
+    import hvd_quant
+
+    out = tmp_path / "gpu"
+    env = dict(os.environ, PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HVD_QUANT_GPU_TRAIN_S="480")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_train_check.sh"), str(out), "--cpu"],
+                          capture_output=True, text=True, timeout=520, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu_train.json").read_text())
+    methods = hvd_quant.available() + ["onebit_adam", "zero_one_adam", "binsgdm"]
+    assert sorted(result["bits"]) == sorted(methods)
+    for name, bits in result["bits"].items():
+        assert len(bits["steps"]) == 3, name
+        for step in bits["steps"]:
+            assert step["gpu_equals_cpu"] and step["max_ulps"] == 0, (name, step)
+            assert step["ranks_agree"] is not False, (name, step)
+        host = bits["host"]
+        assert host["to_host"] + host["to_device"] == host["payload"] > 0, (name, host)
+    # auto chose on a fixed slow link: the same compressed method on both devices.
+    auto = result["bits"]["auto"]
+    # (bucket names carry the owner's number: o0 the device optimizer, o1 its twin)
+    assert list(auto["choices"].values()) == list(auto["twin_choices"].values()), auto
+    assert auto["choices"] and auto["ranks_chose_alike"], auto
+    assert "none" not in auto["choices"].values(), auto
+    kinds = {name: [s["kind"] for s in bits["steps"]] for name, bits in result["bits"].items()}
+    assert kinds["onebit_adam"] == ["init", "full", "onebit"]
+    assert "local" in kinds["zero_one_adam"] or "onebit" in kinds["zero_one_adam"]
+    assert sorted(result["timing"]) == sorted(["local", "ddp_fp32", "ddp_powersgd", "horovod_fp32"] + methods)
+    for name, row in result["timing"].items():
+        assert len(row["step_s"]) == 3 and min(row["step_s"]) > 0, name
+        if name in methods:
+            assert row["sent_bytes"] > 0 and row["host"]["payload"] > 0, name
+    report = (out / "gpu_train.md").read_text()
+    assert all(f"| {m} |" in report for m in methods + ["ddp_powersgd", "horovod_fp32"])
+    assert "1-bit methods faster than both" in report
+    assert "2 ranks:" in (out / "gpu_train.log").read_text()

@@ -326,7 +326,7 @@ def _ok(value):
 
 @pytest.mark.multiprocess
 def test_every_compressor_bucketed_equals_step_time_groups(ranks):
-    names = set(hvd_quant.available())
+    names = set(hvd_quant.available()) - {"auto"}  # it measures the link per owner
     for r, result in enumerate(ranks):
         cases = _ok(result["compressors"])
         assert names <= set(cases), f"rank {r}: missing {names - set(cases)}"

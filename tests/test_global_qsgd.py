@@ -141,7 +141,8 @@ def test_exp_two_ranks_at_the_max_is_exact():
     ("global_qsgd", dict(norm="max"), 3, None), ("global_qsgd", dict(norm="max"), 4, TORCH_INTS),
     ("global_qsgd", dict(norm="l2"), 3, None),
     ("global_qsgd", dict(norm="l2", bits=16), 2, TORCH_INTS),
-    ("global_qsgd_exp", {}, 3, None), ("global_qsgd_exp", {}, 4, None)])
+    ("global_qsgd_exp", {}, 3, None), ("global_qsgd_exp", {}, 4, None),
+    ("global_qsgd_exp", {}, 5, None), ("global_qsgd_exp", {}, 8, None)])  # from 5: direct
 def test_unbiased_per_element(name, opts, n, int_dtypes):
     rng = np.random.default_rng(n)
     base = [rng.standard_normal(12).astype(np.float32) for _ in range(n)]
@@ -250,7 +251,7 @@ def test_reference_headroom_overflows_on_a_ring():
     assert abs(overflow - 1 / 9) < 5 * np.sqrt(1 / 9 * 8 / 9 / d)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 def test_exp_ring_every_rank_at_the_max(n):
     x = np.full(5000, -3.0, np.float32)
     est, _ = reduce_all(hvd_quant.get("global_qsgd_exp"), [x] * n, seed=n)
@@ -328,11 +329,14 @@ def test_lane_path_equals_native_and_wire_bytes(n, opts):
         assert m.bytes_sent == pytest.approx(comp.wire_bytes(1001, n))
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
 def test_exp_wire_bytes(n):
     comp = hvd_quant.get("global_qsgd_exp")
     _, meters = reduce_all(comp, [np.ones(1001, np.float32)] * n)
     assert np.mean([m.bytes_sent for m in meters]) == pytest.approx(comp.wire_bytes(1001, n))
+    # Up to 4 ranks a ring of hops; from 5 one alltoall and one allgather of the codes.
+    kinds = set(meters[0].by_kind)
+    assert kinds <= ({"allreduce", "sendrecv"} if n < 5 else {"allreduce", "alltoall", "allgather"})
 
 
 def get_backend(name):

@@ -10,7 +10,8 @@ from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor
                                           MarsitCompressor, MarsitSelect)
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import pack_signs, packed_sign_bytes, unpack_signs
-from hvd_quant.core.ring import chunk_bounds, ring_allreduce, torus_allreduce
+from hvd_quant.core.ring import (butterfly_allreduce, chunk_bounds, direct_allreduce, ring_allreduce,
+                                 torus_allreduce)
 from hvd_quant.core.rng import bits_below
 from hvd_quant.core.hierarchical import ranks_per_node_of
 from hvd_quant.core.runner import CompressorRunner, RankDisagreement
@@ -39,14 +40,18 @@ def assert_unbiased(agg, signs, n_sigma=5.0):
         assert abs(vals.mean() - m) <= n_sigma * se + 1e-12, (m, vals.mean(), se)
 
 
-def ring_signs(signs, op, seed=0, rows=None):
+def ring_signs(signs, op, seed=0, rows=None, topology=None):
     """Allreduce of the packed signs of ``signs[r]`` over a thread world; decoded +-1."""
     n, d = signs.shape
 
     def body(c):
         rng = B.generator(seed * 7919 + c.rank)
         bits = pack_signs(B, signs[c.rank])
-        if rows is None:
+        if topology == "butterfly":
+            agg = butterfly_allreduce(B, c, bits, op, "m", rng)
+        elif topology == "direct":
+            agg = direct_allreduce(B, c, bits, op, "m", rng)
+        elif rows is None:
             agg = ring_allreduce(B, c, bits, op, "m", rng)
         else:
             row, col = c.subgroups(rows)
@@ -113,6 +118,16 @@ def test_ring_marsit_is_unbiased(n):
 def test_torus_marsit_is_unbiased(rows, cols):
     signs = pattern_signs(rows * cols, 512)
     agg = ring_signs(signs, MarsitSelect(), seed=rows, rows=rows)
+    assert_unbiased(agg, signs)
+
+
+@pytest.mark.parametrize("topology,n", [("butterfly", 2), ("butterfly", 4), ("butterfly", 8),
+                                        ("direct", 3), ("direct", 5), ("direct", 6)])
+def test_butterfly_and_direct_marsit_are_unbiased(topology, n):
+    reps = max(8, 4096 // 2 ** n * 8)
+    signs = pattern_signs(n, reps)
+    agg = ring_signs(signs, MarsitSelect(), seed=n + 100, topology=topology)
+    assert set(np.unique(agg)) <= {-1.0, 1.0}
     assert_unbiased(agg, signs)
 
 
@@ -263,6 +278,23 @@ def test_wire_volume_matches_the_cost_model(topology, rows, n):
             assert m.by_kind["sendrecv"] == 2 * nbytes - sizes[(r + 1) % n] - sizes[(r + 2) % n]
 
 
+@pytest.mark.parametrize("topology,n", [("butterfly", 4), ("butterfly", 8), ("direct", 3), ("direct", 6)])
+def test_butterfly_and_direct_wire_volume_matches_the_cost_model(topology, n):
+    comp = MarsitCompressor(topology=topology)
+    _, _, meters = run_compressor(comp, random_xs(n, 1))
+    layout = comp.layout(_Layout(n, None))
+    mean = np.mean([m.bytes_sent for m in meters])
+    assert mean == pytest.approx(comp.wire_bytes(D, n, len(SEGMENTS), layout=layout))
+    nbytes = packed_sign_bytes(D)
+    if topology == "direct":
+        padded = -(-nbytes // n) * n
+        for m in meters:
+            assert m.by_kind == pytest.approx({"alltoall": (n - 1) * (padded // n + 4 * len(SEGMENTS)),
+                                               "allgather": (n - 1) * padded // n})
+    else:
+        assert mean == pytest.approx(2.0 * (n - 1) / n * nbytes + (n - 1) * 4 * len(SEGMENTS))
+
+
 def test_constant_scale_sends_only_sign_bits():
     comp = MarsitCompressor(scale=0.01, check_finite=False)
     n = 4
@@ -339,7 +371,7 @@ def framework_run(backend, comp, xs_np, seed=0):
 
 def check_framework(backend):
     x = np.random.default_rng(0).standard_normal(D).astype(np.float32)
-    for topology, rows in (("ring", None), ("torus", 2)):
+    for topology, rows in (("ring", None), ("torus", 2), ("butterfly", None), ("direct", None)):
         comp = MarsitCompressor(topology=topology, torus_rows=rows, compensation="global")
         # Same input everywhere: the result must be exactly alpha * sign(x).
         outs, _ = framework_run(backend, comp, [x] * 4)
@@ -352,6 +384,14 @@ def check_framework(backend):
             state = runners[r].state_dict()
             got = np.concatenate([state[f"{k}/residual"] for k, _ in SEGMENTS])
             np.testing.assert_allclose(got, xs[r] - outs[0], rtol=1e-6, atol=1e-6)
+    # The default path (local compensation) on the direct layout, its scales riding in the
+    # alltoall: the numpy oracle's bits.
+    xs = random_xs(5, 1, seed=4)[0]
+    comp = MarsitCompressor()
+    outs, _ = framework_run(backend, comp, xs)
+    want, _ = framework_run(B, comp, xs)
+    for got, ref in zip(outs, want):
+        np.testing.assert_array_equal(got, ref)
 
 
 def test_torch_backend():
@@ -429,7 +469,7 @@ def run_on_hosts(compressor, xs, ranks_per_node):
     return world.run(body), world.meters
 
 
-@pytest.mark.parametrize("n,k", [(4, 2), (6, 3), (6, 2)])
+@pytest.mark.parametrize("n,k", [(4, 2)])
 def test_auto_topology_is_the_torus_of_the_hosts(n, k):
     xs = random_xs(n, 1)[0]
     auto, _ = run_on_hosts(MarsitCompressor(), xs, [k] * n)
@@ -451,12 +491,46 @@ def test_auto_topology_is_a_ring_without_hosts_to_follow(layout):
 
 
 def test_auto_topology_on_uneven_hosts_fails_fast_and_says_why():
-    """Ranks that derive different layouts (hosts of 1, 3 and 2 ranks can look even from
+    """Ranks that derive different layouts (hosts of 1 and 3 ranks can look even from
     one rank) are stopped by the agreement check before any hop, on every rank."""
     with pytest.raises(RankDisagreement, match="node layout.*topology='ring'"):
-        run_on_hosts(MarsitCompressor(), random_xs(6, 1)[0], [None, None, None, None, 2, None])
+        run_on_hosts(MarsitCompressor(), random_xs(4, 1)[0], [None, None, 2, None])
     # An explicit topology derives nothing from the hosts: no disagreement.
-    run_on_hosts(MarsitCompressor(topology="ring"), random_xs(6, 1)[0], [None] * 4 + [2, None])
+    run_on_hosts(MarsitCompressor(topology="ring"), random_xs(4, 1)[0], [None, None, 2, None])
+
+
+@pytest.mark.parametrize("n,k", [(5, None), (6, 3), (6, 2), (8, 1), (8, 2)])
+def test_auto_topology_is_direct_from_five_ranks(n, k):
+    """From 5 ranks on, two collectives whatever the hosts (a ring's or a torus's hops
+    are one Horovod collective each); hosts of uneven sizes then cannot disagree."""
+    xs = random_xs(n, 1)[0]
+    auto, auto_meters = run_on_hosts(MarsitCompressor(), xs, [k] * n)
+    direct, _ = run_on_hosts(MarsitCompressor(topology="direct"), xs, [None] * n)
+    for a, t in zip(auto, direct):
+        np.testing.assert_array_equal(a, t)
+    assert MarsitCompressor().layout(_Layout(n, k)) == "direct"
+    assert CascadingSignCompressor().layout(_Layout(n, k)) == "direct"
+    # One alltoall (the signs, with the scales in it) and one allgather: no scale gather.
+    for meter in auto_meters:
+        assert set(meter.by_kind) == {"alltoall", "allgather"}
+    run_on_hosts(MarsitCompressor(), random_xs(6, 1)[0], [None] * 4 + [2, None])
+
+
+@pytest.mark.parametrize("topology", ["butterfly", "direct"])
+@pytest.mark.parametrize("compensation", ["local", "global", False])
+def test_direct_and_butterfly_alpha_matches_the_ring(topology, compensation):
+    """The scale alpha is the same number whatever carries it (the direct layout's
+    alltoall or an allgather): where every rank holds the same signs, every layout gives
+    the same result, bit for bit."""
+    n = 4
+    base = np.random.default_rng(5).standard_normal(D).astype(np.float32)
+    xs = [base * (1.0 + 0.25 * r) for r in range(n)]  # same signs, different magnitudes
+    outs = {}
+    for topo in ("ring", topology):
+        outs[topo], _ = run_on_hosts(MarsitCompressor(topology=topo, compensation=compensation), xs,
+                                     [None] * n)
+    for a, b in zip(outs["ring"], outs[topology]):
+        np.testing.assert_array_equal(a, b)
 
 
 class _Layout:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import hvd_quant
+import hvd_quant.compressors.auto
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
 
@@ -172,9 +173,32 @@ def test_disagreeing_ranks_raise_the_same_clear_error(job):
             err = rank[key]
             assert err["error"] == "RankDisagreement", err
             assert "compressor or its options" in err["message"]
-        err = rank["params_differ"]
-        assert err["error"] == "RankDisagreement" and "parameter values" in err["message"]
-        assert "broadcast" in err["message"]
+
+def test_ranks_whose_values_differ_train_on_unless_strict(job):
+    """Never-broadcast parameters: ``strict`` raises on every rank at the first step; by
+    default training goes on, as under Horovod, with one warning on rank 0 only."""
+    for r, rank in enumerate(job["ranks"]):
+        strict, default = rank["params_differ"]["strict=True"], rank["params_differ"]["strict=False"]
+        assert strict["error"] == "RankDisagreement" and "parameter values" in strict["message"]
+        assert "broadcast" in strict["message"]
+        assert default["error"] is None
+        assert len(default["warnings"]) == (1 if r == 0 else 0), default["warnings"]
+        if r == 0:
+            assert "broadcast" in default["warnings"][0]
+
+
+def test_auto_chooses_alike_on_every_rank(job):
+    """Compression.auto: one link measurement per owner, then per bucket the same method
+    on every rank, whose values are those of that method run on its own (same seed)."""
+    ranks = job["ranks"]
+    first = _ok(ranks[0]["auto"])
+    for other in ranks[1:]:
+        assert _ok(other["auto"]) == first
+    for family, sizes in first.items():
+        for d, case in sizes.items():
+            allowed = ("none",) + hvd_quant.compressors.auto.FAMILIES[family]
+            assert case["chosen"] in allowed and case["same_as_alone"], (family, d)
+            assert np.isfinite(case["values"]).all() and len(case["values"]) == int(d)
 
 
 def test_unknown_name_lists_available(job):
@@ -207,6 +231,23 @@ def test_stock_horovod_and_fused_paths_train(job):
                                        rtol=1e-5, atol=1e-6)
             err = job["ranks"][0]["stock_multi_hop"]
             assert "hvd_quant.tensorflow.DistributedGradientTape" in err["message"]
+
+
+def test_staged_collectives_train_the_same_bits(job):
+    """``HVD_QUANT_WIRE=staged`` (what GPU tensors get from a Horovod without GPU
+    operations: each collective's tensors copied into host buffers and the results copied
+    back, here from CPU tensors) trains the very parameters the plain path trains, in
+    ``hq.DistributedOptimizer`` and through Horovod's stock optimizer, on every rank; what
+    crossed is the compressed payload, far below the 8 bytes per element a copy of the
+    gradient and its mean would be."""
+    if job["framework"] != "torch":
+        pytest.skip("the staging communicator is the torch adapter's")
+    for rank in job["ranks"]:
+        plain, staged = _ok(rank["train"]), _ok(rank["train_staged"])
+        assert staged["params"] == plain
+        numel = 10 * 6 + 6 + 6 * 3 + 3
+        for key, nbytes in staged["host_bytes"].items():
+            assert 0 < nbytes < 3 * 8 * numel, (key, nbytes)  # 3 steps
 
 
 def test_checkpoint_restores_error_feedback_by_name(job):

@@ -132,6 +132,21 @@ def test_every_rank_equals_the_oracle(job, name):
             np.testing.assert_array_equal(x, xs[0])
 
 
+@pytest.mark.parametrize("name", list(cases.CONFIGS))
+def test_staged_collectives_step_the_same_bits(job, name):
+    """``HVD_QUANT_WIRE=staged`` (each collective's tensors through host buffers, as GPU
+    tensors go with a Horovod without GPU operations): the parameters, step kinds, bytes
+    and collectives of the plain run, on every rank; what crossed is the collectives'
+    payload, nothing else."""
+    if job["k"]:
+        pytest.skip("checked in the flat jobs")
+    for rank in job["ranks"]:
+        plain, staged = _ok(rank[f"train/{name}"]), _ok(rank[f"train_staged/{name}"])
+        for key in ("x", "kinds", "bytes", "calls"):
+            assert staged[key] == plain[key], key
+        assert staged["host_bytes"] == staged["payload"] > 0
+
+
 def test_local_steps_issue_no_collective(job):
     got = _ok(job["ranks"][0]["train/zero_one_adam"])
     kinds, calls = got["kinds"], got["calls"]
@@ -190,7 +205,8 @@ def test_bad_input_fails_clearly_on_every_rank(job):
         runs = _ok(rank["sparse_as_dense"])  # by default: the dense embedding's very results
         assert runs and all(run["sparse"] == run["dense"] for run in runs.values()), runs
         err = rank["meta_parameters"]
-        assert err["error"] == "ValueError" and "CPU only" in err["message"] and "meta" in err["message"], err
+        assert (err["error"] == "ValueError" and "the CPU and on CUDA GPUs" in err["message"]
+                and "meta" in err["message"]), err
 
 
 def test_deepspeed_only_arguments_are_accepted_with_a_warning(job):

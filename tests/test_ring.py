@@ -6,7 +6,8 @@ import pytest
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.comm import Communicator
 from hvd_quant.core.hops import HopOperator
-from hvd_quant.core.ring import FloatSum, IntSum, chunk_bounds, ring_allreduce, torus_allreduce
+from hvd_quant.core.ring import (FloatSum, IntSum, butterfly_allreduce, chunk_bounds, direct_allreduce,
+                                 direct_padded_numel, ring_allreduce, torus_allreduce)
 from hvd_quant.core.simulate import CollectiveMismatch, ThreadWorld
 
 B = NumpyBackend()
@@ -202,3 +203,79 @@ def test_subgroups_layout_and_shared_meter():
     assert out == [(r % 3, 3, r // 3, 2, 3.0) for r in range(6)]
     with pytest.raises(ValueError):
         ThreadWorld(6).run(lambda c: c.subgroups(4))
+
+
+# --- butterfly and direct allreduce ---------------------------------------------------------
+def run_topology(data, op, topology):
+    fn = {"butterfly": butterfly_allreduce, "direct": direct_allreduce}[topology]
+    return ThreadWorld(len(data)).run(lambda c: fn(B, c, data[c.rank], op, "t", None))
+
+
+@pytest.mark.parametrize("topology,n", [("butterfly", 1), ("butterfly", 2), ("butterfly", 4),
+                                        ("butterfly", 8), ("direct", 1), ("direct", 2),
+                                        ("direct", 3), ("direct", 5), ("direct", 8)])
+@pytest.mark.parametrize("d", SIZES)
+def test_butterfly_and_direct_int_sum_is_exact(topology, n, d):
+    data = int_data(n, d, seed=n * 100 + d)
+    expected = np.sum(data, axis=0, dtype=np.int32) if d else np.zeros(0, np.int32)
+    for out in run_topology(data, IntSum(), topology):
+        assert out.dtype == np.int32 and out.shape == (d,)
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("topology,n", [("butterfly", 4), ("butterfly", 8), ("direct", 3), ("direct", 6)])
+def test_butterfly_and_direct_float_sum_match_and_ranks_agree(topology, n):
+    data = float_data(n, 1001, seed=n)
+    outs = run_topology(data, FloatSum(), topology)
+    np.testing.assert_allclose(outs[0], np.sum(data, axis=0), rtol=1e-5, atol=1e-5)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
+def test_butterfly_refuses_other_world_sizes():
+    with pytest.raises(ValueError, match="power-of-two"):
+        run_topology(int_data(3, 10), IntSum(), "butterfly")
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("d", [0, 3, 9, 1001])
+def test_butterfly_hops_pair_ranks_and_send_the_rings_bytes(n, d):
+    """2 log2 n hops named by step, each with the partner ``r ^ 2**k``; the same bytes in
+    total as a ring; every fold meets two chunks of equal counts."""
+    ops = [CountingSum() for _ in range(n)]
+    ops_unit1 = [IntSum() for _ in range(n)]
+    data = [np.zeros(d, np.uint8) for _ in range(n)]
+    recorders = [None] * n
+
+    def body(c):
+        rec = recorders[c.rank] = RecordingComm(c)
+        return butterfly_allreduce(B, rec, data[c.rank], ops_unit1[c.rank], "x", None)
+
+    ThreadWorld(n).run(body)
+    steps = n.bit_length() - 1
+    for r, rec in enumerate(recorders):
+        assert [h[0] for h in rec.hops] == ([f"x.bf.rs{k}" for k in range(steps)]
+                                            + [f"x.bf.ag{k}" for k in reversed(range(steps))])
+        partners = [r ^ (1 << k) for k in range(steps)]
+        assert [h[1] for h in rec.hops] == partners + partners[::-1]
+        assert all(h[1] == h[2] for h in rec.hops)
+    assert sum(rec.meter.bytes_sent for rec in recorders) == 2 * (n - 1) * d
+    idata = int_data(n, 4 * 37 + 3)
+    ThreadWorld(n).run(lambda c: butterfly_allreduce(B, c, idata[c.rank], ops[c.rank], "y", None))
+    for op in ops:
+        assert [(o, k) for _, o, k in op.calls] == [(2 ** k, 2 ** k) for k in range(steps)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("d", [0, 7, 1001])
+def test_direct_is_one_alltoall_and_one_allgather_of_the_padded_wire(n, d):
+    padded = direct_padded_numel(d, n)
+    assert padded % n == 0 and d <= padded < d + n
+    data = [np.zeros(d, np.uint8) for _ in range(n)]
+    meters = ThreadWorld(n).run(lambda c: (direct_allreduce(B, c, data[c.rank], IntSum(), "x", None),
+                                           dict(c.meter.by_kind))[1])
+    for by_kind in meters:
+        assert set(by_kind) <= {"alltoall", "allgather"}
+        if n > 1 and d:
+            assert by_kind["alltoall"] == pytest.approx((n - 1) / n * padded)
+            assert by_kind["allgather"] == pytest.approx((n - 1) * padded / n)

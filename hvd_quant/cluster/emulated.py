@@ -33,6 +33,12 @@ host's set (its affinity mask). Software that sizes itself by the cores it may u
 the whole machine: without it, two emulated hosts on a 2-core machine each took both
 cores and oversubscribed them. ``cpus="shared"`` leaves every rank on every CPU.
 
+Where hosts must share CPUs (more hosts than CPUs), a rank that busy-waits for a
+collective takes the CPU from the other hosts' ranks, which a host of its own would not:
+the ranks then get ``HVD_QUANT_WAIT=sleep`` (unless it is set already), so that
+hvd_quant's collectives wait by sleeping (:func:`hvd_quant.torch.comm.wait_mode`).
+Horovod's own ``hvd.synchronize`` (its stock ``DistributedOptimizer``) still spins.
+
 Launching
 ---------
 ``run_horovod(..., launcher="mpi")`` hands the job to OpenMPI's ``mpirun`` instead, which
@@ -244,6 +250,14 @@ class EmulatedCluster:
     def rank_host(self, rank):
         return self.hosts[rank // self.slots]
 
+    def cpus_shared_by_hosts(self):
+        """True when some CPU serves more than one host: more hosts than CPUs (split), or
+        more ranks than CPUs with every host on every CPU (shared)."""
+        if self.host_cpus is None:
+            return self.num_hosts > 1 and self.size > len(os.sched_getaffinity(0))
+        cpus = [c for host in self.host_cpus for c in host]
+        return len(cpus) != len(set(cpus))
+
     def rank_env(self, rank, horovod_rendezvous_port=None, extra=None):
         """The environment of ``rank``: this process's, plus torch.distributed's and (when a
         rendezvous port is given) Horovod's Gloo variables, plus ``extra``."""
@@ -262,6 +276,10 @@ class EmulatedCluster:
             "HVDQ_CLUSTER_DELAY_S": repr(self.delay_s),
             "HVDQ_CLUSTER_CPUS": "" if self.host_cpus is None else _cpu_list(self.host_cpus[host.index]),
         })
+        if self.cpus_shared_by_hosts() and "HVD_QUANT_WAIT" not in os.environ:
+            # A rank that busy-waits takes the CPU of the other hosts pinned to it, which a
+            # host of its own would not: hvd_quant's collectives wait by sleeping here.
+            env["HVD_QUANT_WAIT"] = "sleep"
         if horovod_rendezvous_port is not None:
             env.update({
                 "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.bridge_address,

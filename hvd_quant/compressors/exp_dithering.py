@@ -15,7 +15,10 @@ stochastically, without bias, to signed powers of two, one uint8 *code* each:
 * decode of the reduced codes: ``mean ~= M * 2**(n-1) / n * value(code)``.
 
 The codes cannot be added by a plain allreduce, so a ring applies :class:`ExpDitheringSum`
-hop by hop (:func:`hvd_quant.core.ring.ring_allreduce`): for ``±2**-e1`` and ``±2**-e2``
+hop by hop (:func:`hvd_quant.core.ring.ring_allreduce`; from 5 ranks on the direct
+allreduce instead, :func:`~hvd_quant.core.ring.direct_allreduce`: one alltoall, the same
+sums pairwise in a tree, one allgather, where a ring's ``2 (n - 1)`` hops were as many
+Horovod collectives; the bits differ from the ring's): for ``±2**-e1`` and ``±2**-e2``
 with ``e = min(e1, e2)`` and ``d = |e1 - e2|`` (in code units), the sum is exactly
 
 * same sign: ``2**-e (1 + 2**-d)``: one binade up w.p. ``2**-d``, else ``2**-e``;
@@ -46,7 +49,7 @@ uniform grid (2**-23 or 2**-24) are taken as 0 (bias below that grid times the o
 
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
-from ..core.ring import ring_allreduce
+from ..core.ring import DIRECT_FROM, direct_allreduce, direct_padded_numel, ring_allreduce
 from ..core.rng import draws
 from .global_qsgd import FLOAT32_MAX, global_scale, normalise
 
@@ -90,7 +93,7 @@ def encode(B, x, scale, world_size, rng):
     key = rng.next_key(B)
     fast = B.kernel("exp_encode", x)
     if fast is not None:
-        return fast(x, B.item(scale), world_size, key)
+        return fast(x, B.kernel_scalar(scale), world_size, key)
     return exp_encode(B, x, scale, world_size, draws(B, key, B.numel(x)))
 
 
@@ -104,7 +107,7 @@ def exp_decode(B, codes, scale, world_size, into=None):
     factor = 2.0 ** (world_size - 1) / world_size
     fast = B.kernel("exp_decode", codes)
     if fast is not None:
-        return fast(codes, factor, B.item(scale), out=into)
+        return fast(codes, factor, B.kernel_scalar(scale), out=into)
     c = B.cast(codes, "int32")
     mag_code = B.bitwise_and(c, _shift(B, 127))
     mag = B.bitcast(B.left_shift(128 - mag_code, _shift(B, 23)), "float32")  # 2**(1-c)
@@ -181,12 +184,15 @@ class GlobalQSGDExpCompressor(Compressor):
         # Phase 2: encode (zeros on a non-finite step), then the ring of stochastic sums.
         codes = B.cond(finite, lambda: encode(B, x, scale, n, ctx.rng),
                        lambda: encode(B, B.zeros(d), scale, n, ctx.rng))
-        total = ring_allreduce(B, comm, codes, ExpDitheringSum(), ctx.collective_name("codes"),
-                               ctx.rng)
+        reduce = direct_allreduce if n >= DIRECT_FROM else ring_allreduce
+        total = reduce(B, comm, codes, ExpDitheringSum(), ctx.collective_name("codes"), ctx.rng)
         return B.cond(finite, lambda: exp_decode(B, total, scale, n, into=ctx.out),
                       lambda: B.full(d, float("nan")))
 
     def wire_bytes(self, numel, world_size, segments=1):
         """Average bytes sent per rank: the fp32 scale by allreduce, one byte per element
-        round the ring (``2 (n-1) / n`` of the codes)."""
+        round the ring (``2 (n-1) / n`` of the codes; from 5 ranks, of the codes padded to
+        a multiple of ``n``)."""
+        if world_size >= DIRECT_FROM:
+            numel = direct_padded_numel(numel, world_size)
         return 2.0 * (world_size - 1) / world_size * (4 + numel) if world_size > 1 else 0.0

@@ -215,8 +215,8 @@ def quantize(B, comm, x, scale, pre, levels, width, rng=None, key=None, first=0)
     fast = B.kernel("quantize_ints" if native else "quantize_lanes", x)
     if fast is not None:
         if native:
-            return fast(x, B.item(pre), B.item(scale), levels, key, f"int{width}", first)
-        return fast(x, B.item(pre), B.item(scale), levels, key, width, comm.rank == 0, first)
+            return fast(x, B.kernel_scalar(pre), B.kernel_scalar(scale), levels, key, f"int{width}", first)
+        return fast(x, B.kernel_scalar(pre), B.kernel_scalar(scale), levels, key, width, comm.rank == 0, first)
     u = uniform_from_bits(B, hash_bits(B, key, B.numel(x), offset=first))
     q = linear_quantize(B, x * pre, scale, levels, u, f"int{width}" if native else "int32")
     return q if native else pack_lanes(B, q, width, add_offset=comm.rank == 0)
@@ -231,8 +231,8 @@ def dequantize(B, comm, total, numel, scale, pre, levels, width, into=None):
     factor = B.divide(scale, float(levels * comm.size))
     fast = B.kernel("dequantize_ints" if native else "dequantize_lanes", total)
     if fast is not None:
-        out = (fast(total, B.item(factor), out=into) if native
-               else fast(total, numel, width, B.item(factor), out=into))
+        out = (fast(total, B.kernel_scalar(factor), out=into) if native
+               else fast(total, numel, width, B.kernel_scalar(factor), out=into))
     else:
         q = total if native else unpack_lanes(B, total, numel, width)
         out = B.cast(q, "float32") * factor

@@ -30,7 +30,8 @@ Per step, per rank::
     p     = x + e                         # e = residual ("residual" state), 0 at first
     bits  = pack_signs(p)                 # 1 bit per element (x >= 0 -> 1)
     s_hat = unpack(ring_allreduce(bits, MarsitSelect))   # identical on every rank; a torus
-                                                         # along the hosts where they are known
+                                                         # along the hosts where they are known,
+                                                         # one alltoall + one allgather from 5 ranks
     alpha = mean over ranks of mean|p| per parameter  (one small float32 allgather,
             summed in rank order so every rank gets the same bits)
             or a constant (no float on the wire)
@@ -45,9 +46,10 @@ the selection rule is provably unbiased and tested to be so. Momentum, periodic
 full-precision synchronisation or layer-wise details of the original are not reproduced.
 
 Wire: ``2 (n - 1) / n * ceil(d / 8)`` bytes per rank for the signs (the ring's cost, at
-1 bit per element on every hop), plus an allgather of one float32 scale per parameter
-when ``scale="mean_abs"`` (``(n - 1) * 4`` bytes per parameter), or a 4-byte allreduce
-(the non-finite check) with a constant scale.
+1 bit per element on every hop; the direct layout pads the bits to a multiple of ``n``
+bytes), plus one float32 scale per parameter from every rank when ``scale="mean_abs"``
+(``(n - 1) * 4`` bytes per parameter: an allgather, or inside the direct layout's
+alltoall), or a 4-byte allreduce (the non-finite check) with a constant scale.
 """
 
 import math
@@ -55,10 +57,11 @@ import math
 from ..core.comm import all_ranks_finite, identical_sum, rank_order_sum
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
-from ..core.packing import (pack_signs, packed_sign_bytes, sign_pack_residual, unpack_scaled_sum,
-                            unpack_signs, unpack_sum_residual)
-from ..core.pipeline import start_allgather
-from ..core.ring import ring_allreduce, torus_allreduce
+from ..core.packing import (bytes_float, float_bytes, pack_signs, packed_sign_bytes, sign_pack_residual,
+                            unpack_scaled_sum, unpack_signs, unpack_sum_residual)
+from ..core.pipeline import _Done, start_allgather
+from ..core.ring import (DIRECT_FROM, butterfly_allreduce, direct_allreduce, direct_padded_numel,
+                         is_power_of_two, ring_allreduce, torus_allreduce)
 from ..core.rng import dyadic_bits, select_bits
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
 
@@ -126,6 +129,27 @@ class CascadingSign(HopOperator):
 
 _HOPS = {"marsit": MarsitSelect, "cascade": CascadingSign}
 
+#: The ``topology`` option's values.
+TOPOLOGIES = ("auto", "ring", "torus", "butterfly", "direct")
+
+
+def auto_layout(n, ranks_per_node=None):
+    """The layout ``topology="auto"`` runs on ``n`` ranks, ``ranks_per_node`` per host
+    (``None``: unknown or one): as :meth:`MarsitCompressor.layout` returns it.
+
+    Up to 4 ranks, a torus with one row per host where the hosts are known, else a ring
+    (2, 4 or 6 hops: what these sizes ran before 2026-11-28, bit for bit). From
+    :data:`~hvd_quant.core.ring.DIRECT_FROM` ranks on, ``"direct"``: under Horovod every hop is a collective of
+    its own, negotiated by every rank's background thread, and at 16 ranks on the emulated
+    cluster a ring's 30 hops took 2.5-4.2 s a step against 0.26-0.42 s for the direct
+    layout's two collectives, with the same bytes (docs/benchmarks/scaling.md)."""
+    k = ranks_per_node
+    if n >= DIRECT_FROM:
+        return "direct"
+    if k and 1 < k < n and n % k == 0:
+        return n // k  # one row per host: the row rings stay on the host
+    return None
+
 
 class MarsitCompressor(Compressor):
     """Marsit: sign bits aggregated hop by hop on a ring or torus, with global compensation.
@@ -149,16 +173,30 @@ class MarsitCompressor(Compressor):
         (one float32 allgather of one value per parameter). A float: constant ``alpha``
         (learning-rate style; no float on the wire). The optimizer's learning rate
         multiplies the returned ``alpha * s_hat`` either way.
-    topology : "auto" (default), "ring" or "torus"
-        ``"auto"``: a torus with one row per host when the communicator knows that every
-        host holds the same number ``k > 1`` of ranks, numbered host by host
-        (:meth:`Communicator.ranks_per_node`; Horovod's ``local_size`` and
-        ``cross_size`` on the global process set), else a ring. With ``k`` ranks per
-        host the torus makes ``2 (k - 1) + 2 (R - 1)`` hops instead of the ring's
-        ``2 (n - 1)`` (``R = n / k`` hosts), only its column hops cross hosts, and each
-        host link carries ``2 (R - 1) / R`` of the bits instead of ``2 (n - 1) / n``
-        (4 ranks on 2 hosts: 4 hops instead of 6, 1 instead of 1.5 times the bits;
-        measured in docs/benchmarks/cluster.md). The same bytes per rank either way.
+    topology : "auto" (default), "ring", "torus", "butterfly" or "direct"
+        How the sign bits travel; every layout sends the same bytes per rank (``direct``
+        up to padding the bits to a multiple of ``n`` bytes) and gives every element one
+        rank's bit, that rank chosen uniformly (the unbiased selection), but the random
+        choices, hence the bits, differ between layouts.
+
+        * ``"ring"``: ``2 (n - 1)`` hops.
+        * ``"torus"`` (with ``torus_rows``): ``2 (C - 1) + 2 (R - 1)`` hops on ``R`` rows
+          of ``C`` ranks. With ``k`` ranks per host and one row per host, only the column
+          hops cross hosts and each host link carries ``2 (R - 1) / R`` of the bits
+          instead of ``2 (n - 1) / n`` (4 ranks on 2 hosts: 4 hops instead of 6, 1
+          instead of 1.5 times the bits; measured in docs/benchmarks/cluster.md).
+        * ``"butterfly"`` (``n`` a power of two): recursive halving and doubling,
+          ``2 log2 n`` hops, every selection at odds 1/2.
+        * ``"direct"``: the reduce-scatter as one alltoall (chunk ``j`` of every rank to
+          rank ``j``, which folds the ``n`` chunks pairwise with the same selection), the
+          scales riding in it, then one allgather: two collectives whatever ``n``.
+        * ``"auto"``: up to 4 ranks a torus with one row per host when the communicator
+          knows that every host holds the same number ``k > 1`` of ranks, numbered host
+          by host (:meth:`Communicator.ranks_per_node`; Horovod's ``local_size`` and
+          ``cross_size`` on the global process set), else a ring, as before 2026-11-28;
+          from 5 ranks on ``"direct"`` (:func:`auto_layout`): each hop is one Horovod
+          collective, and their latency, not the bytes, made the 30-hop ring of 16 ranks
+          slow (docs/benchmarks/scaling.md).
     torus_rows : int
         Number of torus rows (e.g. nodes) for ``topology="torus"``; must divide the
         number of ranks. Rank ``r`` is at row ``r // cols``; rows come from
@@ -189,8 +227,8 @@ class MarsitCompressor(Compressor):
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
                 raise ValueError(f"scale must be 'mean_abs' or a positive number, got {scale!r}")
             scale = float(scale)
-        if topology not in ("auto", "ring", "torus"):
-            raise ValueError(f"topology must be 'auto', 'ring' or 'torus', got {topology!r}")
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {', '.join(map(repr, TOPOLOGIES))}, got {topology!r}")
         if topology == "torus" and (not isinstance(torus_rows, int) or torus_rows < 1):
             raise ValueError("topology='torus' needs torus_rows, a positive int")
         if hop not in _HOPS:
@@ -217,15 +255,18 @@ class MarsitCompressor(Compressor):
     def validate(self, world_size):
         if self.topology == "torus" and world_size % self.torus_rows:
             raise ValueError(f"torus_rows={self.torus_rows} does not divide {world_size} ranks")
+        if self.topology == "butterfly" and not is_power_of_two(world_size):
+            raise ValueError(f"topology='butterfly' needs a power-of-two number of ranks, got {world_size}")
 
     def layout(self, comm):
-        """The torus rows this rank runs on ``comm``, or ``None`` for a ring."""
+        """What this rank runs on ``comm``: the torus rows (an int), ``None`` for a ring,
+        ``"butterfly"`` or ``"direct"``."""
         if self.topology == "torus":
             return self.torus_rows
+        if self.topology in ("butterfly", "direct"):
+            return self.topology
         k = comm.ranks_per_node() if self.topology == "auto" else None
-        if k and 1 < k < comm.size and comm.size % k == 0:
-            return comm.size // k  # one row per host: the row rings stay on the host
-        return None
+        return auto_layout(comm.size, k) if self.topology == "auto" else None
 
     def reduce(self, x, ctx):
         B, comm = ctx.backend, ctx.comm
@@ -241,11 +282,14 @@ class MarsitCompressor(Compressor):
         # The default (mean_abs, local compensation) packs the bits in the same pass as
         # the scale sums: the ring carries bits only, so it need not wait for alpha, whose
         # gather is started here and waited for after the ring (phase 4).
+        # With the direct layout the scales ride in its alltoall instead (phase 3).
         fused = self.scale == "mean_abs" and self.compensation == "local"
+        layout = self.layout(comm)
         if fused:
             sums, bits = compensate_sums_signs(B, x, residual, counts)
             local = segment_means(B, sums, counts)
-            alpha_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
+            if layout != "direct":
+                alpha_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
         elif self.scale == "mean_abs":
             local = segment_means(B, compensate_sums(B, x, residual, counts), counts)
             alpha = identical_sum(B, comm, B.divide(local, float(n)), ctx.collective_name("scale"))
@@ -269,9 +313,16 @@ class MarsitCompressor(Compressor):
 
         # Phase 3: multi-hop allreduce of the sign bits, 1 bit per element on every hop.
         name = ctx.collective_name("signs")
-        rows = self.layout(comm)
-        if rows is not None:
-            row_comm, col_comm = comm.subgroups(rows)
+        if layout == "butterfly":
+            agg = butterfly_allreduce(B, comm, bits, self.op, name, ctx.rng)
+        elif layout == "direct" and fused:
+            agg, gathered = direct_allreduce(B, comm, bits, self.op, name, ctx.rng,
+                                             extra=float_bytes(B, B.divide(local, float(n))))
+            alpha_handle = _Done(bytes_float(B, gathered))
+        elif layout == "direct":
+            agg = direct_allreduce(B, comm, bits, self.op, name, ctx.rng)
+        elif layout is not None:
+            row_comm, col_comm = comm.subgroups(layout)
             agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
         else:
             agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
@@ -299,8 +350,13 @@ class MarsitCompressor(Compressor):
             ctx.state.set("residual", B.cond(finite, lambda: p - out, lambda: residual))
         return out
 
-    def wire_bytes(self, numel, world_size, segments=1):
-        ring = 2.0 * (world_size - 1) / world_size * packed_sign_bytes(numel)
+    def wire_bytes(self, numel, world_size, segments=1, layout=None):
+        """Bytes one rank sends; ``layout`` as :meth:`layout` returns it (``"direct"`` pads
+        the bits to a multiple of ``n`` bytes; the others move the same bytes)."""
+        nbytes = packed_sign_bytes(numel)
+        if layout == "direct":
+            nbytes = direct_padded_numel(nbytes, world_size)
+        ring = 2.0 * (world_size - 1) / world_size * nbytes
         if self.scale == "mean_abs":
             return ring + (world_size - 1) * 4 * segments  # allgather of the scales
         return ring + (2.0 * (world_size - 1) / world_size * 4 if self.check_finite else 0)

@@ -17,6 +17,30 @@ from .rng import CounterRNG, draws
 _BIT_WEIGHTS = np.array([1, 2, 4, 8, 16, 32, 64, 128], dtype=np.uint8)
 
 
+def truth(value):
+    """``bool(value)`` for a boolean scalar (a Python bool or a one-element tensor), read
+    from the tensor once.
+
+    On a GPU every read of a tensor's value is a device-to-host copy that waits for all
+    the work queued before it on the stream. A step reads its verdict (the finite flag
+    every rank shares) in several places (the compressor's branch, the state's commit,
+    where the new parameters may go): the first read is kept on the tensor, with the
+    tensor's version, and later reads of the same, unmodified tensor reuse it. numpy and
+    other objects that take no attribute are read as they are."""
+    if isinstance(value, (bool, int, float)) or not hasattr(value, "_version"):
+        return bool(value)
+    version = value._version  # torch: bumped by every in-place change
+    cached = getattr(value, "_hvd_quant_truth", None)
+    if cached is not None and cached[0] == version:
+        return cached[1]
+    result = bool(value)
+    try:
+        value._hvd_quant_truth = (version, result)
+    except (AttributeError, TypeError):
+        pass
+    return result
+
+
 class _Box:
     __slots__ = ("value",)
 
@@ -60,6 +84,13 @@ class Backend:
     def item(self, x):
         """The Python number held by a one-element tensor (eager only)."""
         return self.to_numpy(x).reshape(-1)[0].item()
+
+    def kernel_scalar(self, x):
+        """A one-element tensor as a fused kernel's scalar argument: the Python number it
+        holds (:meth:`item`), except where the kernels read a tensor on the device
+        themselves (the torch backend's GPU kernels), which then gets it as it is, with
+        no host read."""
+        return self.item(x)
 
     def numel(self, x):
         raise NotImplementedError
@@ -140,22 +171,23 @@ class Backend:
     def select(self, cond, a, b):
         """``a if cond else b`` for scalars: Python numbers eagerly; TensorFlow graphs use
         ``tf.where`` (counters there are tensors)."""
-        return a if bool(cond) else b
+        return a if truth(cond) else b
 
     def minimum(self, a, b):
         """The smaller of two scalars (Python numbers eagerly, tensors in graphs)."""
-        return a if bool(a <= b) else b
+        return a if truth(a <= b) else b
 
     def logical_and(self, a, b):
         """``a and b`` for boolean scalars (Python bools or one-element tensors); a
         boolean tensor in TensorFlow graphs."""
-        return bool(a) and bool(b)
+        return truth(a) and truth(b)
 
     def cond(self, pred, true_fn, false_fn):
         """``true_fn()`` if the boolean scalar ``pred`` holds, else ``false_fn()``: a Python
         branch eagerly, ``tf.cond`` in a TensorFlow graph. Both must return tensors of
-        the same shapes and dtypes. Never put a collective in only one branch."""
-        return true_fn() if bool(pred) else false_fn()
+        the same shapes and dtypes. Never put a collective in only one branch. A tensor
+        ``pred`` is read once (:func:`truth`)."""
+        return true_fn() if truth(pred) else false_fn()
 
     def greater_equal(self, a, b):
         raise NotImplementedError

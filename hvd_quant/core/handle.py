@@ -103,10 +103,13 @@ class CompressorHandle:
         ``Compression.get(name, seed=seed, **options)`` (Keras ``get_config``)."""
         return {"name": self.name, "options": dict(self._options), "seed": self.seed}
 
-    def make_runner(self, make_variable=None):
-        """A new runner (fresh state and random streams) for a new owner."""
-        return CompressorRunner(self.core, self.make_backend(), seed=self.seed,
-                                make_variable=make_variable, scope=new_scope())
+    def make_runner(self, make_variable=None, strict=None, device=None):
+        """A new runner (fresh state and random streams) for a new owner; ``strict``: see
+        :func:`~hvd_quant.core.runner.strict_default`; ``device``: where the runner's
+        state lives (a framework that places tensors, torch: ``make_backend(device)``)."""
+        backend = self.make_backend() if device is None else self.make_backend(device)
+        return CompressorRunner(self.core, backend, seed=self.seed,
+                                make_variable=make_variable, scope=new_scope(), strict=strict)
 
     # --- owners of the stock path and the TF tapes ----------------------------------------
     def owned(self, owner):
@@ -253,3 +256,16 @@ class CompressionNamespace:
 
     def get(self, name, **options):
         return self._handle_cls(name, **options)
+
+    def adopt(self, compression, horovod_compression):
+        """``compression`` as an hvd_quant handle where it is one of Horovod's own
+        ``Compression.none`` / ``Compression.fp16`` (the class, or an instance; pass the
+        framework's ``hvd.Compression`` as ``horovod_compression``): ours cast the same
+        way, so a Horovod program's ``compression=hvd.Compression.fp16`` keeps working
+        when only its optimizer line changes to hvd_quant's. Anything else is returned
+        as given."""
+        for name in ("none", "fp16"):
+            theirs = getattr(horovod_compression, name, None)
+            if theirs is not None and (compression is theirs or type(compression) is theirs):
+                return self.get(name)
+        return compression

@@ -181,7 +181,7 @@ def with_scales(B, rows, k, scales):
     collectives of different dtypes ran one after the other in Horovod, and the second
     added 1-2 ms to every bucket on the emulated 10 Gbit/s link (profiled 2026-11-26).
     Non-finite scales keep their bits, so a receiver still sees a NaN step."""
-    scale_rows = B.reshape(B.concat([_float_bytes(B, scales)] * k), (k, -1))
+    scale_rows = B.reshape(B.concat([float_bytes(B, scales)] * k), (k, -1))
     return B.reshape(B.concat_columns([rows, scale_rows]), (-1,))
 
 
@@ -191,16 +191,16 @@ def split_scales(B, received, n, width, count):
     table = B.reshape(received, (n, width + 4 * count))
     signs = B.reshape(B.slice_columns(table, 0, width), (-1,))
     scales = B.reshape(B.slice_columns(table, width, width + 4 * count), (-1,))
-    return signs, _bytes_float(B, scales)
+    return signs, bytes_float(B, scales)
 
 
-def _float_bytes(B, x):
+def float_bytes(B, x):
     """The bytes of the float32 tensor ``x`` (4 per element, native order) as uint8."""
     return B.reshape(B.bitcast(x, "uint8"), (-1,))
 
 
-def _bytes_float(B, b):
-    """Inverse of :func:`_float_bytes`."""
+def bytes_float(B, b):
+    """Inverse of :func:`float_bytes`."""
     return B.reshape(B.bitcast(B.reshape(b, (-1, 4)), "float32"), (-1,))
 
 

@@ -24,11 +24,29 @@ Torus allreduce on ``R`` rows of ``C`` ranks: reduce-scatter along the row ring,
 ring allreduce of the held chunk along the column ring (``own_count = C``, since that chunk
 already stands for a whole row), then allgather along the row ring.
 
+Butterfly allreduce (``n`` a power of two): recursive halving, then recursive doubling.
+At reduce-scatter step ``k`` (distance ``m = 2**k``) rank ``r`` and its partner ``r ^ m``
+hold the same range; the rank whose bit ``m`` is 0 keeps the lower half and sends the upper
+one, the other the reverse, and each folds what it received into the half it keeps (both
+stand for ``m`` ranks). After ``log2 n`` steps each rank holds ``1 / n`` of the wire reduced
+over all ranks; the allgather retraces the steps in reverse order, copying. Every rank
+sends the ring's bytes, ``2 (n - 1) / n`` of the wire (the halves add up to it), in
+``2 log2 n`` hops instead of ``2 (n - 1)``. The first (largest) reduce-scatter steps and
+the last allgather steps pair neighbouring ranks, so with ranks numbered host by host they
+stay on the host.
+
+Direct allreduce: one alltoall sends chunk ``j`` of every rank's (padded) wire to rank
+``j``, which folds the ``n`` chunks it received with the operator, pairwise in rank order
+(a balanced tree: chunks of ``c1`` and ``c2`` ranks meet), and one allgather shares the
+reduced chunks. Two collectives instead of ``2 (n - 1)`` hops, the same bytes per rank up
+to the padding of the wire to a multiple of ``n`` units.
+
 Every rank issues the same hops with the same names in the same order, whatever the
 tensor size: chunk sizes are static Python ints, chunks may be empty, and no branch
 depends on tensor values, so the code also runs inside ``tf.function``.
 """
 
+from .comm import exchange_blocks, gather_blocks
 from .hops import HopOperator
 
 
@@ -173,6 +191,113 @@ def torus_allreduce(B, row_comm, col_comm, wire, op, name, rng):
                                    own_count=cols)
     # Phase 3: allgather along the row.
     return B.concat(ring_allgather(B, row_comm, chunks, index, f"{name}.row"))
+
+
+#: From this many ranks on, the ring methods' default layout is the direct allreduce (two
+#: collectives) instead of ``2 (n - 1)`` hops: Marsit's ``topology="auto"`` and
+#: exponential dithering (docs/benchmarks/scaling.md).
+DIRECT_FROM = 5
+
+
+def is_power_of_two(n):
+    return n >= 1 and n & (n - 1) == 0
+
+
+def butterfly_allreduce(B, comm, wire, op, name, rng):
+    """Reduce ``wire`` over the ranks of ``comm`` (a power of two) with ``op`` by recursive
+    halving and doubling (module docstring). Hops are named ``{name}.bf.rs{k}`` and
+    ``{name}.bf.ag{k}``. Returns the reduced wire tensor, identical on every rank."""
+    n, r = comm.size, comm.rank
+    if not is_power_of_two(n):
+        raise ValueError(f"a butterfly allreduce needs a power-of-two number of ranks, got {n}")
+    if n == 1:
+        return wire
+    unit = op.unit
+    lo, hi = 0, B.numel(wire)
+    held = wire       # the wire elements [lo, hi) as this rank holds them (partial sums)
+    steps = []        # per step: (partner, my half's bounds, the partner's half's bounds)
+    m, count = 1, 1
+    while m < n:
+        partner = r ^ m
+        mid = chunk_bounds(hi - lo, 2, unit)[0][1] + lo
+        lower, upper = (lo, mid), (mid, hi)
+        mine, theirs = (lower, upper) if r & m == 0 else (upper, lower)
+        send = B.slice(held, theirs[0] - lo, theirs[1] - lo)
+        keep = B.slice(held, mine[0] - lo, mine[1] - lo)
+        received = comm.sendrecv(send, partner, partner, f"{name}.bf.rs{len(steps)}",
+                                 recv_numel=mine[1] - mine[0])
+        if mine[1] > mine[0]:  # nothing to fold in an empty half (and no draws)
+            keep = op.combine(B, keep, count, received, count, rng)
+        held, (lo, hi) = keep, mine
+        steps.append((partner, mine, theirs))
+        m, count = 2 * m, 2 * count
+    # Allgather: retrace the steps, last first; each exchange doubles what is held.
+    for k, (partner, mine, theirs) in reversed(list(enumerate(steps))):
+        received = comm.sendrecv(held, partner, partner, f"{name}.bf.ag{k}",
+                                 recv_numel=theirs[1] - theirs[0])
+        held = B.concat([held, received] if mine[0] < theirs[0] else [received, held])
+    return held
+
+
+def tree_fold(B, rows, counts, op, rng):
+    """Fold ``rows`` (wire chunks of the same length, standing for ``counts`` ranks each)
+    into one with ``op``, pairwise: ``(0, 1), (2, 3), ...``, then pairs of pairs, an odd one
+    passing up unchanged. Returns ``(chunk, total count)``."""
+    rows, counts = list(rows), list(counts)
+    while len(rows) > 1:
+        folded, folded_counts = [], []
+        for i in range(0, len(rows) - 1, 2):
+            folded.append(op.combine(B, rows[i], counts[i], rows[i + 1], counts[i + 1], rng))
+            folded_counts.append(counts[i] + counts[i + 1])
+        if len(rows) % 2:
+            folded.append(rows[-1])
+            folded_counts.append(counts[-1])
+        rows, counts = folded, folded_counts
+    return rows[0], counts[0]
+
+
+def direct_padded_numel(numel, n, unit=1):
+    """Length of the wire a direct allreduce moves: ``numel`` rounded up to a multiple of
+    ``n`` units (every rank's chunk the same size)."""
+    per = -(-numel // (n * unit)) * unit
+    return per * n
+
+
+def direct_allreduce(B, comm, wire, op, name, rng, extra=None):
+    """Reduce ``wire`` over the ranks of ``comm`` with ``op`` in two collectives: an
+    alltoall of its ``n`` chunks (``{name}.direct.rs``), a local pairwise fold of the ``n``
+    chunks this rank received (:func:`tree_fold`), and an allgather of the folded chunks
+    (``{name}.direct.ag``). The wire is padded with zeros to :func:`direct_padded_numel`
+    elements (zero units must fold to zero, as packed sign bytes and integer sums do).
+
+    ``extra``: uint8 bytes of the same length on every rank (a uint8 wire only) that ride
+    at the end of every row of the alltoall, so that every rank receives every rank's
+    ``extra`` with no collective of its own (Marsit's scales).
+
+    Returns the reduced wire tensor, identical on every rank; with ``extra``, the pair
+    ``(reduced, extras)``, ``extras`` every rank's bytes in rank order, flat.
+    """
+    n = comm.size
+    if n == 1:
+        return wire if extra is None else (wire, extra)
+    numel = B.numel(wire)
+    padded = direct_padded_numel(numel, n, op.unit)
+    sent = B.pad(wire, padded - numel) if padded > numel else wire
+    per = padded // n
+    if extra is None:
+        received = exchange_blocks(B, comm, sent, f"{name}.direct.rs")
+    else:
+        e = B.numel(extra)
+        table = B.concat_columns([B.reshape(sent, (n, per)), B.reshape(B.concat([extra] * n), (n, e))])
+        table = B.reshape(exchange_blocks(B, comm, B.reshape(table, (-1,)), f"{name}.direct.rs"),
+                          (n, per + e))
+        received = B.reshape(B.slice_columns(table, 0, per), (-1,))
+        extras = B.reshape(B.slice_columns(table, per, per + e), (-1,))
+    rows = [B.slice(received, i * per, (i + 1) * per) for i in range(n)]
+    folded = tree_fold(B, rows, [1] * n, op, rng)[0] if per else rows[0]
+    gathered = gather_blocks(B, comm, folded, f"{name}.direct.ag")
+    out = B.slice(gathered, 0, numel) if padded > numel else gathered
+    return out if extra is None else (out, extras)
 
 
 class IntSum(HopOperator):

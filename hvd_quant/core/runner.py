@@ -6,16 +6,127 @@ the runner does the rest the same way for torch and TensorFlow.
 """
 
 import hashlib
+import logging
+import os
 import zlib
 
 import numpy as np
 
+from . import scale_check
 from .compressor import ReduceContext
 from .state import StateStore
 
 
 class RankDisagreement(RuntimeError):
     """Ranks disagree on something that must be identical (compressor, options, model)."""
+
+
+log = logging.getLogger("hvd_quant")
+
+#: Environment variable that makes differing parameter values an error (``strict=True``).
+STRICT_ENV = "HVD_QUANT_STRICT"
+
+
+def strict_default(strict=None):
+    """``strict`` if given, else whether ``HVD_QUANT_STRICT`` is set to 1/true/yes.
+
+    Strict: ranks that hold different parameter values at the first step raise
+    :class:`RankDisagreement` together (what hvd_quant always did before). Not strict (the
+    default, as Horovod): training goes on, and rank 0 warns once if the values still
+    differ at the next check (:class:`ValueAgreement`)."""
+    if strict is not None:
+        return bool(strict)
+    value = os.environ.get(STRICT_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"{STRICT_ENV} must be 0 or 1, got {value!r}")
+
+
+#: What the value warning tells the user to do, per framework of the caller.
+BROADCAST_HINT = ("Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), "
+                  "root_rank=0) for torch, hvd_quant.tensorflow.broadcast_variables(model.variables, "
+                  "root_rank=0) for TensorFlow (Keras 2 or 3), or "
+                  "hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0) in model.fit.")
+
+_warned_values = [False]  # one warning per process, whatever the number of owners and buffers
+
+
+class ValueAgreement:
+    """Whether the ranks hold the same parameter values, decided as Horovod users need it.
+
+    Horovod averages the gradients whatever values the ranks hold: each rank applies the
+    same mean to its own values, which is well defined for every compressor. Programs
+    that hold different values at their first step are common and correct: Horovod's
+    TensorFlow 2 examples broadcast after the first step (so that the optimizer's slots
+    exist), and ``hvd.broadcast_optimizer_state`` takes a step before it broadcasts. A
+    program that never broadcasts trains one model per rank, which is almost always a
+    mistake.
+
+    So values that differ at an owner's first check are remembered, not refused (unless
+    ``strict``: then :class:`RankDisagreement` on every rank together, as before). The
+    next check of the same buffer compares them once more (one 8-byte allgather); if they
+    still differ, rank 0 logs one warning per process naming the fix. The decision to
+    re-check rests on the gathered digests, which every rank holds, so every rank issues
+    the same collectives.
+    """
+
+    def __init__(self, strict=None):
+        self.strict = strict_default(strict)
+        self._pending = set()  # keys whose values differed at their first check
+
+    def first(self, key, differ, what):
+        """The first check of ``key`` found the ranks' values differ (``differ``: the
+        agreement groups, or ``None`` when they agree)."""
+        if differ is None:
+            return
+        if self.strict:
+            raise RankDisagreement(f"hvd_quant: ranks disagree on {what} (groups that agree: "
+                                   f"{differ}). {BROADCAST_HINT} (strict: unset {STRICT_ENV} or pass "
+                                   "strict=False to train anyway, as Horovod does.)")
+        self._pending.add(key)
+
+    def pending(self, key):
+        return key in self._pending
+
+    def recheck(self, comm, backend, key, values_digest, what, rank):
+        """The second check of ``key``: gather the values' digests again and warn (rank 0,
+        once per process) if they still differ."""
+        self._pending.discard(key)
+        gathered = comm.allgather(backend.constant(np.array([values_digest], np.int64), "int64"),
+                                  f"hvd_quant.check.{key}.values")
+        groups = disagreeing_groups(backend.to_numpy(gathered).reshape(-1))
+        if groups is not None:
+            warn_different_values(rank, what, groups)
+
+    def clear(self):
+        self._pending.clear()
+
+
+def warn_different_values(rank, what, groups):
+    """Rank 0's one warning that the ranks train different models."""
+    if rank != 0 or _warned_values[0]:
+        return
+    _warned_values[0] = True
+    log.warning(
+        "hvd_quant: the ranks still hold different values of %s after their first step "
+        "(groups that agree: %s). Gradients are averaged all the same, as Horovod does, so "
+        "each rank applies the same mean to its own values and the ranks train different "
+        "models. %s Set %s=1 (or pass strict=True) to make this an error.",
+        what, groups, BROADCAST_HINT, STRICT_ENV)
+
+
+def disagreeing_groups(column):
+    """``None`` when every entry of ``column`` (one per rank) is equal, else a text
+    listing the groups of ranks that agree."""
+    column = np.asarray(column).reshape(-1)
+    if not (column != column[0]).any():
+        return None
+    groups = {}
+    for r, v in enumerate(column):
+        groups.setdefault(int(v), []).append(r)
+    return "; ".join(f"ranks {ranks}" for ranks in groups.values())
 
 
 def digest63(*parts):
@@ -54,12 +165,8 @@ def check_agreement(gathered, labels, fix_hints):
     gathered = np.asarray(gathered).reshape(len(gathered), -1)
     problems = []
     for j, label in enumerate(labels):
-        column = gathered[:, j]
-        if (column != column[0]).any():
-            groups = {}
-            for r, v in enumerate(column):
-                groups.setdefault(int(v), []).append(r)
-            which = "; ".join(f"ranks {ranks}" for ranks in groups.values())
+        which = disagreeing_groups(gathered[:, j])
+        if which is not None:
             problems.append(f"ranks disagree on {label} (groups that agree: {which}). {fix_hints[j]}")
     if problems:
         raise RankDisagreement("hvd_quant: " + " ".join(problems))
@@ -87,9 +194,13 @@ class CompressorRunner:
         Prefix of this runner's collective names, so that two owners reducing in one
         TensorFlow graph never issue two collectives with one name. Every rank must give
         the same owner the same scope (the handle numbers owners in creation order).
+    strict : bool or None
+        Ranks holding different parameter values raise :class:`RankDisagreement` (``True``)
+        or train on with one warning (``False``); ``None``: ``HVD_QUANT_STRICT``
+        (:class:`ValueAgreement`).
     """
 
-    def __init__(self, compressor, backend, seed=0, *, make_variable=None, scope=""):
+    def __init__(self, compressor, backend, seed=0, *, make_variable=None, scope="", strict=None):
         self.compressor = compressor
         self.backend = backend
         self.seed = int(seed)
@@ -100,6 +211,20 @@ class CompressorRunner:
         self._rng_restored = {}  # rank -> calls, waiting for the stream
         self._rng_counters = []  # owner-made counters, for variables()
         self._checked = set()
+        self.values = ValueAgreement(strict)
+
+    def place(self, backend):
+        """Make the state from now on with ``backend`` (the same framework on another
+        device: the stock path learns its gradients' device from the first one). Only
+        before the first reduction: state that exists stays where it is, so then
+        ``RuntimeError``. State restored from a checkpoint and not yet used is kept (it
+        waits as numpy arrays)."""
+        if self.store is not None and self.store.variables():
+            raise RuntimeError("hvd_quant: the compressor's state exists already; it cannot move "
+                               "to another device")
+        self.backend = backend
+        if self.store is not None:
+            self.store.backend = backend
 
     def state_slots(self):
         """Names of the per-element float32 state tensors the compressor keeps.
@@ -164,13 +289,20 @@ class CompressorRunner:
 
     def check_once(self, comm, key, digests=lambda: (0, 0)):
         """Verify, once per ``key``, that all ranks use the same compressor and options,
-        the same parameter structure and the same parameter values.
+        the same parameter structure and the same node layout (:class:`RankDisagreement`
+        on every rank together if not), and compare their parameter values
+        (:class:`ValueAgreement`: a warning at the next check if they still differ, an
+        error only when strict).
 
-        ``digests()`` returns ``(structure_digest, value_digest)``; it is called only the
-        first time, so hashing the parameters costs nothing on later steps. The scope is
-        part of the structure: ranks that created their owners in different orders are
-        told so instead of exchanging gradients of different models."""
+        ``digests()`` returns ``(structure_digest, value_digest)``; it is called on the
+        first check only, and once more on the next one if the values differed then, so
+        hashing the parameters costs nothing on later steps. The scope is part of the
+        structure: ranks that created their owners in different orders are told so
+        instead of exchanging gradients of different models."""
         if key in self._checked:
+            if self.values.pending(key):
+                self.values.recheck(comm, self.backend, key, digests()[1], "the model's parameters",
+                                    comm.rank)
             return
         self.compressor.validate(comm.size)
         structure, values = digests()
@@ -180,21 +312,19 @@ class CompressorRunner:
         row = np.array([self.compressor.fingerprint(), structure, values, digest63(repr(layout))],
                        dtype=np.int64)
         gathered = comm.allgather(self.backend.constant(row, "int64"), f"hvd_quant.check.{key}")
+        gathered = self.backend.to_numpy(gathered).reshape(comm.size, 4)
         check_agreement(
-            self.backend.to_numpy(gathered).reshape(comm.size, 4),
+            gathered[:, [0, 1, 3]],
             ["the compressor or its options", "the model's parameter names/shapes/dtypes",
-             "the model's parameter values", "the node layout the compressor derives"],
+             "the node layout the compressor derives"],
             [f"This rank uses {self.compressor!r}; pass the same compression to every rank.",
              "Build the same model on every rank, and create the optimizers/tapes that use "
              "hvd_quant compression in the same order on every rank.",
-             "Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), "
-             "root_rank=0) for torch, hvd_quant.tensorflow.broadcast_variables(model.variables, "
-             "root_rank=0) for TensorFlow (Keras 2 or 3), or "
-             "hvd_quant.tensorflow.callbacks.BroadcastGlobalVariablesCallback(0) in model.fit.",
              f"This rank derives {layout!r} from its host's ranks "
              "(hvd.local_size(), hvd.cross_size()); hosts seem to hold different numbers of "
              "ranks. Choose the topology explicitly, the same on every rank (for Marsit: "
              "topology='ring', or 'torus' with torus_rows)."])
+        self.values.first(key, disagreeing_groups(gathered[:, 2]), "the model's parameter values")
         self._checked.add(key)
 
     def reset_checks(self, world_size=None):
@@ -205,6 +335,7 @@ class CompressorRunner:
         if world_size is not None:
             self.compressor.validate(int(world_size))
         self._checked.clear()
+        self.values.clear()
 
     def adapt_world(self, rank, size, resize=None):
         """Adapt to a new world after an elastic reset: re-validate the compressor for
@@ -224,6 +355,8 @@ class CompressorRunner:
         """The :class:`ReduceContext` of buffer ``group`` on ``comm``: its state view (with
         the buffer slots sized for ``comm.size`` ranks), collective names and random stream;
         ``out``: where the result may be written (:class:`ReduceContext`)."""
+        scale_check.warn_once(self, self.compressor.name, comm, sum(int(c) for _, c in segments),
+                              self.compressor.options())
         state = None
         if self.store is not None:
             state = self.store.view(group, segments, world=(comm.rank, comm.size),

@@ -43,21 +43,24 @@ Fast kernels exist for CPU tensors (numba, :mod:`hvd_quant.kernels.cpu`): the to
 backend uses them for CPU tensors (zero-copy numpy views), the TensorFlow backend for CPU
 tensors eagerly and inside ``tf.function`` (:mod:`hvd_quant.tensorflow.kernels`: DLPack
 and ``tf.numpy_function``, results in buffers kept from step to step,
-:mod:`hvd_quant.kernels.buffers`, declared ahead by :mod:`hvd_quant.kernels.signatures`);
-CUDA and GPU tensors and XLA-compiled functions keep the generic path; the numpy backend
-is the oracle and never uses them (:class:`NumpyKernelBackend` does, for tests and
-benchmarks). Random draws come from the counter-based generator of
+:mod:`hvd_quant.kernels.buffers`, declared ahead by :mod:`hvd_quant.kernels.signatures`).
+For CUDA tensors the torch backend uses their Triton twins (:mod:`hvd_quant.kernels.gpu`:
+every primitive here but ``add_rows``, the same bits; Triton is imported when CUDA
+tensors first arrive, :func:`gpu_module`). TensorFlow GPU tensors and XLA-compiled
+functions keep the generic path; the numpy backend is the oracle and never uses them
+(:class:`NumpyKernelBackend` does, for tests and benchmarks). Random draws come from the counter-based generator of
 :mod:`hvd_quant.core.rng`, so kernel and oracle draw identical numbers whatever the
-thread count. Set ``HVD_QUANT_KERNELS=0`` to force the generic path everywhere.
+thread count. Set ``HVD_QUANT_KERNELS=0`` to force the generic path everywhere (GPU too).
 """
 
 import os
+import threading
 import time
 
 from ..core.backend import NumpyBackend
 from . import threads
 
-#: Every fused primitive with a fast CPU kernel.
+#: Every fused primitive with a fast CPU kernel (and a Triton one, :mod:`hvd_quant.kernels.gpu`).
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
          "compensate_sums_signs", "sign_residual", "unpack_sum_residual", "unpack_sums_signs",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
@@ -67,6 +70,9 @@ NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sum
 
 _cpu = None
 _state = {"checked": False, "ok": False, "why": "", "prepared": False}
+_gpu = {"checked": False, "module": None, "why": ""}
+_gpu_lock = threading.RLock()
+_gpu_interpreted = None
 
 
 def enabled():
@@ -103,6 +109,100 @@ def cpu_module():
         cpu.use_serial(threads.choice().serial)
         _cpu = cpu
     return _cpu
+
+
+def gpu_module():
+    """The Triton kernels (:mod:`hvd_quant.kernels.gpu`), imported on the first call (the
+    torch backend calls it when CUDA tensors first arrive, never at ``import hvd_quant``);
+    ``None`` when they cannot be used: ``HVD_QUANT_KERNELS=0``, or Triton missing or
+    broken, which is logged once as a warning with the reason (CUDA tensors then take the
+    generic path, plain torch operations)."""
+    with _gpu_lock:
+        if not _gpu["checked"]:
+            _gpu["checked"] = True
+            if os.environ.get("HVD_QUANT_KERNELS", "1") == "0":
+                _gpu["why"] = "disabled by HVD_QUANT_KERNELS=0"
+            else:
+                try:
+                    from . import gpu
+                    _gpu["module"] = gpu
+                except Exception as exc:  # ImportError, or a Triton that fails to load
+                    _gpu["why"] = f"Triton is not usable ({type(exc).__name__}: {exc})"
+                    threads.log.warning(
+                        "hvd_quant: fused GPU kernels off, %s; CUDA tensors take the generic path "
+                        "instead (plain torch operations, several passes per primitive): install "
+                        "the Triton that matches your torch (pip install triton)", _gpu["why"])
+    return _gpu["module"]
+
+
+def why_gpu_disabled():
+    gpu_module()
+    return _gpu["why"]
+
+
+def gpu_interpreted():
+    """A second copy of :mod:`hvd_quant.kernels.gpu` whose kernels run under Triton's
+    interpreter, on CPU tensors (tests and ``benchmarks/bench_gpu.py --interpret``).
+
+    Triton decides when a kernel is defined whether the interpreter runs it, and its own
+    library kernels (the combine functions of ``tl.sum``, ...) must be interpreted too: so
+    Triton is imported here with ``TRITON_INTERPRET=1`` set for that moment only, and the
+    module executed again under another name; the real module is not touched. This must
+    come before anything else in the process imports Triton (``RuntimeError`` otherwise);
+    a process that uses it does not compile Triton kernels for a GPU. The interpreter
+    patches ``triton.language`` while a kernel runs: call these from one thread at a time.
+    """
+    global _gpu_interpreted
+    with _gpu_lock:
+        if _gpu_interpreted is None:
+            import importlib.util
+            import sys
+
+            if "triton" in sys.modules and not _triton_interpreted():
+                raise RuntimeError("Triton was imported before without TRITON_INTERPRET=1: its library "
+                                   "kernels cannot run under the interpreter in this process")
+            name = __name__ + "._gpu_interpreted"
+            spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "gpu.py"))
+            module = importlib.util.module_from_spec(spec)
+            before = os.environ.get("TRITON_INTERPRET")
+            os.environ["TRITON_INTERPRET"] = "1"
+            try:
+                import triton.experimental.gluon  # noqa: F401  (else imported by the first launch)
+                import triton.language  # noqa: F401
+
+                spec.loader.exec_module(module)
+                _direct_device_functions(module)
+            finally:
+                if before is None:
+                    del os.environ["TRITON_INTERPRET"]
+                else:
+                    os.environ["TRITON_INTERPRET"] = before
+            _gpu_interpreted = module
+    return _gpu_interpreted
+
+
+def _direct_device_functions(module):
+    """Under the interpreter, call device functions (every jit function of ``module`` but
+    its kernels, ``*_k``, and Triton's own library functions: ``tl.sum``, ``tl.max``, ...)
+    as the interpreter's rewritten Python functions. Its nested call patches
+    ``triton.language`` anew at each call, which was most of the kernels' time here (the
+    tests' cost); a kernel's launch patches it once for the whole run, ``triton.language.
+    core`` included once the module names it. The same code runs, so the same results."""
+    import triton.language as tl
+    import triton.language.standard as standard
+
+    module._tl_core = tl.core  # the launch then patches the core builtins the library calls
+    for namespace, keep in ((module, lambda key: key.endswith("_k")), (tl, None), (standard, None)):
+        for key, value in list(vars(namespace).items()):
+            if type(value).__name__ == "InterpretedFunction" and not (keep and keep(key)):
+                setattr(namespace, key, value.rewrite())
+
+
+def _triton_interpreted():
+    """Whether the Triton in this process was imported for the interpreter."""
+    import triton.language.standard as standard
+
+    return type(getattr(standard, "cdiv", None)).__name__ != "JITFunction"
 
 
 def set_threads(n):

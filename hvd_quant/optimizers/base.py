@@ -62,6 +62,8 @@ counters every rank holds identically, so every rank takes the same branch and i
 same collectives in the same order, which is what lets collectives sit inside a branch.
 """
 
+from ..core.backend import truth
+
 #: What a step did on the wire: DeepSpeed's initialisation step, a full-precision
 #: allreduce, a 1-bit compressed allreduce, or nothing (a local step).
 KINDS = ("init", "full", "onebit", "local")
@@ -193,7 +195,7 @@ class StepContext:
 
     def _writes_in_place(self, ok):
         # x_writable first: in a graph (TensorFlow) it is False and ``ok`` is a tensor.
-        return self.x_writable and not self.state.deferred and bool(ok)
+        return self.x_writable and not self.state.deferred and truth(ok)
 
     def x_buffer(self):
         """Where new parameters go when not into ``x``: while the verdict is open (several
@@ -267,6 +269,19 @@ class Rule:
 
     def validate(self, world_size):
         """Raise ``ValueError`` when the options cannot work with ``world_size`` ranks."""
+
+    def check_scale(self, comm, numel):
+        """Once per rule (per optimizer): warn on rank 0 when this rule's 1-bit steps send
+        more than half an fp32 ring allreduce's bytes per rank at ``comm.size`` ranks for
+        ``numel`` parameters (:mod:`hvd_quant.core.scale_check`). The adapters call it at
+        set-up, after :meth:`validate`."""
+        from ..core import scale_check
+        return scale_check.warn_once(self, self.name, comm, numel, ranks_per_node=self.layout_hint())
+
+    def layout_hint(self):
+        """Ranks per node this rule's collectives follow (``None``: flat), for the cost
+        model."""
+        return getattr(self, "ranks_per_node", None)
 
     def step(self, ctx):
         """Update the group: return the new flat parameters (float32)."""
@@ -371,7 +386,14 @@ def full_precision_mean(B, comm, g, name):
 
     if comm.size == 1:
         return g
-    return ring_allreduce(B, comm, g, FloatSum(), name, None) * (1.0 / comm.size)
+
+    def mean(B, comm, g):
+        return ring_allreduce(B, comm, g, FloatSum(), name, None) * (1.0 / comm.size)
+    # A communicator that stages a GPU's tensors through host memory runs the whole ring
+    # there: one copy over and one back, where staging each of its 2 (n - 1) hops would
+    # copy the gradient 2 (n - 1) / n times each way (hvd_quant.torch.staging).
+    on_host = getattr(comm, "on_host", None)
+    return on_host(mean, g) if on_host is not None else mean(B, comm, g)
 
 
 def full_precision_bytes(numel, world_size):
@@ -428,7 +450,7 @@ class EagerGroupState(GroupState):
         self.scalars[name] = value.item() if hasattr(value, "item") else value
 
     def commit(self, ok, slots=None, scalars=None):
-        ok = bool(ok)
+        ok = truth(ok)  # a GPU verdict is read from the device once per step
         self.vote = self.vote and ok
         if self.deferred:
             if ok:  # a False one makes the whole step's verdict False

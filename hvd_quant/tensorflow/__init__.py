@@ -18,12 +18,13 @@ _check_requirements("tensorflow")  # versions and Horovod's tensorflow ops: one 
 from .backend import TFBackend
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor
-from .tape import DistributedGradientTape, broadcast_variables
-from .keras import DistributedOptimizer
+from .tape import DistributedGradientTape, PartialDistributedGradientTape, broadcast_variables
+from .keras import DistributedOptimizer, PartialDistributedOptimizer
 from . import callbacks
 from .optimizers import BinSGDM, OnebitAdam, StepKindRecorder, ZeroOneAdam
 from . import elastic
 
 __all__ = ["BinSGDM", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodTFComm",
-           "OnebitAdam", "StepKindRecorder", "TFBackend", "TFCompressor", "ZeroOneAdam",
-           "broadcast_variables", "callbacks", "elastic"]
+           "OnebitAdam", "PartialDistributedGradientTape", "PartialDistributedOptimizer",
+           "StepKindRecorder", "TFBackend", "TFCompressor", "ZeroOneAdam", "broadcast_variables",
+           "callbacks", "elastic"]

@@ -192,6 +192,10 @@ class TFBackend(Backend):
             t = self._cached_table(table, tf.constant)
         return tf.gather(t, tf.cast(indices, tf.int32))
 
+    def eager_scope(self):
+        """Run eagerly even while a ``tf.function`` traces (one-off measurements at set-up)."""
+        return tf.init_scope()
+
     def variable(self, initial):
         with tf.init_scope():
             return tf.Variable(initial, trainable=False, dtype=initial.dtype.name)

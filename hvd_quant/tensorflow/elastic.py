@@ -379,7 +379,7 @@ def _local_variables(optimizer):
 
 def _refuse_process_set(optimizer):
     """Elastic resets re-create only Horovod's global process set."""
-    ps = getattr(optimizer, "_process_set", None) or getattr(optimizer, "_hq_process_set", None)
+    ps = getattr(optimizer, "process_set", None) or getattr(optimizer, "_hq_process_set", None)
     if ps is not None and ps is not hvd.global_process_set and ps.process_set_id != 0:
         raise ValueError("hvd_quant: elastic jobs need optimizers on the global process set: "
                          "after a reset Horovod re-creates only that one")

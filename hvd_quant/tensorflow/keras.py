@@ -47,10 +47,12 @@ import horovod.tensorflow as hvd
 from keras.optimizers import LossScaleOptimizer
 from keras.src.utils import tracking
 
+from ..process_sets import includes_this_rank
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor
 from .optimizers import resize_keras_variable
-from .tape import check_agreement_once, group_segments, reduce_gradients
+from .tape import (check_agreement_once, divide_gradient, group_segments, keras_layers,
+                   note_sparse_reduced_dense, reduce_gradients)
 from .xla_step import refuse_xla
 
 _LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "apply_fn")
@@ -59,7 +61,8 @@ _LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "a
 @keras.saving.register_keras_serializable(package="hvd_quant")
 class DistributedOptimizer(LossScaleOptimizer):
     """Wrap a Keras 3 optimizer so that ``apply()`` first averages the gradients over
-    ranks with ``compression``.
+    ranks with ``compression``. A rank outside ``process_set`` reduces nothing and
+    applies its own gradients, as under Horovod.
 
     Parameters
     ----------
@@ -72,8 +75,9 @@ class DistributedOptimizer(LossScaleOptimizer):
         Configuration only; this optimizer keeps its own state.
     name : str, optional
     op : hvd.Average or hvd.Sum
-    num_groups : int
-        Number of fused buffers (default one).
+    num_groups, groups : int, list of lists of variables
+        Number of fused buffers (default one), or Horovod's ``groups``: the variables of
+        each inner list in a buffer of their own, the rest in one more.
     process_set : horovod process set
     loss_scale : "auto", bool
         Dynamic loss scaling as Keras' ``LossScaleOptimizer`` does it, but decided from the
@@ -85,10 +89,25 @@ class DistributedOptimizer(LossScaleOptimizer):
         always is) is reduced as a dense gradient of its variable's full size, as
         Horovod's ``sparse_as_dense=True`` does. It costs a float32 buffer of the whole
         table per step (49 MB for ``Embedding(32000, 384)``), the compressor's passes over
-        it, and a dense update of the table by the wrapped optimizer. ``False`` raises on
-        a sparse gradient: hvd_quant compresses dense buffers only.
+        it, and a dense update of the table by the wrapped optimizer. ``False`` (Horovod's
+        default, a sparse allreduce there) is reduced the same way, since hvd_quant
+        compresses dense buffers only, and rank 0 says so once.
     device_dense, device_sparse, gradient_predivide_factor :
         Accepted for compatibility with Horovod's signature (averaging is exact).
+    backward_passes_per_step, average_aggregated_gradients :
+        As Horovod's Keras optimizer: gradients are summed on each rank over that many
+        passes (``apply`` calls), then reduced and applied once (divided by the number of
+        passes with ``average_aggregated_gradients``). The sums are per-rank optimizer
+        variables.
+    scale_local_gradients : bool
+        Variables registered with :meth:`register_local_var` (or through
+        :func:`PartialDistributedOptimizer`) keep their own gradients, divided by the
+        number of ranks when True (Horovod's default).
+    strict : bool or None
+        ``True``: ranks whose variable values differ at the first step raise
+        :class:`~hvd_quant.core.runner.RankDisagreement` together; ``False``: training goes
+        on, as under Horovod, and rank 0 warns once if they still differ at the next trace.
+        ``None``: ``HVD_QUANT_STRICT`` (unset: ``False``).
     """
 
     # The 1-bit optimizers accept this LossScaleOptimizer around them (see apply).
@@ -98,12 +117,14 @@ class DistributedOptimizer(LossScaleOptimizer):
                  num_groups=0, groups=None, process_set=hvd.global_process_set, loss_scale="auto",
                  initial_scale=2.0 ** 15, dynamic_growth_steps=2000, device_dense="",
                  device_sparse="", sparse_as_dense=True, gradient_predivide_factor=1.0,
-                 backward_passes_per_step=1):
+                 backward_passes_per_step=1, average_aggregated_gradients=False,
+                 scale_local_gradients=True, strict=None):
         if keras.backend.backend() != "tensorflow":
             raise RuntimeError("hvd_quant.tensorflow.DistributedOptimizer needs Keras' TensorFlow "
                                f"backend (KERAS_BACKEND=tensorflow), not {keras.backend.backend()!r}")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("the optimizer is already an hvd_quant DistributedOptimizer")
+        compression = Compression.adopt(compression, hvd.Compression)
         communicates = bool(getattr(optimizer, "_hvd_quant_communicates", False))
         if communicates and getattr(compression, "name", None) != "none":
             raise TypeError(f"{type(optimizer).__name__} averages over ranks by itself, so "
@@ -117,16 +138,16 @@ class DistributedOptimizer(LossScaleOptimizer):
                 "compression=hvd_quant.tensorflow.Compression.<name>) (horovod.tensorflow.keras).")
         if not isinstance(compression, TFCompressor):
             raise TypeError("compression must be an hvd_quant compressor "
-                            f"(hvd_quant.tensorflow.Compression.<name>), got {compression!r}")
+                            f"(hvd_quant.tensorflow.Compression.<name>), got {compression!r}. "
+                            "Horovod's Compression.none and .fp16 are taken as ours; a Horovod "
+                            "compressor of your own works only in Horovod's optimizers")
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
-        if groups is not None:
-            raise ValueError("groups given as lists of variables are not supported; pass num_groups")
         if gradient_predivide_factor != 1.0 and op != hvd.Average:
             raise ValueError("gradient_predivide_factor only applies to op=hvd.Average")
-        if backward_passes_per_step != 1:
-            raise ValueError("backward_passes_per_step > 1 is not supported; set "
-                             "gradient_accumulation_steps on the wrapped Keras optimizer instead")
+        if (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
+                or backward_passes_per_step < 1):
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if loss_scale not in ("auto", True, False):
             raise ValueError(f"loss_scale must be 'auto', True or False, got {loss_scale!r}")
         if isinstance(optimizer, LossScaleOptimizer):
@@ -140,10 +161,16 @@ class DistributedOptimizer(LossScaleOptimizer):
         self._inner_communicates = communicates
         self._compression = compression
         self._op = op
-        self._num_groups = int(num_groups or 0)
-        self._process_set = process_set
+        self._fuse_groups = groups if groups is not None else int(num_groups or 0)
+        self.process_set = process_set
         self._loss_scale_option = loss_scale
         self._sparse_as_dense = bool(sparse_as_dense)
+        self._strict = strict
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self._aggregated = None  # (counter, sums per variable): backward_passes_per_step > 1
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self._local_vars = {}  # id -> variable (held, so that the id stays its own)
         self._loss_scale_on = None  # resolved on first use
         self._runner = None
         self._comm = None
@@ -176,13 +203,44 @@ class DistributedOptimizer(LossScaleOptimizer):
         else:
             self.inner_optimizer.build(var_list)
             super(LossScaleOptimizer, self).build(var_list)  # skip the loss-scale variables
+        if self.backward_passes_per_step > 1:
+            self._aggregated = (self._per_rank_variable("hvd_quant_passes", (), "int64"),
+                                [self._per_rank_variable(f"hvd_quant_sum_{i}", tuple(v.shape), "float32")
+                                 for i, v in enumerate(var_list)])
         if self._inner_communicates:
             return
+        # Made on every rank, so that owners are numbered alike everywhere (their collective
+        # names); a rank outside the process set reduces nothing and keeps no state.
+        runner = self._compression.make_runner(make_variable=self._make_state_variable,
+                                               strict=self._strict)
+        if not includes_this_rank(self.process_set):
+            return
         self._compression.prepare()  # Horovod is initialised now: the ranks on this host are known
-        self._comm = HorovodTFComm(self._process_set)
-        self._runner = self._compression.make_runner(make_variable=self._make_state_variable)
-        self._runner.build(self._comm.rank, group_segments(var_list, self._num_groups),
+        self._comm = HorovodTFComm(self.process_set)
+        self._runner = runner
+        self._runner.build(self._comm.rank, group_segments(self._shared(var_list), self._fuse_groups),
                            size=self._comm.size)
+
+    # --- model parallelism (Horovod's register_local_var) ---------------------------------
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient local: it is not reduced over ranks (Horovod's
+        ``DistributedOptimizer.register_local_var``), for a model-parallel part. Register
+        before the first step: the fused buffers are laid out when the optimizer is built."""
+        if self._runner is not None:
+            raise RuntimeError("hvd_quant: register_local_var() after the optimizer was built "
+                               "(its first step); register local variables before training")
+        self._local_vars[id(var)] = var
+
+    def _is_local(self, var):
+        return self._local_vars.get(id(var)) is var
+
+    def _shared(self, variables):
+        return [v for v in variables if not self._is_local(v)]
+
+    def _per_rank_variable(self, name, shape, dtype):
+        var = self.add_variable(shape=shape, initializer="zeros", dtype=dtype, aggregation="none", name=name)
+        self._per_rank.append(var)
+        return var
 
     def _make_state_variable(self, name, initial):
         var = self.add_variable(shape=initial.shape, initializer="zeros", dtype=initial.dtype.name,
@@ -275,16 +333,42 @@ class DistributedOptimizer(LossScaleOptimizer):
                 self.build(trainable_variables)
             self.built = True
         variables = trainable_variables if trainable_variables is not None else self._trainable_variables
+        if self._aggregated is not None:
+            self._apply_aggregated(grads, trainable_variables, variables)
+            return
+        self._apply_now(grads, trainable_variables, variables)
+
+    def _apply_aggregated(self, grads, trainable_variables, variables):
+        """``backward_passes_per_step`` > 1, as Horovod's Keras optimizer: add this pass's
+        gradients to per-rank sums; every ``backward_passes_per_step``-th pass reduce the
+        sums (divided by that number with ``average_aggregated_gradients``), apply them and
+        start again from zero. The pass count is the same on every rank, so every rank
+        takes the same branch and issues the same collectives."""
+        passes, sums = self._aggregated
+        for total, g in zip(sums, grads):
+            if g is not None:
+                total.assign_add(tf.cast(tf.convert_to_tensor(g), tf.float32))
+        passes.assign_add(1)
+        n = self.backward_passes_per_step
+
+        def reduce_and_apply():
+            factor = 1.0 / n if self.average_aggregated_gradients else 1.0
+            summed = [None if g is None else tf.cast(total * factor, g.dtype) for g, total in zip(grads, sums)]
+            self._apply_now(summed, trainable_variables, variables)
+            for total in sums:
+                total.assign(tf.zeros_like(total))
+
+        keras.ops.cond(tf.equal(passes % n, 0), reduce_and_apply, lambda: None)
+
+    def _apply_now(self, grads, trainable_variables, variables):
         scaling = self._loss_scaling()
         if self._inner_communicates:
             self._apply_communicating(grads, trainable_variables, variables, scaling)
             return
-        check_agreement_once(self._runner, self._comm, variables, self._num_groups)
-        before = self._comm.meter.bytes_sent
-        reduced, finite = reduce_gradients(self._runner, self._comm, grads, variables, self._num_groups,
-                                           self._op, scale=self.dynamic_scale if scaling else None,
-                                           sparse_as_dense=self._sparse_as_dense, where="DistributedOptimizer")
-        self._bytes.assign_add(self._comm.meter.bytes_sent - before)
+        if self._runner is None:  # outside the process set: this rank's own gradients
+            reduced, finite = self._local_gradients(grads, scaling, 1.0)
+        else:
+            reduced, finite = self._reduce(grads, variables, scaling)
         # Keras drops variables without a gradient; so do we (after reducing zeros for them,
         # so that the fused layout never changes).
         reduced = [None if g is None else r for g, r in zip(grads, reduced)]
@@ -294,6 +378,45 @@ class DistributedOptimizer(LossScaleOptimizer):
         # Every rank sees the same reduced values, so every rank takes the same branch.
         keras.ops.cond(finite, lambda: self._apply_finite(reduced, trainable_variables),
                        self._stateful_handle_non_finite_grads)
+
+    def _reduce(self, grads, variables, scaling):
+        """The gradients of the shared variables averaged over ranks, those of the local
+        ones (:meth:`register_local_var`) kept; and whether all are finite on every rank."""
+        shared = [i for i, v in enumerate(variables) if not self._is_local(v)]
+        shared_vars = [variables[i] for i in shared]
+        shared_grads = [grads[i] for i in shared]
+        check_agreement_once(self._runner, self._comm, shared_vars, self._fuse_groups)
+        if not self._sparse_as_dense:
+            note_sparse_reduced_dense(shared_grads, shared_vars, "DistributedOptimizer", self._comm.rank)
+        before = self._comm.meter.bytes_sent
+        reduced, finite = reduce_gradients(self._runner, self._comm, shared_grads,
+                                           shared_vars, self._fuse_groups, self._op,
+                                           scale=self.dynamic_scale if scaling else None)
+        self._bytes.assign_add(self._comm.meter.bytes_sent - before)
+        if len(shared) == len(variables):
+            return reduced, finite
+        divisor = float(self._comm.size) if self.scale_local_gradients else 1.0
+        out, local_finite = self._local_gradients(grads, scaling, divisor)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        # Local gradients differ between ranks: their verdict must be shared, or ranks
+        # would skip different steps under loss scaling.
+        if scaling:
+            flag = tf.reshape(tf.where(local_finite, 0.0, 1.0), [1])
+            some_rank_not_finite = self._comm.allreduce(flag, "max", "hvd_quant.local_finite")
+            finite = tf.logical_and(finite, some_rank_not_finite[0] < 0.5)
+        return out, finite
+
+    def _local_gradients(self, grads, scaling, divisor):
+        """This rank's own gradients (unscaled from the loss scale, divided by
+        ``divisor``) and whether they are all finite."""
+        scale = tf.cast(self.dynamic_scale, tf.float32) * divisor if scaling else (
+            divisor if divisor != 1.0 else None)
+        out = [g if g is None or scale is None else divide_gradient(g, scale) for g in grads]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(
+            g.values if isinstance(g, tf.IndexedSlices) else g)) for g in out if g is not None]
+            or [tf.constant(True)])
+        return out, finite
 
     def _apply_communicating(self, grads, trainable_variables, variables, scaling):
         """Loss scaling around an optimizer that reduces by itself (1-bit Adam, 0/1 Adam,
@@ -350,8 +473,13 @@ class DistributedOptimizer(LossScaleOptimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "compression": self._compression.config(),
             "op": int(self._op),
-            "num_groups": self._num_groups,
+            # Groups given as variables cannot be saved: a restored optimizer fuses their
+            # gradients into one buffer (the same reduction for per-parameter scales).
+            "num_groups": self._fuse_groups if isinstance(self._fuse_groups, int) else 0,
             "sparse_as_dense": self._sparse_as_dense,
+            "scale_local_gradients": self.scale_local_gradients,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "average_aggregated_gradients": self.average_aggregated_gradients,
             # Once resolved, the choice itself: it decides which variables a checkpoint has.
             "loss_scale": self._loss_scale_option if self._loss_scale_on is None else self._loss_scale_on,
             "initial_scale": self.initial_scale,
@@ -368,3 +496,20 @@ class DistributedOptimizer(LossScaleOptimizer):
         op = {int(hvd.Average): hvd.Average, int(hvd.Sum): hvd.Sum}[int(config.pop("op"))]
         return cls(inner, compression=compression, op=op, **config)
 
+
+def PartialDistributedOptimizer(optimizer, name=None, compression=Compression.none, op=hvd.Average,
+                                num_groups=0, groups=None, process_set=hvd.global_process_set,
+                                local_layers=None, scale_local_gradients=True, **kwargs):
+    """A :class:`DistributedOptimizer` whose ``local_layers`` keep their gradients local
+    (Horovod's Keras ``PartialDistributedOptimizer``, working on Keras 3 layers): every
+    trainable variable of those layers is registered with
+    :meth:`~DistributedOptimizer.register_local_var`. Other arguments as
+    :class:`DistributedOptimizer`."""
+    layers = keras_layers(local_layers, "PartialDistributedOptimizer")
+    opt = DistributedOptimizer(optimizer, compression=compression, name=name, op=op,
+                               num_groups=num_groups, groups=groups, process_set=process_set,
+                               scale_local_gradients=scale_local_gradients, **kwargs)
+    for layer in layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt

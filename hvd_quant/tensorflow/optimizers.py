@@ -160,6 +160,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         self._hq_rule.validate(comm.size)
         counts = [int(np.prod(v.shape)) for v in var_list]
         numel = sum(counts)
+        self._hq_rule.check_scale(comm, numel)
         slots, scalars = initial_state(self._hq_rule, counts, comm.size)
         self._hq_slots = {name: self.add_variable((value.size,), "zeros", "float32", name=f"hvd_quant_{name}")
                           for name, value in slots.items()}

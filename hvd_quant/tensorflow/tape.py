@@ -16,14 +16,19 @@ variable's dtype.
 """
 
 
+import logging
+
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from ..core.runner import digest63, values_digest63
+from ..process_sets import includes_this_rank
 from . import kernels
 from .comm import HorovodTFComm
 from .compression import Compression, TFCompressor, variable_name
+
+log = logging.getLogger("hvd_quant")
 
 
 class DistributedGradientTape:
@@ -31,26 +36,40 @@ class DistributedGradientTape:
 
     Parameters mirror ``horovod.tensorflow.DistributedGradientTape``. ``compression`` is
     an ``hvd_quant.tensorflow.Compression.<name>`` object. ``num_groups``/``groups`` split
-    the variables into that many fused buffers (default: one). ``sparse_as_dense``
-    (default True): a sparse gradient (``tf.IndexedSlices``, an ``Embedding``'s) is reduced
-    as a dense gradient of its variable's full size, which costs that many float32 per
-    step in memory, in the compressor's passes and (before compression) on the wire, like
-    Horovod's ``sparse_as_dense=True``; ``False`` raises on a sparse gradient (hvd_quant
-    has no sparse reduction). ``device_dense``, ``device_sparse`` and
+    the variables into that many fused buffers (default: one; ``groups`` as Horovod's, lists
+    of variables). ``sparse_as_dense`` (default True): a sparse gradient
+    (``tf.IndexedSlices``, an ``Embedding``'s) is reduced as a dense gradient of its
+    variable's full size, which costs that many float32 per step in memory, in the
+    compressor's passes and (before compression) on the wire, like Horovod's
+    ``sparse_as_dense=True``; ``False`` (Horovod's default, a sparse allreduce there) is
+    reduced the same way, since hvd_quant has no sparse reduction, and rank 0 says so once. ``device_dense``, ``device_sparse`` and
     ``gradient_predivide_factor`` are accepted for compatibility (averaging is exact).
 
     On the first ``gradient()`` call all ranks check that they use the same compressor and
-    options, the same variable names/shapes/dtypes and the same variable values, and raise
-    :class:`~hvd_quant.core.runner.RankDisagreement` together if not.
+    options and the same variable names/shapes/dtypes, and raise
+    :class:`~hvd_quant.core.runner.RankDisagreement` together if not. Variable values that
+    differ between ranks are averaged over as Horovod does; if they still differ at the
+    next check (the next eager step, or the next trace), rank 0 warns once. ``strict=True``
+    (or ``HVD_QUANT_STRICT=1``) makes them an error at the first call instead.
+
+    Model parallelism, as Horovod's tape: :meth:`register_local_source` marks a variable
+    whose gradient stays this rank's own (not reduced; divided by the number of ranks when
+    ``scale_local_gradients``, Horovod's default), and :func:`PartialDistributedGradientTape`
+    registers every trainable variable of ``local_layers``. Unlike Horovod's own (horovod
+    #4290), both work on Keras 3 variables. A rank outside ``process_set`` reduces nothing.
     """
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=True, op=hvd.Average, gradient_predivide_factor=1.0,
-                 num_groups=0, groups=None, process_set=hvd.global_process_set):
+                 num_groups=0, groups=None, process_set=hvd.global_process_set,
+                 scale_local_gradients=True, strict=None):
+        compression = Compression.adopt(compression, hvd.Compression)
         if not isinstance(compression, TFCompressor):
             raise TypeError(
                 "hvd_quant.tensorflow.DistributedGradientTape needs an hvd_quant compressor "
-                f"(hvd_quant.tensorflow.Compression.<name>), got {compression!r}")
+                f"(hvd_quant.tensorflow.Compression.<name>), got {compression!r}. Horovod's "
+                "Compression.none and .fp16 are taken as ours; a Horovod compressor of your own "
+                "works only in Horovod's hvd.DistributedGradientTape")
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedGradientTape supports op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != hvd.Average:
@@ -60,9 +79,21 @@ class DistributedGradientTape:
         self._variables = None  # known at gradient(): they own the compressor state
         self._op = op
         self._groups = groups if groups is not None else num_groups
-        self._process_set = process_set
+        self.process_set = process_set
         self._comm = None
         self._sparse_as_dense = bool(sparse_as_dense)
+        self._strict = strict
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self._local_sources = {}  # id -> variable (held, so that the id stays its own)
+
+    def register_local_source(self, source):
+        """Keep ``source``'s gradient local: it is not reduced over ranks (Horovod's
+        ``DistributedGradientTape.register_local_source``), for a model-parallel part such
+        as an embedding sharded by rank. Works for ``tf.Variable`` and Keras 3 variables."""
+        self._local_sources[id(source)] = source
+
+    def _is_local(self, source):
+        return self._local_sources.get(id(source)) is source
 
     def __getattr__(self, name):
         # watch(), stop_recording(), reset(), ... go to the wrapped tape.
@@ -92,15 +123,47 @@ class DistributedGradientTape:
         reduced = self._reduce(flat_grads, flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
 
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names=False):
+        """``(local, global)`` lists of ``(source, gradient)``: the registered local
+        sources with their own gradients, and the others reduced (Horovod's method)."""
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        pairs = list(zip(tf.nest.flatten(sources), tf.nest.flatten(grads)))
+        return ([(s, g) for s, g in pairs if self._is_local(s)],
+                [(s, g) for s, g in pairs if not self._is_local(s)])
+
     def _reduce(self, grads, variables):
+        if not includes_this_rank(self.process_set):
+            # This rank's own gradients, as Horovod. The owner is still registered, so that
+            # owners are numbered alike on every rank (their collective names).
+            shared = [v for v in variables if not self._is_local(v)]
+            if shared:
+                self._compression.owned(shared)
+            return list(grads)
         if self._comm is None:
-            self._comm = HorovodTFComm(self._process_set)
+            self._comm = HorovodTFComm(self.process_set)
             self._compression.prepare()  # kernels and thread policy, once Horovod is up
-        self._variables = list(variables)
-        runner = self._compression.owned(self._variables).runner
-        reduced, _ = reduce_gradients(runner, self._comm, grads, variables, self._groups, self._op,
-                                      sparse_as_dense=self._sparse_as_dense)
-        return reduced
+        shared = [i for i, v in enumerate(variables) if not self._is_local(v)]
+        out = list(grads)
+        if shared:
+            self._variables = [variables[i] for i in shared]
+            owned = self._compression.owned(self._variables)
+            if self._strict is not None:
+                owned.runner.values.strict = bool(self._strict)
+            shared_grads = [grads[i] for i in shared]
+            if not self._sparse_as_dense:
+                note_sparse_reduced_dense(shared_grads, self._variables, "DistributedGradientTape",
+                                          self._comm.rank)
+            reduced, _ = reduce_gradients(owned.runner, self._comm, shared_grads,
+                                          self._variables, self._groups, self._op)
+            for i, g in zip(shared, reduced):
+                out[i] = g
+        if self.scale_local_gradients and len(shared) < len(variables):
+            # Horovod divides local gradients by the number of ranks (horovod PR #3695), so
+            # that a learning rate tuned for the averaged part suits the local part too.
+            for i in set(range(len(variables))) - set(shared):
+                out[i] = divide_gradient(grads[i], float(self._comm.size))
+        return out
 
     # --- checkpoints ------------------------------------------------------------------------
     def compression_state_dict(self):
@@ -117,6 +180,48 @@ class DistributedGradientTape:
             raise ValueError("call gradient() first, or use compression.state_dict(variables) / "
                              "compression.load_state_dict(state, variables)")
         return self._variables
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                                   compression=Compression.none, sparse_as_dense=True,
+                                   op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=hvd.global_process_set,
+                                   local_layers=None, scale_local_gradients=True, strict=None):
+    """A :class:`DistributedGradientTape` whose ``local_layers`` keep their gradients
+    local (Horovod's ``PartialDistributedGradientTape``, working on Keras 3 layers):
+    every trainable variable of those layers is registered with
+    :meth:`~DistributedGradientTape.register_local_source`. Other arguments as
+    :class:`DistributedGradientTape`."""
+    layers = keras_layers(local_layers, "PartialDistributedGradientTape")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense,
+                                   op, gradient_predivide_factor, num_groups, groups, process_set,
+                                   scale_local_gradients=scale_local_gradients, strict=strict)
+    for layer in layers:
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
+    return tape
+
+
+def keras_layers(local_layers, where):
+    """``local_layers`` as a list of Keras layers (Keras 3 or tf-keras), or a TypeError."""
+    if local_layers is None:
+        return []
+    if not isinstance(local_layers, (list, tuple)):
+        local_layers = [local_layers]
+    bad = [type(x).__name__ for x in local_layers if not hasattr(x, "trainable_weights")]
+    if bad:
+        raise TypeError(f"hvd_quant.tensorflow.{where}: local_layers must be Keras layers, got {bad}")
+    return list(local_layers)
+
+
+def divide_gradient(grad, n):
+    """``grad / n`` in ``grad``'s dtype (a dense tensor or ``tf.IndexedSlices``; ``n`` a
+    number or a scalar tensor)."""
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / tf.cast(n, grad.values.dtype), grad.indices, grad.dense_shape)
+    return grad / tf.cast(n, grad.dtype)
 
 
 @tf.autograph.experimental.do_not_convert  # traced as written: branches are B.cond
@@ -139,7 +244,7 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
     out = list(grads)
     finite = []
     for (key, segments), index in zip(group_segments(variables, groups),
-                                      _split_groups(len(variables), groups)):
+                                      split_groups(variables, groups)):
         flat = flatten_gradients([grads[i] for i in index], [variables[i] for i in index], sparse_as_dense,
                                  where)
         if scale is not None:
@@ -154,6 +259,28 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
             offset += n
     all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
     return out, all_finite
+
+
+_sparse_noted = [False]  # one note per process
+
+
+def note_sparse_reduced_dense(grads, variables, where, rank):
+    """``sparse_as_dense=False`` (Horovod's default) with a ``tf.IndexedSlices`` gradient:
+    hvd_quant has no sparse reduction, so it is reduced as dense all the same; rank 0 says
+    so once, with the cost (when tracing, under ``tf.function``)."""
+    if _sparse_noted[0] or rank != 0:
+        return
+    for g, v in zip(grads, variables):
+        if isinstance(g, tf.IndexedSlices):
+            _sparse_noted[0] = True
+            log.warning(
+                "hvd_quant: the gradient of %s is sparse (tf.IndexedSlices) and %s has "
+                "sparse_as_dense=False (Horovod's default). hvd_quant has no sparse reduction: it "
+                "reduces the gradient as a dense buffer of the variable's full size (%.3g MB of "
+                "float32 per step), with the averaged values Horovod's sparse allreduce gives. "
+                "Pass sparse_as_dense=True to silence this.",
+                variable_name(v), where, 4 * int(np.prod(v.shape)) / 1e6)
+            return
 
 
 def sparse_gradient_error(variable, where):
@@ -195,7 +322,7 @@ def check_agreement_once(runner, comm, variables, groups=0):
     """The first time per buffer: every rank checks, eagerly even while tracing, that all
     use the same compressor, variables and values (:meth:`CompressorRunner.check_once`)."""
     for (key, segments), index in zip(group_segments(variables, groups),
-                                      _split_groups(len(variables), groups)):
+                                      split_groups(variables, groups)):
         group_vars = [variables[i] for i in index]
         with tf.init_scope():
             runner.check_once(comm, key, lambda: (
@@ -210,7 +337,7 @@ def group_segments(variables, groups=0):
     if dups:
         raise ValueError(f"variables with duplicate names cannot carry compressor state: {dups}")
     return [(f"fused{gi}", [(names[i], int(np.prod(variables[i].shape))) for i in index])
-            for gi, index in enumerate(_split_groups(len(variables), groups))]
+            for gi, index in enumerate(split_groups(variables, groups))]
 
 
 def broadcast_variables(variables, root_rank=0, process_set=hvd.global_process_set):
@@ -226,13 +353,30 @@ def broadcast_variables(variables, root_rank=0, process_set=hvd.global_process_s
         var.assign(value)
 
 
-def _split_groups(count, groups):
+def split_groups(variables, groups):
+    """The fused buffers as lists of indices into ``variables``: one buffer (``0`` or
+    ``None``), ``groups`` buffers of consecutive variables (an int), or, as Horovod's
+    ``groups=[[v1, v2], [v3]]``, the variables of each inner list that are among
+    ``variables`` (in their order there), then one buffer of all the others."""
+    count = len(variables)
     if not groups:
         return [list(range(count))]
     if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"num_groups must be >= 0, got {groups}")
         size = -(-count // groups)
         return [list(range(i, min(i + size, count))) for i in range(0, count, size)]
-    raise ValueError("groups given as lists of variables are not supported; pass num_groups")
+    position = {id(v): i for i, v in enumerate(variables)}
+    listed, seen = [], set()
+    for inner in groups:
+        index = sorted(position[id(v)] for v in inner if id(v) in position)
+        if seen & set(index):
+            raise ValueError("groups: a variable may appear in one group only")
+        seen.update(index)
+        if index:
+            listed.append(index)
+    rest = [i for i in range(count) if i not in seen]
+    return listed + ([rest] if rest else [])
 
 
 def _structure_digest(segments, variables):

@@ -1,5 +1,7 @@
 """torch implementation of :class:`hvd_quant.core.backend.Backend`."""
 
+import functools
+
 import numpy as np
 import torch
 
@@ -25,10 +27,14 @@ class TorchBackend(Backend):
         return torch.zeros(n, dtype=_DTYPES[dtype], device=self.device)
 
     def full(self, n, value, dtype="float32"):
+        if torch.is_tensor(value):  # a one-element tensor (a GPU kernel's result): no host read
+            return value.reshape(1).to(_DTYPES[dtype]).expand(n).clone()
         return torch.full((n,), value, dtype=_DTYPES[dtype], device=self.device)
 
     def constant(self, values, dtype):
-        return torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype], device=self.device).reshape(-1)
+        if self.device.type == "cpu":
+            return torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype], device=self.device).reshape(-1)
+        return to_device(torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype]).reshape(-1), self.device)
 
     def cast(self, x, dtype):
         return x.to(_DTYPES[dtype])
@@ -41,6 +47,10 @@ class TorchBackend(Backend):
 
     def to_numpy(self, x):
         return x.detach().cpu().numpy()
+
+    def kernel_scalar(self, x):
+        # The GPU kernels read a one-element device tensor themselves: no host read.
+        return x if torch.is_tensor(x) and x.device.type != "cpu" else self.item(x)
 
     def numel(self, x):
         return x.numel()
@@ -66,7 +76,12 @@ class TorchBackend(Backend):
         return _NAMES[x.dtype]
 
     def repeat(self, values, counts):
-        return torch.repeat_interleave(values, torch.as_tensor(counts, device=values.device))
+        if values.device.type == "cpu":
+            return torch.repeat_interleave(values, torch.as_tensor(counts, device=values.device))
+        # On a GPU: the counts copied without a stream sync, and the output's size given,
+        # which repeat_interleave would otherwise read back from the device.
+        repeats = to_device(torch.as_tensor(counts, dtype=torch.int64).reshape(-1), values.device)
+        return torch.repeat_interleave(values, repeats, output_size=int(np.sum(counts, dtype=np.int64)))
 
     def arange(self, n, dtype="int64"):
         return torch.arange(n, dtype=_DTYPES[dtype], device=self.device)
@@ -97,7 +112,8 @@ class TorchBackend(Backend):
     def all_finite(self, x):
         fast = self.kernel("all_finite", x) if x.dtype == torch.float32 and x.numel() > 4096 else None
         if fast is not None:  # one pass, no bool temporary (isfinite + all took 7x a copy)
-            return torch.tensor(fast(x))
+            ok = fast(x)  # a bool (CPU kernel) or a 0-d bool tensor on x's device (GPU kernel)
+            return ok if torch.is_tensor(ok) else torch.tensor(ok)
         return torch.isfinite(x).all()
 
     def greater_equal(self, a, b):
@@ -125,11 +141,20 @@ class TorchBackend(Backend):
         return torch.bitwise_left_shift(x, k)
 
     def kernel(self, name, *tensors):
-        """The numba CPU kernel ``name`` for CPU tensors (see :mod:`hvd_quant.kernels`),
-        called on zero-copy numpy views; ``None`` on other devices."""
-        if self.device.type != "cpu" or not _kernels.enabled():
+        """The fast kernel ``name`` for these tensors (see :mod:`hvd_quant.kernels`): the
+        numba CPU kernel for CPU tensors, called on zero-copy numpy views; the Triton GPU
+        kernel (:mod:`hvd_quant.kernels.gpu`) for CUDA tensors, called on the tensors
+        themselves. ``None`` (the generic path) for other devices, tensors on several
+        devices, a primitive without a kernel there, or kernels that cannot run (numba or
+        Triton missing, ``HVD_QUANT_KERNELS=0``). Without tensor arguments (random draws)
+        the backend's device decides."""
+        devices = {t.device for t in tensors if torch.is_tensor(t)} or {self.device}
+        if len(devices) != 1:
             return None
-        if any(torch.is_tensor(t) and t.device.type != "cpu" for t in tensors):
+        device = devices.pop()
+        if device.type == "cuda":
+            return _gpu_kernel(name, device)
+        if device.type != "cpu" or self.device.type != "cpu" or not _kernels.enabled():
             return None
         fn = getattr(_kernels.cpu_module(), name)
 
@@ -145,11 +170,36 @@ class TorchBackend(Backend):
     # Fast paths: uint8 arithmetic, no int32 detour.
     def packbits(self, bits):
         groups = bits.to(torch.uint8).reshape(-1, 8)
-        return (groups << _BIT_SHIFTS.to(groups.device)).sum(dim=1, dtype=torch.uint8)
+        return (groups << _bit_shifts(groups.device)).sum(dim=1, dtype=torch.uint8)
 
     def unpackbits(self, packed):
-        shifts = _BIT_SHIFTS.to(packed.device)
+        shifts = _bit_shifts(packed.device)
         return ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)
+
+
+_SHIFTS_ON = {}  # device -> _BIT_SHIFTS there (a copy per call would wait for the stream)
+
+
+def _bit_shifts(device):
+    if device.type == "cpu":
+        return _BIT_SHIFTS
+    shifts = _SHIFTS_ON.get(device)
+    if shifts is None:
+        shifts = _SHIFTS_ON[device] = _BIT_SHIFTS.to(device)
+    return shifts
+
+
+def to_device(host, device):
+    """A copy of the CPU tensor ``host`` on ``device`` that makes the host wait for nothing.
+
+    ``tensor.to(device)`` from ordinary host memory is a synchronous copy: torch then waits
+    for everything queued on the stream before it (every step's small constants, a
+    divisor or a segment table, would stall the host until the GPU caught up). The bytes
+    go through page-locked memory (torch's caching host allocator, which keeps the block
+    until the copy is done) with a non-blocking copy instead."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def prepare_kernels():
@@ -159,6 +209,16 @@ def prepare_kernels():
     _kernels.prepare()
     _kernels.threads.warn_oversubscribed("torch", torch.get_num_threads(),
                                          "torch.set_num_threads({share})")
+
+
+def _gpu_kernel(name, device):
+    """The Triton kernel ``name`` for tensors on the CUDA ``device`` (Triton is imported
+    on the first call), or ``None``. Random draws, which take no tensor, allocate there."""
+    gpu = _kernels.gpu_module()
+    fn = getattr(gpu, name, None) if gpu is not None and name in _kernels.NAMES else None
+    if fn is not None and name in ("uniform", "random_bytes"):
+        return functools.partial(fn, device=device)
+    return fn
 
 
 def _to_numpy(value):

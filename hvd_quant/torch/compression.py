@@ -13,7 +13,16 @@ State through the stock optimizer belongs to that optimizer (found in the caller
 and is named by parameter name within it: one compression object may serve several
 optimizers, e.g. a GAN's generator and discriminator with identical parameter names.
 ``Compression.ef_sign.state_dict(optimizer)`` returns one optimizer's state.
+
+Devices: an optimizer's state lives on the device of the first gradient it compresses,
+and its gradients are reduced there (on a GPU, only the collectives' packed bytes cross
+to the host: :mod:`hvd_quant.torch.staging`). A gradient on another device (a model
+split over devices) is copied to that one and its result copied back, once said in a
+warning. Each gradient is reduced inside Horovod's hook, on the stream that produced it,
+while backward goes on: :class:`~hvd_quant.torch.DistributedOptimizer` overlaps better.
 """
+
+import logging
 
 import sys
 
@@ -21,6 +30,8 @@ import torch
 
 from ..core.handle import CompressionNamespace, CompressorHandle
 from .backend import TorchBackend, prepare_kernels
+
+log = logging.getLogger("hvd_quant")
 
 _OPTIMIZER_FRAMES = ("_allreduce_grad_async", "_grouped_allreduce_grad_async")
 
@@ -72,8 +83,8 @@ class TorchCompressor(CompressorHandle):
         if self.name not in ("none", "fp16"):  # plain casts around Horovod's allreduce
             prepare_kernels()
 
-    def make_backend(self):
-        return TorchBackend()
+    def make_backend(self, device="cpu"):
+        return TorchBackend(device)
 
     def state_dict(self, optimizer=None):
         """This rank's compressor state in Horovod's stock ``optimizer`` (torch tensors,
@@ -93,7 +104,7 @@ class TorchCompressor(CompressorHandle):
             wire = tensor.to(getattr(torch, self.core.horovod_wire_dtype))
             self._count_horovod_cast(owned, wire.numel() * wire.element_size(), hvd.size())
             return wire, ("cast", tensor.dtype)
-        from .comm import HorovodTorchComm
+        from .staging import make_comm
 
         if site is None or site[0] is None:
             raise RuntimeError(
@@ -106,21 +117,34 @@ class TorchCompressor(CompressorHandle):
         if op == hvd.Adasum:
             raise ValueError("hvd_quant compressors do not support op=hvd.Adasum")
         owned = self.owned(optimizer)  # this optimizer's own state, named by parameter
-        if owned.comm is None:
-            owned.comm = HorovodTorchComm()
+        if owned.comm is None:  # the first gradient's device is the state's (module docstring)
+            owned.runner.place(self.make_backend(tensor.device))
+            owned.comm = make_comm(None, tensor.device)
         owned.runner.check_once(owned.comm, "stock")
-        # fp32 on the CPU inside the compressor, whatever the parameter's dtype (fp16, bf16)
-        # and device: the state (error feedback) lives in CPU tensors and the collectives
-        # take Horovod's CPU path, as in hvd_quant.torch.DistributedOptimizer, where the
-        # fused kernels run. A GPU gradient is copied over and its result copied back.
-        flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+        # fp32 inside the compressor, whatever the parameter's dtype (fp16, bf16), on the
+        # state's device: a gradient on another one is copied over and its result back.
+        home = owned.runner.backend.device
+        if tensor.device != home:
+            _note_other_device(owned, tensor.device, home)
+        flat = tensor.detach().reshape(-1).to(device=home, dtype=torch.float32)
         mean = owned.runner.reduce(flat, owned.comm, pname, [(pname, flat.numel())])
         if op == hvd.Sum:
             mean = mean * owned.comm.size
         result = mean.reshape(tensor.shape).to(device=tensor.device, dtype=tensor.dtype)
         # Horovod still allreduces what we return: give it one float32 element, not the
-        # gradient (Horovod's torch allreduce has no bfloat16).
-        return torch.zeros(1, device=tensor.device), ("result", result)
+        # gradient (Horovod's torch allreduce has no bfloat16), in host memory whatever
+        # the gradient's device (decompress returns our result; a GPU placeholder would
+        # cost two copies, and ranks on different devices would hand Horovod different
+        # kinds of tensors).
+        return torch.zeros(1), ("result", result)
+
+    def host_bytes(self, optimizer=None):
+        """Bytes copied between the GPU and host memory for this handle's collectives in
+        Horovod's stock ``optimizer`` (:class:`~hvd_quant.torch.staging.HostMeter`; 0 when
+        nothing was staged). ``optimizer`` may be left out while only one uses it."""
+        from .staging import host_bytes
+
+        return host_bytes(self._find(optimizer).comm)
 
     def decompress(self, tensor, ctx):
         if ctx is None:
@@ -130,3 +154,12 @@ class TorchCompressor(CompressorHandle):
 
 
 Compression = CompressionNamespace(TorchCompressor)
+
+
+def _note_other_device(owned, device, home):
+    if getattr(owned, "noted_devices", False):
+        return
+    owned.noted_devices = True
+    log.warning("hvd_quant: a gradient on %s is compressed with state on %s (the device of the "
+                "optimizer's first gradient): it is copied there and its result back (8 bytes "
+                "per element); keep the model on one device to avoid the copies.", device, home)

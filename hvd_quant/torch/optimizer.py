@@ -17,17 +17,26 @@ Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
   ``overlap=False``) fuses every gradient into one buffer reduced at
   ``step()``/``synchronize()`` instead, and ``num_groups``/``groups`` into the groups given;
 * ``op`` may be ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is refused;
-* on the first step all ranks check that they use the same compressor and options, the
-  same parameter names/shapes/dtypes and the same parameter values, and raise
-  :class:`~hvd_quant.core.runner.RankDisagreement` together if not;
+* on the first step all ranks check that they use the same compressor and options and
+  the same parameter names/shapes/dtypes, and raise
+  :class:`~hvd_quant.core.runner.RankDisagreement` together if not (those would hang or
+  corrupt the state). Parameter values that differ between ranks are averaged over as
+  Horovod does; if they still differ at the second step, rank 0 warns once that the
+  ranks train different models (``strict=True`` or ``HVD_QUANT_STRICT=1``: an error at
+  the first step instead; :class:`~hvd_quant.core.runner.ValueAgreement`);
+* a rank outside ``process_set`` reduces nothing and trains on its own gradients, as
+  under Horovod;
 * ``state_dict()`` carries this rank's compressor state (error feedback, random-stream
   positions) under the key ``"hvd_quant"``, keyed by parameter name;
   ``load_state_dict()`` restores it;
 * the compression object is configuration: each optimizer keeps its own state, so one
   object may serve several optimizers (a GAN's generator and discriminator);
-* gradients on a GPU are copied into a CPU buffer and reduced there (the compressor's
-  state in CPU tensors, Horovod's CPU path, the fused kernels); the mean is copied back to
-  the parameter's device (``tests/test_cuda.py``);
+* gradients on a GPU are reduced on the GPU: the fused buffers and the compressor's state
+  live on the parameters' device, and only what the collectives carry (packed bytes and
+  scales) crosses to the host when Horovod has no GPU operations
+  (:mod:`hvd_quant.torch.staging`; ``host_bytes`` counts it). Under overlap the buckets
+  are reduced on a CUDA stream of their own (:mod:`hvd_quant.torch.devices`). Parameters
+  on several devices are reduced through the host, as before (one warning);
 * fp16 and bf16 parameters and gradients are reduced in fp32 and written back in the
   parameter's dtype. With ``torch.amp.GradScaler``, reduce before unscaling, as with
   Horovod: ``opt.synchronize(); scaler.unscale_(opt); with opt.skip_synchronize():
@@ -61,6 +70,7 @@ several ``backward()`` calls needs that argument, or ``overlap=False``.
 encoded (:mod:`hvd_quant.core.pipeline`; bit-identical as well).
 """
 
+import logging
 import numbers
 import threading
 import weakref
@@ -72,22 +82,29 @@ import horovod.torch as hvd
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
-from .comm import HorovodTorchComm
+from ..process_sets import includes_this_rank
 from .compression import Compression, TorchCompressor
+from .devices import BucketStreams, home_device
 from .sparse import fill_flat, kept_flat
+from .staging import host_bytes, make_comm
+
+log = logging.getLogger("hvd_quant")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, op, groups, process_set,
                  bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None,
-                 backward_passes_per_step=1, sparse_as_dense=True):
+                 backward_passes_per_step=1, sparse_as_dense=True, strict=None,
+                 gradient_predivide_factor=1.0):
         super(self.__class__, self).__init__(params)
+        compression = Compression.adopt(compression, hvd.Compression)
         if not isinstance(compression, TorchCompressor):
             raise TypeError(
                 "hvd_quant.torch.DistributedOptimizer needs an hvd_quant compressor "
-                "(hvd_quant.torch.Compression.<name>), got "
-                f"{compression!r}; Horovod's own Compression.none/fp16 are "
-                "hvd_quant.torch.Compression.none/fp16 here")
+                f"(hvd_quant.torch.Compression.<name>), got {compression!r}. Horovod's "
+                "Compression.none and .fp16 are taken as ours; a Horovod compressor of your own "
+                "works only in Horovod's hvd.DistributedOptimizer (hvd_quant fuses gradients "
+                "into buckets and runs its compressors' own collectives)")
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.torch.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
         given_groups = groups not in (None, 0)
@@ -103,16 +120,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              "do not also pass num_groups/groups")
         if pipeline_chunk_mb is not None and not pipeline_chunk_mb > 0:
             raise ValueError(f"pipeline_chunk_mb must be > 0 or None, got {pipeline_chunk_mb!r}")
-        if int(backward_passes_per_step) < 1:
-            raise ValueError("backward_passes_per_step must be >= 1")
+        self._passes = _check_passes(backward_passes_per_step)
         self._compression = compression
-        self._sparse_as_dense = bool(sparse_as_dense)
         compression.prepare()  # Horovod is initialised now: the ranks on this host are known
-        self._runner = compression.make_runner()  # this optimizer's own state
-        self._op = op
-        self._comm = HorovodTorchComm(process_set)
-
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        # The fused buffers and the compressor's state live on the parameters' device.
+        self._device, _ = home_device(all_params, "hvd_quant.torch.DistributedOptimizer")
+        self._runner = compression.make_runner(strict=strict, device=self._device)  # this optimizer's own state
+        # Horovod's public attributes, read by integrations (Lightning, Ray).
+        self.op, self.process_set, self.sparse_as_dense = op, process_set, bool(sparse_as_dense)
+        self.backward_passes_per_step = self._passes
+        self.gradient_predivide_factor = gradient_predivide_factor
+        # A rank outside the process set trains on its own gradients, as under Horovod: no
+        # collective, no agreement check (hybrid-parallel programs give a sub-model's
+        # optimizer the set of ranks that hold that sub-model).
+        self._included = includes_this_rank(process_set)
+        self._comm = make_comm(process_set, self._device) if self._included else None
+
         names = {}
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -134,18 +158,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._segments = [[(param_name[p], p.numel()) for p in group] for group in self._groups]
         self._should_sync = True
         self._fused = {}  # group -> kept float32 buffer of its concatenated gradients
+        self._sparse_noted = False  # the sparse_as_dense=False warning was given
         self._chunk_numel = int(pipeline_chunk_mb * 2 ** 20) // 4 if pipeline_chunk_mb else 0
-        self._passes = int(backward_passes_per_step)
         self._overlap = bool(bucket_size_mb) if overlap is None else bool(overlap)
         self._hooks = []
-        if self._overlap:
-            self._pipeline = BucketPipeline(len(self._groups), self._reduce_group)
+        self._streams = None
+        if self._overlap and self._included:
+            self._streams = BucketStreams.make(self._device, len(self._groups))
+            self._pipeline = BucketPipeline(len(self._groups), self._reduce_bucket)
             self._group_of = {p: gi for gi, group in enumerate(self._groups) for p in group}
             self._hook_lock = threading.Lock()
             self._reset_counts()
             hook = self._make_hook()
             for p in all_params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                p._hvd_quant_hook_owner = weakref.ref(self)  # see _make_hook
             weakref.finalize(self, _remove_hooks, self._hooks)
 
     # --- overlap ----------------------------------------------------------------------------
@@ -158,16 +185,38 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _reset_counts(self):
         self._grad_count = {p: 0 for p in self._group_of}
         self._remaining = [len(g) * self._passes for g in self._groups]
+        self._hook_launched = set()  # buckets that backward completed this round
+        if self._streams is not None:
+            self._streams.end_round()
+
+    def set_backward_passes_per_step(self, passes):
+        """Reduce after ``passes`` backward passes per step from now on (Horovod's
+        method; integrations such as PyTorch Lightning call it). Call it between steps:
+        a round whose reduction has started keeps the count it started with."""
+        passes = _check_passes(passes)
+        if self._included and self._overlap and self._pipeline.active:
+            raise RuntimeError("hvd_quant: set_backward_passes_per_step() was called after "
+                               "backward() and before step()/synchronize(); the reduction of the "
+                               "gradients has already started. Call it between steps.")
+        self._passes = self.backward_passes_per_step = passes
+        if self._included and self._overlap:
+            self._reset_counts()
 
     def _make_hook(self):
         # The parameters hold their hooks: through a weak reference, a dropped optimizer is
-        # freed (its buffers and state with it) and its finalizer removes the hooks, so a
-        # new optimizer over the same model does not see the old one's hooks fire.
+        # freed (its buffers and state with it) and its finalizer removes the hooks. An
+        # optimizer kept alive after it failed (by a traceback, or by the user) must not
+        # launch reductions either once a newer optimizer covers the same parameters: its
+        # collectives would mix with the new one's, after an hvd.shutdown()/init() too. So
+        # only the newest optimizer over a parameter counts its gradients (the parameter's
+        # _hvd_quant_hook_owner); an older one still reduces everything at its step(),
+        # without overlap.
         ref = weakref.ref(self)
 
         def hook(p):
             opt = ref()
-            if opt is not None:
+            owner = getattr(p, "_hvd_quant_hook_owner", None)
+            if opt is not None and owner is not None and owner() is opt:
                 opt._count_gradient(p)
         return hook
 
@@ -176,22 +225,50 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gi = self._group_of.get(p)
         if gi is None:
             return
+        if self._streams is not None:  # the bucket's worker stream waits for this gradient
+            self._streams.gradient_ready(p)
         with self._hook_lock:
             count = self._grad_count[p] + 1
-            if count > self._passes or self._pipeline.launched(gi):
-                raise RuntimeError(
-                    "hvd_quant: a gradient was computed more than backward_passes_per_step="
-                    f"{self._passes} times before step()/synchronize() (its bucket is "
-                    "already being reduced). Raise backward_passes_per_step, or call "
-                    "step()/synchronize() after each backward(), or pass overlap=False.")
-            self._grad_count[p] = count
-            self._remaining[gi] -= 1
-            ready = self._remaining[gi] == 0
+            too_many = count > self._passes or self._pipeline.launched(gi)
+            if not too_many:
+                self._grad_count[p] = count
+                self._remaining[gi] -= 1
+                ready = self._remaining[gi] == 0
+        if too_many:
+            self._finish_round()
+            raise RuntimeError(
+                "hvd_quant: a gradient was computed more than backward_passes_per_step="
+                f"{self._passes} times before step()/synchronize() (its bucket is "
+                "already being reduced). Raise backward_passes_per_step, or call "
+                "step()/synchronize() after each backward(), or pass overlap=False.")
         if ready:
+            self._hook_launched.add(gi)
             self._pipeline.launch(gi)
 
+    def _finish_round(self):
+        """Before raising an error in the middle of a round (from backward, or a
+        ``zero_grad()`` before the step): reduce the round's remaining buckets and drop
+        the results. Every rank that reaches this point issues the same collectives, as
+        ``synchronize()`` would, so none is left in flight: a program that catches the
+        error and calls ``hvd.shutdown()``/``hvd.init()`` starts clean. On a GPU the streams
+        are ordered as in ``synchronize()``: the buckets launched here wait for the caller's
+        stream, and the caller's stream for them (a later ``zero_grad()`` must not race a
+        bucket still writing into ``.grad``)."""
+        try:
+            if self._streams is not None:
+                self._streams.round_point()
+            means = self._pipeline.wait_all()
+            if self._streams is not None:
+                for gi, mean in enumerate(means):
+                    self._streams.hand_over(gi, mean)
+        except Exception:  # noqa: BLE001 - the error being raised is the one to report
+            pass
+        finally:
+            self._reset_counts()
+
     def zero_grad(self, set_to_none=True):
-        if self._overlap and self._pipeline.active:
+        if self._included and self._overlap and self._pipeline.active:
+            self._finish_round()
             raise AssertionError(
                 "hvd_quant: optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(); the reduction of the gradients "
@@ -199,6 +276,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     # --- communication --------------------------------------------------------------------
+    def _reduce_bucket(self, gi):
+        """The bucket worker's reduction of bucket ``gi``: on a GPU, on the worker's own
+        stream, after the bucket's gradients (:class:`~hvd_quant.torch.devices.BucketStreams`)."""
+        if self._streams is None:
+            return self._reduce_group(gi)
+        return self._streams.run(gi, self._groups[gi], gi in self._hook_launched,
+                                 lambda: self._reduce_group(gi))
+
     def _reduce_group(self, gi):
         """Mean (or sum) over ranks of group ``gi``'s gradients, as a flat float32 tensor.
         Runs on the bucket worker thread under overlap, else on the caller's."""
@@ -210,36 +295,60 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # result goes back into the same memory where the compressor can (ReduceContext.out):
         # then the mean is already in .grad, with no fresh buffer and no copy (_write_back
         # sees the same storage). Several go into one kept buffer (sparse.fill_flat).
-        # A GPU gradient is copied into the CPU buffer: state and collectives stay on the CPU
-        # (Horovod's CPU path, the fused kernels), and _write_back copies the mean back.
+        # The buffer is on the parameters' device (the host when they are on several:
+        # gradients are copied in, and _write_back copies the means back).
         g = group[0].grad if len(group) == 1 else None
         if (g is not None and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous()
-                and g.device.type == "cpu"):
+                and g.device == self._device):
             flat = g.detach().reshape(-1)
         else:
-            flat = fill_flat(kept_flat(self._fused, gi, sum(p.numel() for p in group)), group,
-                             self._sparse_as_dense, self._param_name.get, "DistributedOptimizer")
-        into = flat if flat.is_contiguous() and self._op == hvd.Average else None
+            if not self.sparse_as_dense:
+                self._note_sparse(group)
+            flat = fill_flat(kept_flat(self._fused, gi, sum(p.numel() for p in group), self._device),
+                             group, True, self._param_name.get, "DistributedOptimizer")
+        into = flat if flat.is_contiguous() and self.op == hvd.Average else None
         mean = chunked_reduce(self._runner, flat, self._comm, key, segments, self._chunk_numel,
                               out=into)
-        if self._op == hvd.Sum:
+        if self.op == hvd.Sum:
             mean = mean * self._comm.size
         return mean
+
+    def _note_sparse(self, group):
+        """``sparse_as_dense=False`` (Horovod's default) with a sparse gradient: hvd_quant
+        has no sparse reduction, so it is reduced as dense all the same; rank 0 says so
+        once, with the cost."""
+        if self._sparse_noted or self._comm.rank != 0:
+            return
+        for p in group:
+            if p.grad is not None and p.grad.is_sparse:
+                self._sparse_noted = True
+                log.warning(
+                    "hvd_quant: the gradient of %s is sparse and DistributedOptimizer has "
+                    "sparse_as_dense=False (Horovod's default). hvd_quant has no sparse reduction: "
+                    "it reduces the gradient as a dense buffer of the parameter's full size "
+                    "(%.3g MB of float32 per step) and gives it back sparse, with the averaged "
+                    "values Horovod's sparse allreduce gives. Pass sparse_as_dense=True to "
+                    "silence this.", self._param_name[p], 4 * p.numel() / 1e6)
+                return
 
     def _write_back(self, gi, mean):
         """The mean into ``.grad``: a float32 gradient becomes a view of the reduced buffer
         (no copy; the buffer is refilled at the next reduction, as DDP's
-        ``gradient_as_bucket_view`` gradients are), others (other dtypes, GPU parameters) get
-        a copy in their dtype on their device."""
+        ``gradient_as_bucket_view`` gradients are), others (other dtypes; parameters on
+        another device than the buffer's, when the model spans several) get a copy in their
+        dtype on their device, and a sparse one stays sparse (as Horovod
+        gives it back; ``torch.optim.SparseAdam`` needs it): the rows of the mean."""
         offset = 0
         for p in self._groups[gi]:
             n = p.numel()
             value = mean[offset:offset + n].view_as(p)
-            if p.grad is not None and not p.grad.is_sparse and same_memory(value, p.grad):
-                pass  # reduced in place already (a sparse .grad has no storage to compare)
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = value.to(device=p.device, dtype=p.dtype).to_sparse(min(1, value.dim()))
+            elif p.grad is not None and same_memory(value, p.grad):
+                pass  # reduced in place already
             elif value.dtype == p.dtype and value.device == p.device:
                 p.grad = value
-            elif p.grad is None or p.grad.is_sparse:
+            elif p.grad is None:
                 p.grad = value.to(device=p.device, dtype=p.dtype)
             else:
                 p.grad.copy_(value)
@@ -247,12 +356,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self):
         """Average every gradient over ranks now (``step()`` does this unless skipped).
-        Under overlap: launch the buckets backward did not complete, wait for all."""
+        Under overlap: launch the buckets backward did not complete, wait for all. On a
+        rank outside the optimizer's process set: nothing (its gradients stay its own)."""
+        if not self._included:
+            self._should_sync = False
+            return
         if self._overlap:
+            if self._streams is not None:
+                self._streams.round_point()
             try:
                 means = self._pipeline.wait_all()
             finally:
                 self._reset_counts()
+            if self._streams is not None:  # the step waits for the worker's stream
+                for gi, mean in enumerate(means):
+                    self._streams.hand_over(gi, mean)
         else:
             means = [self._reduce_group(gi) for gi in range(len(self._groups))]
         for gi, mean in enumerate(means):
@@ -278,7 +396,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def bytes_sent(self):
         """Bytes this rank has sent for gradient reduction (cost model of WireMeter)."""
-        return self._comm.meter.bytes_sent
+        return self._comm.meter.bytes_sent if self._comm is not None else 0.0
+
+    @property
+    def host_bytes(self):
+        """Bytes copied between the GPU and host memory for the collectives since the
+        optimizer was made (:func:`hvd_quant.torch.staging.host_bytes`)."""
+        return host_bytes(self._comm)
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
@@ -291,7 +415,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         ours = state_dict.pop("hvd_quant", None)
-        if self._overlap and self._pipeline.active:
+        if self._included and self._overlap and self._pipeline.active:
             # A round that was started and never finished (an elastic reset after a failed
             # step): drop what was not reduced yet, issue no more collectives for it.
             self._pipeline.abandon()
@@ -300,6 +424,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None:
             self._runner.load_state_dict(ours["state"])
             self._runner.load_rng_state(ours.get("rng", {}))
+
+
+def _check_passes(passes):
+    """``passes`` as an int; a whole number >= 1 (``2.0`` too, as Horovod takes it)."""
+    if (isinstance(passes, bool) or not isinstance(passes, numbers.Real) or passes != int(passes)
+            or passes < 1):
+        raise ValueError(f"backward_passes_per_step must be a whole number >= 1, got {passes!r}")
+    return int(passes)
 
 
 def _remove_hooks(handles):
@@ -357,7 +489,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=True, process_set=hvd.global_process_set,
-                         bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None):
+                         bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None, strict=None):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients with ``compression``.
 
     Parameters mirror ``horovod.torch.DistributedOptimizer``. ``compression`` is an
@@ -370,8 +502,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         Default True: a sparse gradient (``nn.Embedding(sparse=True)``) is reduced as a dense
         gradient of its parameter's full size, as Horovod's ``sparse_as_dense=True`` does (a
         float32 buffer of the whole table per step, and the compressor's passes over it);
-        the parameter's ``.grad`` becomes that dense mean. ``False`` raises on a sparse
-        gradient: hvd_quant compresses dense buffers only.
+        the parameter's ``.grad`` becomes the mean's rows, sparse again, as Horovod gives
+        it back. ``False`` (Horovod's default, a sparse allreduce there) is reduced the same
+        way, since hvd_quant compresses dense buffers only, and rank 0 says so once.
 
     Overlap options (module docstring, "Overlap"):
 
@@ -393,10 +526,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         Under overlap, a bucket is launched once every parameter in it has received this
         many gradients; gradients accumulate in ``.grad`` meanwhile. A bucket that is still
         incomplete at ``step()``/``synchronize()`` is reduced then.
+        ``set_backward_passes_per_step(n)`` changes it between steps.
+    strict : bool or None
+        ``True``: ranks whose parameter values differ at the first step raise
+        :class:`~hvd_quant.core.runner.RankDisagreement` together. ``False``: they train
+        on, as under Horovod, with one warning on rank 0 if the values still differ at the
+        second step. ``None`` (default): ``HVD_QUANT_STRICT`` (unset: ``False``).
 
     Returns an instance of a subclass of ``type(optimizer)`` with ``synchronize()``,
-    ``skip_synchronize()``, ``bytes_sent``, ``bucket_groups`` and checkpointable
-    compressor state.
+    ``skip_synchronize()``, ``set_backward_passes_per_step()``, ``bytes_sent``,
+    ``bucket_groups`` and checkpointable compressor state.
     """
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor only applies to op=hvd.Average")
@@ -406,4 +545,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                groups if groups is not None else num_groups, process_set,
                bucket_size_mb=bucket_size_mb, overlap=overlap,
                pipeline_chunk_mb=pipeline_chunk_mb,
-               backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense)
+               backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
+               strict=strict, gradient_predivide_factor=gradient_predivide_factor)

@@ -20,10 +20,15 @@ count as zeros on that rank (DeepSpeed skips them; see :mod:`hvd_quant.optimizer
 for why we do not). Parameters that are not float32 (``half``, ``bfloat16``) are updated
 through a float32 master copy kept in the state.
 
-CPU only: the state (moments, error buffers, accumulators) lives in CPU tensors and the
-collectives go through Horovod's CPU path, so parameters on a GPU (or any device but the
-CPU) are refused at construction with a ``ValueError``, rather than failing inside the
-first step on mixed devices. DeepSpeed's versions are GPU-only; these are the opposite.
+Devices: the state (moments, error buffers, accumulators, master weights) and the flat
+buffers live on the parameters' device, a GPU included, and each step runs there; with a
+Horovod built without GPU operations only the packed bytes and scales of the collectives
+cross to the host (:mod:`hvd_quant.torch.staging`; ``host_bytes`` counts them). Parameters
+on several devices are stepped through the host instead (state in host memory, one
+warning at construction); a param group added later on another device than the
+optimizer's is refused with a ``ValueError``. ``state_dict()`` gives the flat state in
+host memory, and ``load_state_dict()`` moves it to the optimizer's device: a checkpoint
+saved on a GPU resumes on the CPU and the reverse, with no ``map_location``.
 
 DeepSpeed's constructor arguments that have no meaning here (``deepspeed``,
 ``eps_inside_sqrt``, ``max_grad_norm``, ``cuda_aware``, ``comm_backend_name``) are
@@ -65,6 +70,15 @@ rows a batch does not touch get a zero gradient (their moments decay, and a 1-bi
 gives them plus or minus the scale: mask them with ``exp_avg_mask`` where that matters).
 ``sparse_as_dense=False`` raises on a sparse gradient, as these optimizers always did.
 
+Agreement between ranks: at the first step every rank checks that all use the same
+method, options, hyper-parameters and parameter structure (else
+:class:`~hvd_quant.core.runner.RankDisagreement` on every rank together). Parameter values
+that differ between ranks are not refused (each rank applies the same update to its own
+values); if they still differ at the second step, rank 0 warns once. ``strict=True`` (or
+``HVD_QUANT_STRICT=1``) makes differing values at the first step an error instead. The
+optimizers take ``process_set`` but must be built on its ranks only (a ``ValueError``
+otherwise): they communicate in every step.
+
 ``bytes_sent``, ``comm_rounds``, ``step_kinds`` (``"init"``, ``"full"``, ``"onebit"``,
 ``"local"`` per step) and ``skipped_steps`` (steps left out because some rank's values
 were not finite) show what each step did.
@@ -80,16 +94,21 @@ verdict instead and keeps the scales identical on every rank.
 import torch
 import horovod.torch as hvd
 
-from ..core.runner import RankDisagreement, check_agreement, digest63, values_digest63
+from ..core.runner import (RankDisagreement, ValueAgreement, check_agreement, digest63,
+                           disagreeing_groups, values_digest63)
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
 from ..optimizers.binsgdm import single_beta
+from ..process_sets import includes_this_rank
 from .backend import TorchBackend, prepare_kernels
 from .comm import HorovodTorchComm
+from .devices import home_device
 from .sparse import dense, fill_flat, kept_flat
+from .staging import host_bytes, make_comm
 
 _STATE_KEY = "hvd_quant.group{}"
+_CHECK_KEY = "optimizer"  # the agreement check's key (ValueAgreement)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -150,15 +169,27 @@ class RuleOptimizer(torch.optim.Optimizer):
     reuse_buffers = True
 
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0,
-                 sparse_as_dense=True):
-        super().__init__(params, defaults)  # add_param_group refuses non-CPU parameters
+                 sparse_as_dense=True, strict=None):
+        super().__init__(params, defaults)
+        # State and buffers on the parameters' device (the host when they are on several).
+        self._device, self._mixed = home_device([p for g in self.param_groups for p in g["params"]],
+                                                f"hvd_quant.torch.{type(self).__name__}")
         self._rule = rule
         self.sparse_as_dense = bool(sparse_as_dense)
         for gi, group in enumerate(self.param_groups):
             _hyper(group, rule, gi)  # refuse what the rule cannot do (non_freeze)
-        self._comm = HorovodTorchComm(process_set if process_set is not None else hvd.global_process_set)
+        process_set = process_set if process_set is not None else hvd.global_process_set
+        if not includes_this_rank(process_set):
+            raise ValueError(
+                f"hvd_quant.torch.{type(self).__name__}: this rank ({hvd.rank()}) is not in the "
+                f"process set {process_set!r}. The 1-bit optimizers communicate in every step; "
+                "build this optimizer only on the ranks of its process set, and a local "
+                "optimizer (e.g. torch.optim.Adam) on the others.")
+        self._comm = make_comm(process_set, self._device)
+        self._values = ValueAgreement(strict)
         self._rule.validate(self._comm.size)
-        self._B = TorchBackend()
+        self._rule.check_scale(self._comm, sum(p.numel() for g in self.param_groups for p in g["params"]))
+        self._B = TorchBackend(self._device)
         prepare_kernels()  # loaded at set-up, not in the first step
         self._seed = int(seed)
         self._names = _parameter_names(self.param_groups, named_parameters)
@@ -170,6 +201,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._scratch = {}  # (group, name) -> kept temporary (reuse_buffers)
         self._flat_params = {}  # group -> the flat buffer its parameters are views of
         self._flat_grads = {}   # group -> kept buffer of its flat gradient
+        self._masks = {}        # group -> (mask, its version, the flat float32 copy used)
 
     def _scratch_of(self, gi, group_numel):
         """``StepContext``'s scratch provider for group ``gi`` (see ``reuse_buffers``)."""
@@ -181,7 +213,8 @@ class RuleOptimizer(torch.optim.Optimizer):
             numel = group_numel if numel is None else numel
             buf = self._scratch.get((gi, name))
             if buf is None or buf.numel() != numel:
-                buf = torch.zeros(numel) if zero else torch.empty(numel)
+                make = torch.zeros if zero else torch.empty
+                buf = make(numel, device=self._device)
                 self._scratch[(gi, name)] = buf
             return buf
         return get
@@ -197,19 +230,38 @@ class RuleOptimizer(torch.optim.Optimizer):
         saved = self.state.get(key)
         if saved is None:
             slots, scalars = initial_state(self._rule, counts, self._comm.size)
-            slots = {k: torch.from_numpy(v) for k, v in slots.items()}
+            slots = {k: torch.from_numpy(v).to(self._device) for k, v in slots.items()}
             if any(p.dtype != torch.float32 for p in params):
-                slots["master"] = _flat(params).clone()
+                slots["master"] = _flat(params, self._device).clone()
             self.state[key] = saved = {"slots": slots, "scalars": scalars}
-        _check_saved_group(saved, self._rule, counts, self._comm.size, gi)
+        _check_saved_group(saved, self._rule, counts, self._comm.size, gi, self._device)
         self._groups[gi] = EagerGroupState(saved["slots"], saved["scalars"], in_place=True)
         return self._groups[gi]
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        _refuse_non_cpu(self.param_groups[-1]["params"], type(self).__name__)
         if hasattr(self, "_rule"):  # else __init__ checks, once the rule is set
+            _refuse_other_device(self.param_groups[-1]["params"], self._device, self._mixed,
+                                 type(self).__name__)
             _hyper(self.param_groups[-1], self._rule, len(self.param_groups) - 1)
+
+    def state_dict(self):
+        """torch's optimizer state, with this optimizer's flat state (``"hvd_quant.group{i}"``)
+        in host memory: copies when it lives on a GPU, so that a checkpoint loads on a
+        machine without one (``load_state_dict`` moves it back to the optimizer's device)."""
+        state = super().state_dict()
+        if self._device.type != "cpu":
+            state["state"] = {key: ({"slots": {k: v.detach().cpu() for k, v in value["slots"].items()},
+                                     "scalars": dict(value["scalars"])}
+                                    if isinstance(key, str) and key.startswith("hvd_quant.group") else value)
+                              for key, value in state["state"].items()}
+        return state
+
+    @property
+    def host_bytes(self):
+        """Bytes copied between the GPU and host memory for the collectives since the
+        optimizer was made (:func:`hvd_quant.torch.staging.host_bytes`)."""
+        return host_bytes(self._comm)
 
     def load_state_dict(self, state_dict):
         # DeepSpeed's OnebitAdam/ZeroOneAdam.load_state_dict: exp_avg_mask is the training
@@ -228,7 +280,9 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._restored = True
         for key, value in list(self.state.items()):
             if isinstance(key, str) and key.startswith("hvd_quant.group"):
-                value["slots"] = {k: v.detach().to(torch.float32).clone() for k, v in value["slots"].items()}
+                # onto this optimizer's device, wherever the checkpoint was saved
+                value["slots"] = {k: v.detach().to(device=self._device, dtype=torch.float32).clone()
+                                  for k, v in value["slots"].items()}
 
     # --- the step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -247,8 +301,10 @@ class RuleOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self._checked:
             self._check_ranks()
-        scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
-        inv_scale = None if scale is None else 1.0 / float(scale)
+        elif self._values.pending(_CHECK_KEY):
+            self._values.recheck(self._comm, self._B, _CHECK_KEY, self._values_digest(),
+                                 "the model's parameters", self._comm.rank)
+        inv_scale = self._inv_scale()
         groups = self.param_groups
         states = [self._group_state(gi, group) for gi, group in enumerate(groups)]
         before = [(len(st.kinds), st.bytes_sent) for st in states]
@@ -267,6 +323,17 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.skipped_steps += int(not kept)
         return loss
 
+    def _inv_scale(self):
+        """``1 / grad_scale`` (set by ``torch.amp.GradScaler``), or None: a Python float,
+        or on a GPU a float32 tensor there, computed as the float is (in float64, then
+        rounded), so that reading the scale does not make the host wait."""
+        scale = getattr(self, "grad_scale", None)
+        if scale is None:
+            return None
+        if torch.is_tensor(scale) and scale.device.type != "cpu" and scale.device == self._device:
+            return (1.0 / scale.detach().double()).float().reshape(())
+        return 1.0 / float(scale)
+
     def _step_context(self, gi, inv_scale):
         """Group ``gi``'s ``StepContext`` for this step (made when the group's turn comes)."""
         group = self.param_groups[gi]
@@ -278,7 +345,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         # step's result into it (unless the group waits for the other groups' verdict:
         # StepContext.into_x).
         return StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group, self._rule, gi),
-                           f"opt.g{gi}", mask=_group_mask(group, gi),
+                           f"opt.g{gi}", mask=self._group_mask(gi, group),
                            counts=[p.numel() for p in group["params"]], x_writable=True,
                            scratch=self._scratch_of(gi, x.numel()))
 
@@ -291,11 +358,12 @@ class RuleOptimizer(torch.optim.Optimizer):
         same): the rule then reads and writes the parameters in place, where a fresh
         concatenation and a copy back cost 60 ms per step for 127 MB. It is re-made if
         something replaced a parameter's memory (``p.data = ...``)."""
-        if len(params) == 1 or not self.reuse_buffers or not all(_flat_viewable(p) for p in params):
-            return _flat(params)
+        if (len(params) == 1 or not self.reuse_buffers
+                or not all(_flat_viewable(p, self._device) for p in params)):
+            return _flat(params, self._device)
         flat = self._flat_params.get(gi)
         if flat is None or not _views_of(flat, params):
-            flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+            flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=self._device)
             offset = 0
             for p in params:
                 n = p.numel()
@@ -310,19 +378,36 @@ class RuleOptimizer(torch.optim.Optimizer):
         copied into a buffer kept from step to step with ``reuse_buffers`` (a fresh
         concatenation of 127 MB cost 48 ms per step, a copy into kept memory a third)."""
         if len(params) == 1 or not self.reuse_buffers:
-            return _flat_grads(params, [self._dense_grad(p) for p in params], inv_scale)
-        flat = fill_flat(kept_flat(self._flat_grads, gi, sum(p.numel() for p in params)), params,
-                         self.sparse_as_dense, lambda p: self._names.get(p, "a parameter"),
+            return _flat_grads(params, [self._dense_grad(p) for p in params], inv_scale, self._device)
+        flat = fill_flat(kept_flat(self._flat_grads, gi, sum(p.numel() for p in params), self._device),
+                         params, self.sparse_as_dense, lambda p: self._names.get(p, "a parameter"),
                          type(self).__name__)
         return flat.mul_(inv_scale) if inv_scale is not None else flat
+
+    def _group_mask(self, gi, group):
+        """The group's ``exp_avg_mask`` as a flat float32 tensor on the optimizer's device
+        (None without one). A mask elsewhere is copied once, and again only when it
+        changes (a copy per step would make the host wait for the GPU every step)."""
+        mask = group.get("exp_avg_mask")
+        if mask is None:
+            return None
+        kept = self._masks.get(gi)
+        if kept is not None and kept[0] is mask and kept[1] == mask._version:
+            return kept[2]
+        flat = _group_mask(group, gi, self._device)
+        self._masks[gi] = (mask, mask._version, flat)
+        return flat
 
     def _dense_grad(self, p):
         return dense(p.grad, self._names.get(p, "a parameter"), p.numel(), self.sparse_as_dense,
                      type(self).__name__)
 
     def _check_ranks(self):
-        """First step: every rank must use the same method, options, hyper-parameters,
-        parameter structure and parameter values (one small allgather)."""
+        """First step: every rank must use the same method, options, hyper-parameters and
+        parameter structure (one small allgather; :class:`RankDisagreement` on every rank
+        together if not). Parameter values that differ are compared once more at the next
+        step and warned about if they still differ, or refused when strict
+        (:class:`~hvd_quant.core.runner.ValueAgreement`)."""
         import numpy as np
 
         hyper = [{k: v for k, v in g.items() if k not in ("params", "exp_avg_mask")}
@@ -330,18 +415,21 @@ class RuleOptimizer(torch.optim.Optimizer):
         fingerprint = digest63(repr(self._rule), repr(sorted(self._rule.options().items())),
                                repr([sorted(h.items()) for h in hyper]))
         structure = digest63(*(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._named_params()))
-        values = 0 if self._restored else values_digest63(
-            p.detach().cpu().contiguous().numpy() for _, p in self._named_params())
+        values = 0 if self._restored else self._values_digest()
         row = torch.tensor([fingerprint, structure, values], dtype=torch.int64)
-        gathered = self._comm.allgather(row, "hvd_quant.optimizer.check").numpy()
+        gathered = np.asarray(self._comm.allgather(row, "hvd_quant.optimizer.check").numpy())
+        gathered = gathered.reshape(self._comm.size, 3)
         check_agreement(
-            np.asarray(gathered).reshape(self._comm.size, 3),
+            gathered[:, :2],
             ["the optimizer, its options or its hyper-parameters (learning rates included)",
-             "the model's parameter names/shapes/dtypes", "the model's parameter values"],
+             "the model's parameter names/shapes/dtypes"],
             [f"This rank uses {self._rule!r} with {hyper}; construct the optimizer the same "
-             "way on every rank.", "Build the same model on every rank.",
-             "Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), root_rank=0)."])
+             "way on every rank.", "Build the same model on every rank."])
+        self._values.first(_CHECK_KEY, disagreeing_groups(gathered[:, 2]), "the model's parameter values")
         self._checked = True
+
+    def _values_digest(self):
+        return values_digest63(p.detach().cpu().contiguous().numpy() for _, p in self._named_params())
 
     def _named_params(self):
         return [(self._names[p], p) for g in self.param_groups for p in g["params"]]
@@ -378,7 +466,8 @@ class RuleOptimizer(torch.optim.Optimizer):
             for name in self._world_slots(counts, new[1]):
                 have = saved["slots"].get(name)
                 if old != new or have is None or have.numel() != sizes[name]:
-                    saved["slots"][name] = torch.zeros(sizes[name], dtype=torch.float32)
+                    saved["slots"][name] = torch.zeros(sizes[name], dtype=torch.float32,
+                                                       device=self._device)
 
     def elastic_sync(self, root_rank=0):
         """Make the optimizer state identical to ``root_rank``'s (Horovod Elastic's sync,
@@ -400,8 +489,8 @@ class RuleOptimizer(torch.optim.Optimizer):
             st.scalars.update(scalars)
             for name in sorted(st.slots):
                 if name not in skip:
-                    hvd.broadcast_(st.slots[name], root_rank, name=f"hvd_quant.elastic.g{gi}.{name}",
-                                   process_set=self._comm.process_set)
+                    _broadcast_slot(st.slots[name], root_rank, f"hvd_quant.elastic.g{gi}.{name}",
+                                    self._comm.process_set)
         self._checked = False
 
     def __repr__(self):
@@ -422,14 +511,14 @@ class OnebitAdam(RuleOptimizer):
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
                  process_set=None, amsgrad=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
-                 sparse_as_dense=True):
+                 sparse_as_dense=True, strict=None):
         if amsgrad:
             raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("OnebitAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                                comm_backend_name)
         super().__init__(params, OnebitAdamRule(freeze_step=freeze_step, scales=scales),
                          _defaults(lr, betas, eps, weight_decay, bias_correction),
-                         named_parameters, process_set, sparse_as_dense=sparse_as_dense)
+                         named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict)
 
 
 class ZeroOneAdam(RuleOptimizer):
@@ -467,7 +556,7 @@ class ZeroOneAdam(RuleOptimizer):
                  local_step_scaler=32678, local_step_clipper=16, bias_correction=True,
                  process_set=None, amsgrad=False, exact_sync=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
-                 sparse_as_dense=True):
+                 sparse_as_dense=True, strict=None):
         if amsgrad:
             raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("ZeroOneAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
@@ -476,7 +565,7 @@ class ZeroOneAdam(RuleOptimizer):
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                                exact_sync=exact_sync, scales=scales)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
-                         named_parameters, process_set, sparse_as_dense=sparse_as_dense)
+                         named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict)
 
 
     @torch.no_grad()
@@ -506,9 +595,9 @@ class ZeroOneAdam(RuleOptimizer):
             if not bool(self._rule.sync_pending(self._B, st)):
                 continue
             counts = [p.numel() for p in group["params"]]
-            x = st.slots["master"] if "master" in st.slots else _flat(group["params"])
+            x = st.slots["master"] if "master" in st.slots else _flat(group["params"], self._device)
             ctx = StepContext(self._B, self._comm, st, None, x, group["lr"],
-                              _hyper(group, self._rule, gi), f"opt.g{gi}", mask=_group_mask(group, gi),
+                              _hyper(group, self._rule, gi), f"opt.g{gi}", mask=self._group_mask(gi, group),
                               counts=counts)
             new_x = self._rule.final_sync(ctx)
             if "master" in st.slots:
@@ -535,25 +624,45 @@ class BinSGDM(RuleOptimizer):
     """
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
-                 weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True):
+                 weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True,
+                 strict=None):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:  # the layout of the ranks this optimizer reduces over, not of the world
             ranks_per_node = HorovodTorchComm(process_set).ranks_per_node()
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
-                         named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense)
+                         named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense,
+                         strict=strict)
         self._auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 
 # --- helpers ---------------------------------------------------------------------------------
-def _refuse_non_cpu(params, cls_name):
+def _refuse_other_device(params, device, mixed, cls_name):
+    """A param group added after construction must be on the optimizer's device (its
+    state and buffers are there); an optimizer over several devices (stepped through
+    the host) takes any."""
+    if mixed:
+        return
     for p in params:
-        if p.device.type != "cpu":
+        if p.device != device:
             raise ValueError(
-                f"hvd_quant.torch.{cls_name} runs on the CPU only: its state (moments, error "
-                f"buffers, accumulators) is kept in CPU tensors, and a parameter is on {p.device}. "
-                "Keep the model on the CPU for this optimizer.")
+                f"hvd_quant.torch.{cls_name}: a parameter of the new param group is on "
+                f"{p.device}, the optimizer's state and buffers are on {device} (its parameters' "
+                "device). Add groups on the same device, or make the optimizer with every "
+                "param group at once (parameters on several devices are then stepped through "
+                "the host).")
+
+
+def _broadcast_slot(slot, root_rank, name, process_set):
+    """``hvd.broadcast_`` of a state slot. A GPU slot goes through host memory: a Horovod
+    without GPU operations would copy it without waiting for the stream that wrote it."""
+    if slot.device.type == "cpu":
+        hvd.broadcast_(slot, root_rank, name=name, process_set=process_set)
+        return
+    host = slot.cpu()
+    hvd.broadcast_(host, root_rank, name=name, process_set=process_set)
+    slot.copy_(host)
 
 
 _DEEPSPEED_ONLY = {
@@ -580,8 +689,8 @@ def _ignore_deepspeed_only(cls_name, *values):
                           UserWarning, stacklevel=3)
 
 
-def _group_mask(group, gi):
-    """The group's ``exp_avg_mask`` as a flat float32 tensor (None without one)."""
+def _group_mask(group, gi, device="cpu"):
+    """The group's ``exp_avg_mask`` as a flat float32 tensor on ``device`` (None without one)."""
     mask = group.get("exp_avg_mask")
     if mask is None:
         return None
@@ -589,7 +698,7 @@ def _group_mask(group, gi):
     if mask.numel() != numel:
         raise ValueError(f"exp_avg_mask of param group {gi} has {mask.numel()} elements, the group "
                          f"has {numel} (one mask value per parameter element, in parameter order)")
-    return mask.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    return mask.detach().reshape(-1).to(device=device, dtype=torch.float32)
 
 
 def _defaults(lr, betas, eps, weight_decay, bias_correction):
@@ -631,15 +740,15 @@ def _parameter_names(groups, named_parameters):
     return names
 
 
-def _flat(params):
+def _flat(params, device="cpu"):
     # One float32 parameter: a flat view, not a copy (rules only read x). A 100 MB
     # torch.cat costs about twice a copy into existing memory (fresh pages).
-    parts = [p.detach().reshape(-1).to(torch.float32) for p in params]
-    return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)
+    parts = [p.detach().reshape(-1).to(device=device, dtype=torch.float32) for p in params]
+    return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0, device=device)
 
 
-def _flat_viewable(p):
-    return p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous()
+def _flat_viewable(p, device):
+    return p.dtype == torch.float32 and p.device == device and p.is_contiguous()
 
 
 def _views_of(flat, params):
@@ -652,15 +761,16 @@ def _views_of(flat, params):
     return offset == flat.numel()
 
 
-def _flat_grads(params, grads, inv_scale):
-    """``grads`` (dense, or None: zeros) of ``params`` as one flat float32 tensor."""
+def _flat_grads(params, grads, inv_scale, device="cpu"):
+    """``grads`` (dense, or None: zeros) of ``params`` as one flat float32 tensor on ``device``."""
     parts = []
     for p, g in zip(params, grads):
         if g is None:
-            parts.append(torch.zeros(p.numel(), dtype=torch.float32))
+            parts.append(torch.zeros(p.numel(), dtype=torch.float32, device=device))
             continue
-        parts.append(g.detach().reshape(-1).to(torch.float32))
-    flat = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0)  # see _flat
+        parts.append(g.detach().reshape(-1).to(device=device, dtype=torch.float32))
+    flat = (parts[0] if len(parts) == 1 else torch.cat(parts) if parts
+            else torch.zeros(0, device=device))  # see _flat
     return flat * inv_scale if inv_scale is not None else flat
 
 
@@ -674,11 +784,11 @@ def _write_back(params, flat):
         offset += n
 
 
-def _check_saved_group(saved, rule, counts, world_size, gi):
+def _check_saved_group(saved, rule, counts, world_size, gi, device="cpu"):
     slots, _ = initial_state(rule, counts, world_size)
     for name in rule.zero_if_missing:  # a checkpoint of an earlier version
         if name in slots and name not in saved["slots"]:
-            saved["slots"][name] = torch.from_numpy(slots[name].copy())
+            saved["slots"][name] = torch.from_numpy(slots[name].copy()).to(device)
     for name, zeros in slots.items():
         have = saved["slots"].get(name)
         if have is None or have.numel() != zeros.size:

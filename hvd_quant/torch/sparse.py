@@ -3,8 +3,10 @@
 Every compressor and 1-bit optimizer works on dense flat buffers, so a sparse gradient is
 reduced as a dense gradient of its parameter's full size (``sparse_as_dense=True``, the
 default, as Horovod's option of that name does): a float32 buffer of the whole table per
-step, and the compressor's passes over it. hvd_quant has no sparse reduction, so
-``sparse_as_dense=False`` refuses a sparse gradient with an error that says this.
+step, and the compressor's passes over it. hvd_quant has no sparse reduction, so the
+1-bit optimizers' ``sparse_as_dense=False`` refuses a sparse gradient with an error that
+says this; ``DistributedOptimizer`` (a Horovod drop-in, where ``False`` is the default)
+reduces it as dense all the same and says so once.
 """
 
 import torch
@@ -37,7 +39,7 @@ def copy_into(dst, g):
     if not g.is_sparse:
         dst.copy_(g.detach().reshape(-1))
         return dst
-    g = g.coalesce().to(dst.device)  # a GPU gradient's rows into the CPU buffer
+    g = g.coalesce().to(dst.device)  # a gradient's rows into the buffer's device
     if g.sparse_dim() != 1:
         dst.copy_(g.to_dense().reshape(-1))
         return dst
@@ -69,11 +71,11 @@ def fill_flat(flat, params, sparse_as_dense, name_of, where):
     return flat
 
 
-def kept_flat(cache, key, numel):
-    """The float32 buffer of ``numel`` elements kept in ``cache[key]`` (made or remade when
-    the size changed): a fresh 127 MB tensor per step cost 49 ms of page faults, a copy into
-    kept memory about a third of that."""
+def kept_flat(cache, key, numel, device=None):
+    """The float32 buffer of ``numel`` elements on ``device`` (default: the CPU) kept in
+    ``cache[key]`` (made or remade when the size changed): a fresh 127 MB tensor per step
+    cost 49 ms of page faults, a copy into kept memory about a third of that."""
     buf = cache.get(key)
-    if buf is None or buf.numel() != numel:
-        buf = cache[key] = torch.empty(numel, dtype=torch.float32)
+    if buf is None or buf.numel() != numel or (device is not None and buf.device != torch.device(device)):
+        buf = cache[key] = torch.empty(numel, dtype=torch.float32, device=device)
     return buf

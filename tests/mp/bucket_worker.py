@@ -119,7 +119,9 @@ def compare(name, **kw):
 
 def every_compressor():
     out = {}
-    for name in hvd_quant.available():
+    # auto measures the link for each owner, so two owners may choose differently: its
+    # own cases are in tests/mp/train_torch.py.
+    for name in (n for n in hvd_quant.available() if n != "auto"):
         out[name] = record(lambda: compare(name))
     return out
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import hvd_quant.tensorflow as hq
+from logged import captured_warnings
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 COMPRESSORS = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd",
@@ -32,10 +34,13 @@ results = {"rank": RANK, "size": SIZE}
 
 
 def record(key, fn):
+    started = time.perf_counter()
     try:
         results[key] = fn()
     except Exception as exc:  # recorded for the test to judge
         results[key] = {"error": type(exc).__name__, "message": str(exc)[:2000]}
+    if RANK == 0:  # where a slow job's time goes (printed in a failing test's output)
+        print(f"keras_worker: {key} {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def compression(config):
@@ -219,7 +224,8 @@ def callbacks_behave():
 def fit_embedding():
     """A Keras Embedding (its gradient is always tf.IndexedSlices) in model.fit, with a
     compressor and with each 1-bit optimizer: made dense by default (sparse_as_dense),
-    identical weights on every rank; refused with sparse_as_dense=False."""
+    identical weights on every rank; with sparse_as_dense=False (Horovod's default) the
+    same, and one warning on rank 0."""
     keras = keras3()
     rng = np.random.default_rng(70 + RANK)
     tokens = rng.integers(0, 40, (STEPS * BATCH, 5)).astype("int32")
@@ -238,15 +244,149 @@ def fit_embedding():
         hist = model.fit(tokens, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
                          callbacks=[hq.callbacks.FinalSyncCallback()])
         out[name] = {"digest": digest(weights(model)), "loss": hist.history["loss"]}
-    try:
-        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(40, 8),
-                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
-        model.compile(optimizer=hq.DistributedOptimizer(keras.optimizers.SGD(0.1), sparse_as_dense=False),
+    # sparse_as_dense=False (Horovod's default): reduced as dense all the same, with the
+    # same weights as the default; rank 0 says so once.
+    with captured_warnings() as messages:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(40, 8, name="emb"),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3, name="out")])
+        model.compile(optimizer=hq.DistributedOptimizer(keras.optimizers.Adam(3e-2), compression=hq.Compression.ef_sign,
+                                                        sparse_as_dense=False),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(tokens, y, batch_size=BATCH, epochs=1, verbose=0)
-        out["refused"] = "no error"
-    except ValueError as exc:
-        out["refused"] = str(exc)
+        hist = model.fit(tokens, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
+                         callbacks=[hq.callbacks.FinalSyncCallback()])
+    out["sparse_as_dense=False"] = {"digest": digest(weights(model)), "loss": hist.history["loss"],
+                                    "warnings": [m for m in messages if "sparse_as_dense=False" in m]}
+    return out
+
+
+def local_sources():
+    """Model parallelism on Keras 3 (Horovod's own tapes fail there, horovod #4290): an
+    embedding whose gradient stays local, the rest averaged. Every compressor, through
+    ``register_local_source`` eagerly and ``PartialDistributedGradientTape`` in a
+    ``tf.function``; per run the local gradient as given and as computed, and the
+    shared gradients beside those of a tape over the shared variables alone (a twin model
+    with the same values: its own compressor state)."""
+    keras = keras3()
+    rng = np.random.default_rng(80 + RANK)
+    tokens = rng.integers(0, 20, (BATCH, 4)).astype("int32")
+    y = (tokens[:, 0] % 3).astype("int64")
+
+    def build():
+        keras.utils.set_random_seed(5)
+        emb = keras.layers.Embedding(20, 6, name="emb")
+        model = keras.Sequential([keras.Input((4,), dtype="int32"), emb, keras.layers.GlobalAveragePooling1D(),
+                                  keras.layers.Dense(3, name="out")], name="mp")
+        return model, emb
+
+    def loss_of(model):
+        return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(tokens), from_logits=True))
+
+    out = {}
+    for config in COMPRESSORS:
+        for kind, compiled in (("register", False), ("partial", True)):
+            comp = compression(config)
+            model, emb = build()
+            twin, twin_emb = build()
+            shared = [v for v in model.trainable_variables if v is not emb.embeddings]
+            twin_shared = [v for v in twin.trainable_variables if v is not twin_emb.embeddings]
+
+            def step():
+                with tf.GradientTape(persistent=True) as tape:
+                    loss = loss_of(model)
+                raw = tape.gradient(loss, emb.embeddings)
+                if kind == "register":
+                    dist = hq.DistributedGradientTape(tape, compression=comp)
+                    dist.register_local_source(emb.embeddings)
+                else:
+                    dist = hq.PartialDistributedGradientTape(tape, compression=comp, local_layers=[emb])
+                grads = dist.gradient(loss, model.trainable_variables)
+                with tf.GradientTape() as tape2:
+                    loss2 = loss_of(twin)
+                twin_grads = hq.DistributedGradientTape(tape2, compression=comp).gradient(loss2, twin_shared)
+                return raw, grads, twin_grads
+
+            raw, grads, twin_grads = (tf.function(step) if compiled else step)()
+            by_var = {id(v): g for v, g in zip(model.trainable_variables, grads)}
+            local = tf.convert_to_tensor(by_var[id(emb.embeddings)]).numpy()
+            out[f"{config}/{kind}"] = {
+                "local": local.tolist(),
+                "local_expected": (tf.convert_to_tensor(raw).numpy() / np.float32(SIZE)).tolist(),
+                "shared": digest([tf.convert_to_tensor(by_var[id(v)]).numpy() for v in shared]),
+                "shared_alone": digest([tf.convert_to_tensor(g).numpy() for g in twin_grads])}
+    return out
+
+
+def partial_optimizer_fit():
+    """``PartialDistributedOptimizer`` in ``model.fit``: the embedding trains on each rank's
+    own gradients (its weights end different), the dense layer on the averaged ones (the
+    same on every rank). ``register_local_var`` after the first step is refused."""
+    keras = keras3()
+    rng = np.random.default_rng(90 + RANK)
+    tokens = rng.integers(0, 20, (STEPS * BATCH, 4)).astype("int32")
+    y = (tokens[:, 0] % 3).astype("int64")
+    keras.utils.set_random_seed(6)
+    emb = keras.layers.Embedding(20, 6, name="emb")
+    dense = keras.layers.Dense(3, name="out")
+    model = keras.Sequential([keras.Input((4,), dtype="int32"), emb, keras.layers.GlobalAveragePooling1D(), dense])
+    opt = hq.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), compression=hq.Compression.ef_sign,
+                                         local_layers=[emb])
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    hist = model.fit(tokens, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    try:
+        opt.register_local_var(dense.kernel)
+        late = "no error"
+    except RuntimeError as exc:
+        late = str(exc)
+    return {"emb": digest([emb.embeddings.numpy()]), "dense": digest([v.numpy() for v in dense.trainable_variables]),
+            "loss": hist.history["loss"], "late": late}
+
+
+def aggregated_passes():
+    """``backward_passes_per_step=2`` with ``average_aggregated_gradients``, as Horovod's
+    Keras optimizer: one reduction and one update per two batches. With exact compression
+    and plain SGD that is one step on the two batches together (checked against batches
+    twice the size, to float rounding); with ef_sign every rank ends the same."""
+    keras = keras3()
+    x, y = data(seed=4)
+    out = {}
+    for config, passes, batch in (("none", 2, BATCH), ("none", 1, 2 * BATCH), ("ef_sign", 2, BATCH)):
+        model = make_model(keras, seed=12)
+        opt = hq.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression(config),
+                                      backward_passes_per_step=passes, average_aggregated_gradients=True)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        out[f"{config}/{passes}"] = {"weights": [w.tolist() for w in weights(model)],
+                                     "iterations": int(opt.iterations.numpy())}
+    return out
+
+
+def outside_the_process_set():
+    """The tape and the Keras optimizer over the even ranks' process set (registered at
+    start): the even ranks average among themselves, an odd rank keeps its own gradients."""
+    keras = keras3()
+    x, y = data(seed=3)
+    out = {}
+    even = hvd.add_process_set(list(range(0, SIZE, 2)))  # HOROVOD_DYNAMIC_PROCESS_SETS=1
+    for kind in ("tape", "keras"):
+        model = make_model(keras, seed=11)
+        if kind == "tape":
+            opt = keras.optimizers.SGD(0.1)
+            for i in range(2):
+                with tf.GradientTape() as tape:
+                    logits = model(x[i * BATCH:(i + 1) * BATCH])
+                    loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                        y[i * BATCH:(i + 1) * BATCH], logits, from_logits=True))
+                dist = hq.DistributedGradientTape(tape, compression=hq.Compression.ef_sign, process_set=even)
+                grads = dist.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+        else:
+            opt = hq.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hq.Compression.ef_sign,
+                                          process_set=even)
+            model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.fit(x[:2 * BATCH], y[:2 * BATCH], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        out[kind] = {"weights": digest(weights(model)), "included": bool(even.included())}
+    hvd.remove_process_set(even)
     return out
 
 
@@ -281,6 +421,10 @@ if MODE == "keras3":
     record("loss_scale_outside", loss_scale_outside_refused)
     record("callbacks", callbacks_behave)
     record("embedding", fit_embedding)
+    record("local_sources", local_sources)
+    record("partial_fit", partial_optimizer_fit)
+    record("process_set", outside_the_process_set)
+    record("aggregated", aggregated_passes)
 elif MODE == "keras3_fit":
     record("fit", fit_every_compressor)
     record("jit_split", jit_compile_split)

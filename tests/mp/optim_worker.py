@@ -76,7 +76,8 @@ def flat_params(params):
 def run(name, steps=cases.STEPS, opt=None, params=None, start=0, drop=None, set_lr=True):
     params = params or make_params()
     opt = opt or make_optimizer(name, params)
-    calls = cases.count_collectives(opt._comm)
+    # Horovod's communicator itself (a staging one wraps it, and runs fp32 rings on it)
+    calls = cases.count_collectives(getattr(opt._comm, "inner", opt._comm))
     per_step = []
     for s in range(start, steps):
         set_grads(params, s, drop=drop if s == 3 else None)
@@ -101,6 +102,22 @@ def train(name):
     params, opt, per_step = run(name)
     return {"x": flat_params(params), "kinds": opt.step_kinds, "bytes": opt.bytes_sent,
             "rounds": opt.comm_rounds, "calls": per_step}
+
+
+def train_staged(name):
+    """:func:`train` with every collective's tensors staged through separate host buffers
+    (``HVD_QUANT_WIRE=staged``: what a GPU model gets from a Horovod without GPU
+    operations), and the bytes that crossed."""
+    import os
+
+    os.environ["HVD_QUANT_WIRE"] = "staged"
+    try:
+        params, opt, per_step = run(name)
+    finally:
+        del os.environ["HVD_QUANT_WIRE"]
+    meter = opt._comm.host_meter
+    return {"x": flat_params(params), "kinds": opt.step_kinds, "bytes": opt.bytes_sent,
+            "calls": per_step, "host_bytes": opt.host_bytes, "payload": meter.payload}
 
 
 def checkpoint(name, at, earlier=False):
@@ -300,7 +317,7 @@ def deepspeed_arguments():
 
 
 def meta_parameters():
-    """Parameters off the CPU (the meta device stands in for CUDA here) are refused."""
+    """Parameters on a device the optimizers do not run on (the meta device) are refused."""
     hq.ZeroOneAdam([torch.nn.Parameter(torch.empty(3, device="meta"))], lr=1e-3)
     return "no error"
 
@@ -326,6 +343,8 @@ def sparse_gradients(sparse_as_dense=False):
 
 for name in cases.CONFIGS:
     record(f"train/{name}", lambda: train(name))
+    if RANKS_PER_NODE is None:
+        record(f"train_staged/{name}", lambda: train_staged(name))
 record("missing_grad", lambda: {"x": flat_params(run("zero_one_adam", drop=1 if RANK == 1 else None)[0])})
 if RANKS_PER_NODE is None:
     record("checkpoint/phase_a", lambda: checkpoint("zero_one_adam", 5))

@@ -9,6 +9,7 @@ import horovod.tensorflow as hvd
 
 import hvd_quant.tensorflow as hq
 from hvd_quant.core.runner import RankDisagreement
+from logged import captured_warnings
 
 keras = tf.keras
 LEGACY = os.environ.get("TF_USE_LEGACY_KERAS") == "1"
@@ -86,14 +87,26 @@ def checkpoint_roundtrip(name="ef_sign"):
 
 
 def params_differ():
-    model = make_model(seed=hvd.rank())
-    step = make_step(model, keras.optimizers.SGD(0.1), hq.Compression.ef_sign, "ours", False)
-    try:
-        x, y = batches(1)[0]
-        step(x, y)
-    except RankDisagreement as exc:
-        return {"error": "RankDisagreement", "message": str(exc)}
-    return "no error"
+    """Ranks that never broadcast: strict (HVD_QUANT_STRICT=1) raises on every rank at
+    the first step; the default trains on (as Horovod) and rank 0 warns once, at the
+    second eager step."""
+    out = {}
+    for strict in (True, False):
+        model = make_model(seed=hvd.rank())
+        step = make_step(model, keras.optimizers.SGD(0.1), hq.Compression.ef_sign, "ours", False)
+        os.environ["HVD_QUANT_STRICT"] = "1" if strict else "0"
+        try:
+            with captured_warnings() as messages:
+                try:
+                    for x, y in batches(3):
+                        step(x, y)
+                    out[f"strict={strict}"] = {"error": None}
+                except RankDisagreement as exc:
+                    out[f"strict={strict}"] = {"error": "RankDisagreement", "message": str(exc)}
+        finally:
+            del os.environ["HVD_QUANT_STRICT"]
+        out[f"strict={strict}"]["warnings"] = [m for m in messages if "different values" in m]
+    return out
 
 
 def stock_refuses_multi_hop():

@@ -1,6 +1,7 @@
 """Training checks for the torch worker: fused vs stock Horovod, checkpoints, bad models."""
 
 import io
+import os
 
 import numpy as np
 import torch
@@ -8,6 +9,7 @@ import horovod.torch as hvd
 
 import hvd_quant.torch as hq
 from hvd_quant.core.runner import RankDisagreement
+from logged import captured_warnings
 
 STOCK_AND_OURS = ("ef_sign", "marsit", "global_qsgd", "onebit")
 
@@ -33,7 +35,9 @@ def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
-def fused_vs_stock():
+def fused_vs_stock(host=None):
+    """Final parameters per compressor and path; ``host``: a dict that receives the bytes
+    each run staged through host buffers (``HVD_QUANT_WIRE=staged``)."""
     out = {}
     data = batches(3)
     for name in STOCK_AND_OURS:
@@ -41,11 +45,26 @@ def fused_vs_stock():
             model = make_model()
             base = torch.optim.SGD(model.parameters(), lr=0.1)
             wrap = hq.DistributedOptimizer if path == "ours" else hvd.DistributedOptimizer
-            opt = wrap(base, named_parameters=model.named_parameters(),
-                       compression=hq.Compression.get(name))
+            compression = hq.Compression.get(name)
+            opt = wrap(base, named_parameters=model.named_parameters(), compression=compression)
             train(model, opt, data)
             out[f"{name}/{path}"] = flat(model)
+            if host is not None:
+                host[f"{name}/{path}"] = opt.host_bytes if path == "ours" else compression.host_bytes(opt)
     return out
+
+
+def staged_vs_host():
+    """:func:`fused_vs_stock` with every collective's tensors staged through separate host
+    buffers (``HVD_QUANT_WIRE=staged``, what GPU tensors get from a Horovod without GPU
+    operations): the same parameters, bit for bit, and the bytes that crossed."""
+    host = {}
+    os.environ["HVD_QUANT_WIRE"] = "staged"
+    try:
+        params = fused_vs_stock(host)
+    finally:
+        del os.environ["HVD_QUANT_WIRE"]
+    return {"params": params, "host_bytes": host}
 
 
 def checkpoint_roundtrip(name="ef_sign"):
@@ -78,12 +97,20 @@ def checkpoint_roundtrip(name="ef_sign"):
 
 
 def params_differ():
-    model = make_model(seed=hvd.rank())  # no broadcast: ranks differ
-    opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=model.named_parameters(),
-                                  compression=hq.Compression.ef_sign)
-    try:
-        train(model, opt, batches(1))
-    except RankDisagreement as exc:
-        return {"error": "RankDisagreement", "message": str(exc)}
-    return "no error"
+    """Ranks that never broadcast: strict raises on every rank at the first step; the
+    default trains on (as Horovod) and rank 0 warns once, at the second step."""
+    out = {}
+    for strict in (True, False):
+        model = make_model(seed=hvd.rank())  # no broadcast: ranks differ
+        opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      compression=hq.Compression.ef_sign, strict=strict)
+        with captured_warnings() as messages:
+            try:
+                train(model, opt, batches(3))
+                out[f"strict={strict}"] = {"error": None}
+            except RankDisagreement as exc:
+                out[f"strict={strict}"] = {"error": "RankDisagreement", "message": str(exc)}
+        out[f"strict={strict}"]["warnings"] = [m for m in messages if "different values" in m]
+    return out
+

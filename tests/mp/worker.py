@@ -144,6 +144,28 @@ def disagreeing_options():
     return "no error"
 
 
+def auto_cases():
+    """Compression.auto per family: the link measured once, a method chosen per bucket, the
+    same choices on every rank, and the values of the chosen method run on its own."""
+    hq_ = __import__("hvd_quant")
+    out = {}
+    for family in ("onebit_ef", "unbiased", "any"):
+        comp = hq_.get("auto", family=family)
+        runner, comm = CompressorRunner(comp, B, seed=7), Comm()
+        got = {}
+        for d in (7, 1001, 20000):
+            name = f"auto.{family}.{d}"
+            x = tensor(cases.rank_input(RANK, d, 0))
+            y = B.to_numpy(runner.reduce(x, comm, name, cases.segments(d)))
+            chosen = comp.choices(comm)[name]
+            alone = CompressorRunner(hq_.get(chosen), B, seed=7)
+            z = B.to_numpy(alone.reduce(x, Comm(), name, cases.segments(d)))
+            got[str(d)] = {"chosen": chosen, "values": y.astype(np.float64).tolist(),
+                           "same_as_alone": bool(np.array_equal(y, z))}
+        out[family] = got
+    return out
+
+
 def unknown_name():
     return repr(hq.Compression.get("ef_sing"))
 
@@ -164,6 +186,7 @@ record("exact", exact_cases)
 record("disagree_compressor", disagreeing_compressor)
 record("disagree_options", disagreeing_options)
 record("unknown_name", unknown_name)
+record("auto", auto_cases)
 record("non_float", non_float_passthrough)
 
 if FRAMEWORK == "torch":
@@ -171,6 +194,8 @@ if FRAMEWORK == "torch":
 else:
     import train_tf as train
 record("train", train.fused_vs_stock)
+if FRAMEWORK == "torch":
+    record("train_staged", train.staged_vs_host)
 record("checkpoint", train.checkpoint_roundtrip)
 record("checkpoint_onebit", lambda: train.checkpoint_roundtrip("onebit"))
 record("params_differ", train.params_differ)

@@ -4,6 +4,9 @@ Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "ma
 class _GlobalSet:
     process_set_id = 0
 
+    def included(self):
+        return True
+
     def rank(self):
         return 0
 
@@ -33,4 +36,16 @@ def size():
 
 
 def rank():
+    return 0
+
+
+def cuda_built():  # a Horovod without GPU operations: hvd_quant stages GPU tensors
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def nccl_built():
     return 0

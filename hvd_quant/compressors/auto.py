@@ -1,0 +1,204 @@
+"""``auto``: per bucket, the method the cost model predicts cheapest on this link.
+
+``hq.Compression.auto(family="onebit_ef")`` (torch or TensorFlow). The first time an owner
+(an optimizer, a tape's variables) reduces on a communicator:
+
+1. **the link is measured**, with one timed collective: after an untimed 4-byte allreduce
+   that brings the ranks together, a 4-byte allreduce times the latency and an allreduce
+   of 1 MB the rate; a copy of 16 MB times the memory bandwidth. Every rank's three
+   timings travel by one allgather and the slowest of each is used, so that **every rank
+   holds the same figures** (a rank's own timing differs from its peers', and the choice
+   below must not);
+2. **each bucket gets its method**, the first time it is reduced: among ``none`` (fp32)
+   and the family's methods, the one whose predicted time
+   (:func:`hvd_quant.core.costmodel.predict`: its collectives at the measured latency and
+   rate, the shares of the rate each collective kind reached on the emulated links, its
+   passes over memory) is smallest for this bucket's size and tensors at this world
+   size. Small buckets stay fp32 where one collective's latency outweighs what fewer
+   bytes save. Rank 0 logs the choice with every candidate's predicted time (the
+   ``hvd_quant`` logger, at INFO); :meth:`AutoCompressor.choices` returns them.
+
+Families: ``"onebit_ef"`` (1 bit per element with error feedback: ``ef_sign``, ``marsit``,
+``onebit``), ``"unbiased"`` (``global_qsgd``, and ``global_qsgd_exp`` up to its 104
+ranks), ``"any"`` (those and ``fp16``); fp32 is always a candidate.
+
+The choice depends only on what every rank shares (the gathered timings, the world size,
+the bucket's sizes), so every rank issues the same collectives. It is made again after
+the world changes size (an elastic reset). The chosen method keeps its state in the
+owner's store as it would alone (``ef_sign`` and ``marsit`` share the key ``residual``;
+``onebit``'s error buffers are buffer slots), so checkpoints work as for that method.
+
+``link=`` (a :class:`~hvd_quant.core.costmodel.LinkModel`, the same on every rank) skips
+the measurement and chooses on those figures: the choice is then the same in every run
+(a test that compares two runs bit for bit, a link known from
+``benchmarks/costmodel_calibrate.py``).
+
+Caveat: the model's error was measured on the emulated cluster (issue 42,
+docs/benchmarks/scaling.md); where it misjudges, the choice may be the second best.
+"""
+
+import logging
+import time
+import weakref
+from contextlib import nullcontext
+
+import numpy as np
+
+from ..core import costmodel
+from ..core.compressor import Compressor
+from ..core.onebit import padded_size
+
+log = logging.getLogger("hvd_quant")
+
+#: The candidates of each family (``none``, fp32, is always one too).
+FAMILIES = {"onebit_ef": ("ef_sign", "marsit", "onebit"),
+            "unbiased": ("global_qsgd", "global_qsgd_exp"),
+            "any": ("fp16", "ef_sign", "marsit", "onebit", "global_qsgd", "global_qsgd_exp")}
+
+PROBE_BYTES = 1 << 20
+COPY_BYTES = 16 << 20
+
+
+def link_from_timings(latency_s, probe_s, copy_s, n, probe_bytes=PROBE_BYTES, copy_bytes=COPY_BYTES):
+    """A :class:`~hvd_quant.core.costmodel.LinkModel` from the slowest rank's timings: the
+    4-byte allreduce's ``latency_s`` (every kind's latency), the rate that makes an
+    allreduce of ``probe_bytes`` take ``probe_s`` at the allreduce's calibrated share of
+    the rate, and the copy bandwidth (read + write) of ``copy_bytes`` in ``copy_s``."""
+    eff = dict(costmodel.EMULATED_EFFICIENCY)
+    wire = 2.0 * (n - 1) / n * probe_bytes
+    moving = max(probe_s - latency_s, 1e-6)
+    rate = 8.0 * wire / moving / eff["allreduce"]
+    return costmodel.LinkModel(rate, dict.fromkeys(costmodel.KINDS, float(latency_s)),
+                               dict.fromkeys(costmodel.KINDS, 0.0), eff,
+                               2.0 * copy_bytes / max(copy_s, 1e-9), "measured at start (auto)")
+
+
+def choose(candidates, numel, n, link, ranks_per_node=None, segments=1):
+    """``(method, {method: predicted seconds})``: the cheapest of ``none`` and
+    ``candidates`` for one bucket (ties go to the earlier candidate, ``none`` first)."""
+    predicted = {}
+    for m in ("none",) + tuple(candidates):
+        if m == "global_qsgd_exp" and n > 104:
+            continue
+        try:
+            predicted[m] = costmodel.predict(m, numel, n, link, ranks_per_node, segments,
+                                             buckets=[numel])["total_s"]
+        except ValueError:
+            continue
+    best = min(predicted, key=lambda m: predicted[m])
+    return best, predicted
+
+
+class AutoCompressor(Compressor):
+    """Per bucket, the cheapest method of ``family`` on this link (module docstring).
+
+    Parameters
+    ----------
+    family : "onebit_ef", "unbiased" or "any" (default)
+    link : :class:`~hvd_quant.core.costmodel.LinkModel`, optional
+        The link to choose on instead of measuring it; every rank must pass equal
+        figures (they are part of :meth:`options`, which the ranks compare).
+    """
+
+    name = "auto"
+    stateful = True
+    multi_hop = True  # it may choose Marsit's ring
+
+    def __init__(self, family="any", link=None):
+        if family not in FAMILIES:
+            raise ValueError(f"auto: family must be one of {', '.join(map(repr, FAMILIES))}, got {family!r}")
+        if link is not None and not isinstance(link, costmodel.LinkModel):
+            raise TypeError(f"auto: link must be a hvd_quant.core.costmodel.LinkModel, got {type(link).__name__}")
+        self.family, self.link = family, link
+        self.candidates = FAMILIES[family]
+        from ..registry import get  # the registry imports this module
+        self._methods = {m: get(m) for m in ("none",) + self.candidates}
+        slots = []
+        for m in self._methods.values():
+            for s in (m.state_slots if m.state_slots is not None else (("residual",) if m.stateful else ())):
+                if s not in slots:
+                    slots.append(s)
+        self.state_slots = tuple(slots)
+        self.buffer_slots = tuple(s for m in self._methods.values() for s in m.buffer_slots)
+        self._worlds = weakref.WeakKeyDictionary()  # comm -> {"size", "link", "choices"}
+
+    def options(self):
+        return {"family": self.family} if self.link is None else {"family": self.family, "link": repr(self.link)}
+
+    def buffer_state_sizes(self, numel, world_size):
+        return {"worker_error": padded_size(numel, world_size),
+                "server_error": padded_size(numel, world_size) // world_size,
+                "server_scale": 1} if self.buffer_slots else {}
+
+    def validate(self, world_size):
+        for m in self._methods.values():
+            if m.name != "global_qsgd_exp":
+                m.validate(world_size)
+
+    # --- the measurement and the choice ---------------------------------------------------
+    def world(self, B, comm):
+        """This communicator's measured link and the choices made so far (measured on
+        first use, and again when the world changed size)."""
+        entry = self._worlds.get(comm)
+        if entry is None or entry["size"] != comm.size:
+            link = self.link if self.link is not None else self._measure(B, comm)
+            entry = {"size": comm.size, "link": link, "choices": {}}
+            self._worlds[comm] = entry
+        return entry
+
+    def _measure(self, B, comm):
+        """The link figures every rank shares: each rank's timings, gathered, the slowest."""
+        n = comm.size
+        with getattr(B, "eager_scope", nullcontext)():
+            mine = B.constant(np.array(self._local_timings(B, comm), np.float64), "float64")
+            rows = B.to_numpy(comm.allgather(mine, "hvd_quant.auto.timings")).reshape(n, 3)
+        return link_from_timings(*(float(v) for v in rows.max(axis=0)), n)
+
+    def _local_timings(self, B, comm):
+        """This rank's ``[latency, probe, copy]`` seconds: a 4-byte allreduce (after an
+        untimed one that brings the ranks together), an allreduce of 1 MB, a 16 MB copy."""
+        tiny, probe = B.zeros(1), B.zeros(PROBE_BYTES // 4)
+        B.to_numpy(comm.allreduce(tiny, "sum", "hvd_quant.auto.start"))
+        t = time.perf_counter()
+        B.to_numpy(comm.allreduce(tiny, "sum", "hvd_quant.auto.latency"))
+        latency = time.perf_counter() - t
+        t = time.perf_counter()
+        B.to_numpy(comm.allreduce(probe, "sum", "hvd_quant.auto.rate"))
+        rate = time.perf_counter() - t
+        src = np.ones(COPY_BYTES // 4, np.float32)
+        dst = np.empty_like(src)
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        return [latency, rate, time.perf_counter() - t]
+
+    def choice(self, B, comm, group, segments):
+        entry = self.world(B, comm)
+        if group not in entry["choices"]:
+            numel = sum(int(c) for _, c in segments)
+            k = comm.ranks_per_node() if hasattr(comm, "ranks_per_node") else None
+            best, predicted = choose(self.candidates, numel, comm.size, entry["link"], k, len(segments))
+            entry["choices"][group] = best
+            if comm.rank == 0:
+                link = entry["link"]
+                log.info(
+                    f"hvd_quant auto({self.family}): bucket {group} ({numel:,} elements, {len(segments)} "
+                    f"tensors) at {comm.size} ranks, link {link.rate_bps / 1e6:.0f} Mbit/s with "
+                    f"{1e3 * link.latency0['allreduce']:.1f} ms per collective, memory "
+                    f"{link.memory_bps / 1e9:.1f} GB/s; predicted ms: "
+                    + ", ".join(f"{m} {1e3 * s:.1f}" for m, s in sorted(predicted.items(), key=lambda i: i[1]))
+                    + f" -> {best}")
+        return self._methods[entry["choices"][group]]
+
+    def choices(self, comm):
+        """``{bucket name: method}`` chosen so far on ``comm`` (empty before the first
+        reduction)."""
+        entry = self._worlds.get(comm)
+        return dict(entry["choices"]) if entry else {}
+
+    def reduce(self, x, ctx):
+        return self.choice(ctx.backend, ctx.comm, ctx.name, ctx.segments or [("", ctx.backend.numel(x))]) \
+            .reduce(x, ctx)
+
+    def wire_bytes(self, numel, world_size, segments=1):
+        """Unknown before the link is measured: the most any candidate may send."""
+        return max(m.wire_bytes(numel, world_size, segments) for m in self._methods.values())

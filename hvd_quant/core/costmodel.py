@@ -1,0 +1,453 @@
+"""What a method costs per step at ``n`` ranks: its collectives, their bytes, their time.
+
+For each method the model lists the collectives the code issues for one buffer (a bucket
+of the torch optimizer, a tape's fused variables, an optimizer's parameter group), in
+the order the code issues them, with the payload each rank passes in
+(:func:`collectives`). ``tests/test_costmodel.py`` runs every method on a
+:class:`~hvd_quant.core.simulate.ThreadWorld` through a recording communicator and checks
+these lists against what the code really issued, for several world sizes and host
+layouts, so the model cannot drift from the code.
+
+Time of one step of one buffer, per rank (:func:`predict`)::
+
+    sum over its dependent collectives c of   latency(c.kind, c.ranks)
+                                            + wire bytes of c / (efficiency(c.kind) * rate)
+    + bytes the method reads and writes in memory / memory bandwidth
+
+* ``latency(kind, n) = latency0[kind] + latency1[kind] * (n - 1)``: Horovod's negotiation
+  of the collective (its background thread's cycle and the cross-rank exchange of every
+  cycle) and the messages of Gloo's algorithm, whose number grows with ``n`` (a ring
+  allreduce makes at least ``4 (n - 1)`` sequential transfers, an allgather ``n - 1``, an
+  alltoall ``n - 1`` at once, preceded by an exchange of the split sizes);
+* wire bytes are :class:`~hvd_quant.core.comm.WireMeter`'s (what one rank sends: an
+  allreduce of ``b`` bytes ``2 (n - 1) / n * b``, an allgather ``(n - 1) b``, an alltoall
+  ``(n - 1) / n * b``, a hop ``b``), at a measured fraction of the link rate per kind
+  (Gloo's allgather and alltoall were measured at about half the link rate on shaped
+  links);
+* memory: the passes of the method over the buffer (:func:`memory_bytes`, lower bounds),
+  at a measured copy bandwidth (bytes read plus written per second);
+* for torch's PowerSGD only, its matrix products at a rate of floating-point operations
+  (:func:`powersgd_flops`).
+
+The link figures come from :class:`LinkModel`: calibrated on Gloo's own collectives on the
+emulated cluster (``benchmarks/costmodel_calibrate.py``), or assumed for a datacenter
+(:meth:`LinkModel.datacenter`), for the extrapolation to many ranks
+(``benchmarks/costmodel_extrapolate.py``).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from .onebit import padded_size
+from .packing import packed_sign_bytes
+from .ring import DIRECT_FROM, chunk_bounds, direct_padded_numel
+
+KINDS = ("allreduce", "allgather", "alltoall", "sendrecv")
+
+#: Compressors the model knows (``compression=``) and the 1-bit optimizers; also
+#: ``horovod_fp32`` (``none``'s allreduce) and ``ddp_powersgd`` (torch's hook, with shapes).
+COMPRESSORS = ("none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd_exp",
+               "onebit")
+OPTIMIZERS = ("onebit_adam", "zero_one_adam", "binsgdm")
+
+#: Families of :func:`hvd_quant.torch.Compression.auto` (compressors only).
+FAMILIES = {
+    "onebit_ef": ("ef_sign", "marsit", "onebit"),   # 1 bit per element, with error feedback
+    "unbiased": ("global_qsgd",),                  # unbiased estimates of the mean
+    "any": ("fp16", "ef_sign", "marsit", "onebit", "global_qsgd"),
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issues: its ``kind``, the bytes this rank passes in
+    (``nbytes``: an allreduce's buffer, an allgather's contribution, an alltoall's whole
+    input, a hop's chunk) and the ranks of the communicator it runs on. ``overlapped``:
+    in flight beside the ones after it (its time is not on the step's critical path)."""
+    kind: str
+    nbytes: float
+    ranks: int
+    overlapped: bool = False
+
+    def wire_bytes(self):
+        """Bytes this rank sends (:class:`~hvd_quant.core.comm.WireMeter` cost model)."""
+        n, b = self.ranks, self.nbytes
+        if n <= 1:
+            return 0.0
+        return {"allreduce": 2.0 * (n - 1) / n * b, "allgather": (n - 1) * b,
+                "alltoall": (n - 1) / n * b, "sendrecv": b}[self.kind]
+
+
+# --- the collectives of each method -------------------------------------------------------------
+def collectives(method, numel, world_size, ranks_per_node=None, segments=1, options=None, rank=0):
+    """The collectives ``method`` issues to reduce one buffer of ``numel`` float32 elements
+    made of ``segments`` tensors, at ``world_size`` ranks with ``ranks_per_node`` per host
+    (``None``: unknown or one), at its default options (``options`` overrides some: see
+    below), as rank ``rank`` issues them (ring and torus hops send different chunks from
+    different ranks; the same kinds, and the same bytes over all ranks). A 1-bit
+    optimizer's list is one of its 1-bit steps (0/1 Adam: a sync step).
+
+    Options read: ``marsit``/``cascading_sign`` ``topology`` (and ``torus_rows``),
+    ``global_qsgd`` ``norm``."""
+    n, d, S = int(world_size), int(numel), int(segments)
+    options = dict(options or {})
+    if n <= 1:
+        return []
+    if method in ("none", "horovod_fp32"):
+        return [Collective("allreduce", 4.0 * d, n)]
+    if method == "fp16":
+        return [Collective("allreduce", 2.0 * d, n)]
+    if method == "ef_sign":
+        return [Collective("allgather", packed_sign_bytes(d) + 4.0 * S, n)]
+    if method in ("marsit", "cascading_sign"):
+        return _marsit(method, d, n, ranks_per_node, S, options, rank)
+    if method == "global_qsgd":
+        from ..compressors.global_qsgd import int_payload_bytes, resolve_width_levels
+        norm = options.get("norm", "max")
+        width, _ = resolve_width_levels(norm, n, options.get("bits"), options.get("levels"))
+        scale = Collective("allreduce", 4.0, n) if norm == "max" else Collective("allgather", 8.0, n)
+        return [scale, Collective("allreduce", float(int_payload_bytes(d, width, ("int32", "int64"))), n)]
+    if method == "global_qsgd_exp":
+        if n >= DIRECT_FROM:
+            per = direct_padded_numel(d, n) // n
+            return [Collective("allreduce", 4.0, n), Collective("alltoall", float(n * per), n),
+                    Collective("allgather", float(per), n)]
+        return [Collective("allreduce", 4.0, n)] + _ring_hops(d, n, n, rank)
+    if method == "onebit":
+        return _onebit([d], n)
+    if method in ("onebit_adam", "zero_one_adam"):
+        # DeepSpeed's per-tensor scales (scales="tensor"): every tensor padded on its own.
+        sizes = options.get("tensor_sizes") or _even_sizes(d, S)
+        return _onebit(sizes, n)
+    if method == "binsgdm":
+        return _binsgdm(d, n, ranks_per_node)
+    if method == "ddp_powersgd":
+        return powersgd_collectives(options.get("shapes") or [(d,)], n, options.get("rank", 4))
+    raise ValueError(f"the cost model does not know {method!r}; known: "
+                     f"{', '.join(COMPRESSORS + OPTIMIZERS)}")
+
+
+def powersgd_collectives(shapes, n, rank=4, min_compression_rate=2):
+    """torch DDP's ``powerSGD_hook`` on one bucket holding tensors of ``shapes``: an
+    allreduce of the tensors it leaves uncompressed (1-D ones, and matrices that would not
+    shrink ``min_compression_rate`` times), then of the ``P`` factors, then of the ``Q``
+    factors (rank ``rank``), one after the other. (torch's code, not hvd_quant's: not
+    checked against a recording here.)"""
+    plain = ps = qs = 0
+    for shape in shapes:
+        if len(shape) <= 1:
+            plain += max(1, shape[0] if shape else 1)
+            continue
+        rows, cols = shape[0], math.prod(shape[1:])
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            ps, qs = ps + rows * r, qs + cols * r
+        else:
+            plain += rows * cols
+    return [Collective("allreduce", 4.0 * x, n) for x in (plain, ps, qs) if x]
+
+
+def _even_sizes(d, S):
+    base, extra = divmod(d, S)
+    return [base + (1 if i < extra else 0) for i in range(S)]
+
+
+def _ring_hops(nbytes, n, ranks, r=0):
+    """A ring allreduce of ``nbytes`` (unit 1) as hops: what ring rank ``r`` sends at each
+    of the ``2 (n - 1)`` hops (a chunk each; chunk sizes differ by at most one byte)."""
+    sizes = [b - a for a, b in chunk_bounds(int(nbytes), n)]
+    rs = [sizes[(r - s) % n] for s in range(n - 1)]
+    ag = [sizes[(r + 1 - s) % n] for s in range(n - 1)]
+    return [Collective("sendrecv", float(b), ranks) for b in rs + ag]
+
+
+def _marsit(method, d, n, k, S, options, rank):
+    from ..compressors.marsit import MarsitCompressor
+    comp = MarsitCompressor(topology=options.get("topology", "auto"), torus_rows=options.get("torus_rows"))
+    if method == "cascading_sign":
+        comp = MarsitCompressor(topology=comp.topology, torus_rows=comp.torus_rows, hop="cascade",
+                                compensation=False)
+    layout = comp.layout(_Layout(n, k))
+    W = packed_sign_bytes(d)
+    # The scales: inside the direct layout's alltoall on Marsit's default path; else an
+    # allgather, started before the hops and waited for after them (Marsit) or waited for
+    # first (cascading_sign: no error feedback, so no fused pass).
+    fused = method == "marsit"
+    out = []
+    if not (fused and layout == "direct"):
+        out.append(Collective("allgather", 4.0 * S, n, overlapped=fused))
+    if layout == "direct":
+        per = direct_padded_numel(W, n) // n
+        extra = 4.0 * S if fused else 0.0
+        return out + [Collective("alltoall", n * (per + extra), n), Collective("allgather", float(per), n)]
+    if layout == "butterfly":
+        sent, lo, hi, m = [], 0, W, 1
+        while m < n:
+            mid = chunk_bounds(hi - lo, 2, 1)[0][1] + lo
+            if rank & m == 0:  # keep the lower half, send the upper one
+                sent.append((float(hi - mid), float(mid - lo)))
+                hi = mid
+            else:
+                sent.append((float(mid - lo), float(hi - mid)))
+                lo = mid
+            m *= 2
+        # Allgather: each step sends what is held, the kept half of the same step.
+        return out + [Collective("sendrecv", b, n) for b, _ in sent] + \
+            [Collective("sendrecv", held, n) for _, held in reversed(sent)]
+    if layout is None:
+        return out + _ring_hops(W, n, n, rank)
+    rows = layout
+    cols = n // rows
+    row, col = divmod(rank, cols)
+    bounds = chunk_bounds(W, cols)
+    row_hops = _ring_hops(W, cols, n, col)
+    held = bounds[(col + 1) % cols]
+    col_hops = _ring_hops(held[1] - held[0], rows, n, row) if rows > 1 else []
+    return out + row_hops[:cols - 1] + col_hops + row_hops[cols - 1:]
+
+
+class _Layout:
+    """A stand-in communicator for :meth:`Compressor.layout`: size and ranks per host."""
+
+    def __init__(self, size, k):
+        self.size, self._k = size, k
+
+    def ranks_per_node(self):
+        return self._k
+
+
+def _onebit(sizes, n):
+    D = sum(padded_size(int(c), n) for c in sizes)
+    width = D // n // 8
+    T = len(sizes)
+    return [Collective("alltoall", float(n * (width + 4 * T)), n),
+            Collective("allgather", float(width + 4 * T), n)]
+
+
+def _binsgdm(d, n, k):
+    from .hierarchical import node_layout
+    nodes, k = node_layout(n, k)
+    if nodes == 1 or k == 1:
+        return [Collective("allgather", packed_sign_bytes(d) + 1.0, n)]
+    shard = (d + (-d) % (8 * k)) // k
+    row = shard // 8 + 1.0
+    # Node groups are routed through the global communicator's hops unless Horovod process
+    # sets were registered (hvd_quant.node_process_sets): k - 1 hops, M - 1 hops, k - 1 hops.
+    return ([Collective("sendrecv", row, n)] * (k - 1) + [Collective("sendrecv", row, n)] * (nodes - 1)
+            + [Collective("sendrecv", nodes * row, n)] * (k - 1))
+
+
+# --- bytes -------------------------------------------------------------------------------------
+def wire_bytes(colls):
+    """Bytes one rank sends for ``colls``."""
+    return sum(c.wire_bytes() for c in colls)
+
+
+def fp32_ring_bytes(numel, world_size):
+    """Bytes one rank sends in an fp32 ring allreduce of ``numel`` elements."""
+    n = world_size
+    return 2.0 * (n - 1) / n * 4 * numel if n > 1 else 0.0
+
+
+def memory_bytes(method, numel, world_size):
+    """Bytes one rank reads and writes in memory to reduce ``numel`` elements (lower bounds,
+    passes over the buffer; network copies belong to the link)."""
+    d, n = float(numel), int(world_size)
+    F = 4.0 * d
+    ring = 4.0 * F * (n - 1) / n
+    if method in ("none", "horovod_fp32"):
+        return ring
+    if method == "fp16":
+        return 3.0 * F + ring / 2.0
+    if method in ("ef_sign", "marsit"):
+        # sums and bits of g + e in one pass (2F), decode + residual in one pass (4F), the
+        # gathered or ring bits
+        return F * (6.0 + (2.0 * n - 1.0) / 32.0)
+    if method == "cascading_sign":
+        return F * (3.0 + n / 32.0)
+    if method in ("global_qsgd", "global_qsgd_exp"):
+        w = 1.0 * d  # one byte per element on the wire
+        return 3.0 * F + 2.0 * w + 4.0 * w * (n - 1) / n
+    D = 4.0 * padded_size(int(numel), n)
+    onebit = 6.0 * D + 2.0 * D / n
+    if method == "onebit":
+        return onebit
+    if method == "onebit_adam":
+        return 7.0 * F + onebit
+    if method == "zero_one_adam":
+        return 19.0 * F + onebit
+    if method == "binsgdm":
+        return F * 11.0 + F * (3.0 + n / 32.0)
+    if method == "ddp_powersgd":
+        return 8.0 * F
+    raise ValueError(f"the cost model does not know {method!r}")
+
+
+# --- time ---------------------------------------------------------------------------------------
+@dataclass
+class LinkModel:
+    """Link figures: seconds of latency per collective and kind, the share of the link
+    rate each kind reaches, and the memory bandwidth.
+
+    Attributes
+    ----------
+    rate_bps : float
+        Each host's link rate, bits per second.
+    latency0, latency1 : dict kind -> seconds
+        ``latency(kind, n) = latency0[kind] + latency1[kind] * (n - 1)``.
+    efficiency : dict kind -> fraction of ``rate_bps`` the kind's wire bytes move at.
+    memory_bps : float
+        Bytes read plus written per second (a copy's bandwidth).
+    flops : float
+        Floating-point operations per second of a rank (PowerSGD's matrix products).
+    source : str
+        Where the figures come from (a calibration file, an assumption).
+    """
+    rate_bps: float
+    latency0: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 1e-3))
+    latency1: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    efficiency: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 1.0))
+    memory_bps: float = 10e9
+    source: str = "defaults"
+    flops: float = 50e9
+
+    def latency(self, kind, n):
+        return self.latency0[kind] + self.latency1[kind] * max(0, n - 1)
+
+    def collective_s(self, c):
+        """Seconds of one collective on its critical path."""
+        if c.ranks <= 1:
+            return 0.0
+        return self.latency(c.kind, c.ranks) + 8.0 * c.wire_bytes() / (self.efficiency[c.kind] * self.rate_bps)
+
+    def with_rate(self, rate_bps):
+        return LinkModel(rate_bps, dict(self.latency0), dict(self.latency1), dict(self.efficiency),
+                         self.memory_bps, self.source, self.flops)
+
+    def to_dict(self):
+        return {"rate_bps": self.rate_bps, "latency0": self.latency0, "latency1": self.latency1,
+                "efficiency": self.efficiency, "memory_bps": self.memory_bps, "source": self.source,
+                "flops": self.flops}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(float(d["rate_bps"]), dict(d["latency0"]), dict(d["latency1"]), dict(d["efficiency"]),
+                   float(d.get("memory_bps", 10e9)), str(d.get("source", "")), float(d.get("flops", 50e9)))
+
+    @classmethod
+    def datacenter(cls, rate_bps, message_s=25e-6, horovod_s=1e-3, memory_bps=20e9, efficiency=None,
+                   flops=50e9):
+        """Assumed figures for real hosts (one rank per host, its own cores): every
+        collective pays Horovod's negotiation ``horovod_s`` (half a 1 ms cycle on average
+        plus the cycle's cross-rank exchange, itself a Gloo ring) and Gloo's sequential
+        messages at ``message_s`` each: a ring allreduce ``4 (n - 1)`` (two segments per
+        chunk), an allgather ``n - 1``, an alltoall and a hop ``2 (n - 1)`` (the split
+        sizes, then the data; the ``n - 1`` sends of each go out at once, but each costs
+        the sender its own overhead). The negotiation's exchange adds ``4 (n - 1)``
+        messages to every kind. ``efficiency`` defaults to the shares measured on the
+        emulated links (:data:`EMULATED_EFFICIENCY`)."""
+        steps = {"allreduce": 4, "allgather": 1, "alltoall": 2, "sendrecv": 2}
+        return cls(float(rate_bps), dict.fromkeys(KINDS, horovod_s),
+                   {k: (steps[k] + 4) * message_s for k in KINDS},
+                   dict(efficiency or EMULATED_EFFICIENCY), memory_bps,
+                   f"assumed: {message_s * 1e6:g} us per message, {horovod_s * 1e3:g} ms per "
+                   f"collective for Horovod's negotiation, {memory_bps / 1e9:g} GB/s memory, "
+                   f"{flops / 1e9:g} GFLOP/s", flops)
+
+
+#: Share of the link rate each kind reached on the emulated 100 Mbit/s links, medians over
+#: 2, 4, 8 and 16 hosts (phase-1 calibration of issue 42, 2026-11-28, under contention:
+#: benchmarks/reference/scaling-2026-11-28-phase1/calibration; to be refreshed in phase 2).
+EMULATED_EFFICIENCY = {"allreduce": 0.84, "allgather": 0.82, "alltoall": 0.57, "sendrecv": 0.78}
+
+
+def powersgd_flops(shapes, rank=4, min_compression_rate=2):
+    """Floating-point operations of one PowerSGD step on the matrices it compresses:
+    ``P = M Q``, ``Q = M^T P`` and the approximation ``P Q^T`` (``2 rows cols r`` each)."""
+    total = 0.0
+    for shape in shapes:
+        if len(shape) <= 1:
+            continue
+        rows, cols = shape[0], math.prod(shape[1:])
+        r = min(rows, cols, rank)
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            total += 6.0 * rows * cols * r
+    return total
+
+
+def comm_seconds(colls, link):
+    """Seconds of ``colls`` on the critical path (overlapped ones left out)."""
+    return sum(link.collective_s(c) for c in colls if not c.overlapped)
+
+
+def bucket_numels(numel, bucket_mb=25):
+    """Buffer sizes of a model of ``numel`` float32 parameters split into buckets of at most
+    ``bucket_mb`` MB (the torch optimizer's default), assuming tensors small enough to
+    fill them."""
+    cap = int(bucket_mb * 2 ** 20 // 4)
+    full, rest = divmod(int(numel), cap)
+    return [cap] * full + ([rest] if rest else [])
+
+
+def predict(method, numel, world_size, link, ranks_per_node=None, segments=1, buckets=None,
+            options=None):
+    """Predicted seconds of one step's reduction, per rank: ``{"comm_s", "memory_s",
+    "total_s", "bytes", "collectives"}`` summed over ``buckets`` (buffer sizes; default:
+    :func:`bucket_numels` of ``numel``, one bucket for the 1-bit optimizers' group).
+    ``segments``: tensors in the model, shared out over the buckets."""
+    if buckets is None:
+        one = method in OPTIMIZERS or method == "ddp_powersgd"  # one group / one DDP bucket
+        buckets = [int(numel)] if one else bucket_numels(numel)
+    total = float(sum(buckets))
+    comm = memory = nbytes = 0.0
+    count = 0
+    for b in buckets:
+        seg = max(1, round(segments * b / total)) if total else 1
+        colls = collectives(method, b, world_size, ranks_per_node, seg, options)
+        comm += comm_seconds(colls, link)
+        nbytes += wire_bytes(colls)
+        count += sum(1 for c in colls if not c.overlapped)
+        memory += memory_bytes(method, b, world_size) / link.memory_bps
+    compute = 0.0
+    if method == "ddp_powersgd" and (options or {}).get("shapes"):
+        compute = powersgd_flops(options["shapes"], options.get("rank", 4)) / link.flops
+    return {"comm_s": comm, "memory_s": memory, "compute_s": compute, "total_s": comm + memory + compute,
+            "bytes": nbytes, "collectives": count}
+
+
+def flat_methods(world_size, numel, ranks_per_node=None, candidates=COMPRESSORS + OPTIMIZERS):
+    """The methods whose bytes per rank at ``world_size`` stay at most half of an fp32 ring
+    allreduce's: the ones whose wire does not grow with ``n`` (for :func:`scale_warning`)."""
+    ref = fp32_ring_bytes(numel, world_size)
+    out = []
+    for m in candidates:
+        if m in ("none", "fp16"):
+            continue
+        try:
+            b = wire_bytes(collectives(m, numel, world_size, ranks_per_node))
+        except ValueError:
+            continue
+        if b <= 0.5 * ref:
+            out.append(m)
+    return out
+
+
+def crossover_ranks(method, numel, link, baseline="none", ranks=None, ranks_per_node=None):
+    """The smallest ``n`` (of ``ranks``, default powers of two and their midpoints from 2
+    to 65536) from which ``method`` is predicted slower than ``baseline`` per step, and
+    ``None`` if it never is there; plus whether it was faster at the smallest ``n``."""
+    if ranks is None:
+        ranks = sorted({int(2 ** (e / 2)) for e in range(2, 33)})
+    faster_at_start = None
+    for n in ranks:
+        ours = predict(method, numel, n, link, ranks_per_node)["total_s"]
+        ref = predict(baseline, numel, n, link, ranks_per_node)["total_s"]
+        if faster_at_start is None:
+            faster_at_start = ours < ref
+        if (ours < ref) != faster_at_start:
+            return n, faster_at_start
+    return None, faster_at_start
+
+
+def ceil_log2(n):
+    return max(0, math.ceil(math.log2(n))) if n > 0 else 0
