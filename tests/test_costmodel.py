@@ -352,5 +352,12 @@ def test_auto_with_a_given_link_chooses_on_it_without_measuring():
     assert all(r == {"big": want} for r in results) and want != "none"
     assert comps[0].options() != AutoCompressor("onebit_ef").options()
     assert comps[0].options() == AutoCompressor("onebit_ef", link=_link(1e8, 1e-3)).options()
-    with pytest.raises(TypeError, match="LinkModel"):
+    with pytest.raises(ValueError, match="LinkModel"):
         AutoCompressor(link=1e9)
+    # A handle's config (Keras get_config) is JSON and rebuilds the same compressor.
+    import json
+    from hvd_quant.torch import Compression
+    handle = Compression.get("auto", family="onebit_ef", link=link)
+    config = json.loads(json.dumps(handle.config()))
+    again = Compression.get(config["name"], seed=config["seed"], **config["options"])
+    assert again.core.options() == handle.core.options() == comps[0].options()

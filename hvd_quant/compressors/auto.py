@@ -95,7 +95,7 @@ class AutoCompressor(Compressor):
     Parameters
     ----------
     family : "onebit_ef", "unbiased" or "any" (default)
-    link : :class:`~hvd_quant.core.costmodel.LinkModel`, optional
+    link : :class:`~hvd_quant.core.costmodel.LinkModel` (or a dict of its fields), optional
         The link to choose on instead of measuring it; every rank must pass equal
         figures (they are part of :meth:`options`, which the ranks compare).
     """
@@ -107,8 +107,10 @@ class AutoCompressor(Compressor):
     def __init__(self, family="any", link=None):
         if family not in FAMILIES:
             raise ValueError(f"auto: family must be one of {', '.join(map(repr, FAMILIES))}, got {family!r}")
+        if isinstance(link, dict):  # a handle's config() (Keras get_config) gives its fields
+            link = costmodel.LinkModel(**link)
         if link is not None and not isinstance(link, costmodel.LinkModel):
-            raise TypeError(f"auto: link must be a hvd_quant.core.costmodel.LinkModel, got {type(link).__name__}")
+            raise ValueError(f"auto: link must be a hvd_quant.core.costmodel.LinkModel, got {type(link).__name__}")
         self.family, self.link = family, link
         self.candidates = FAMILIES[family]
         from ..registry import get  # the registry imports this module

@@ -30,6 +30,7 @@ one created (TensorFlow refuses to create variables again). Configuration is wha
 is: two equal ones used by the same owner are the same reduction.
 """
 
+import dataclasses
 import itertools
 import weakref
 
@@ -100,8 +101,11 @@ class CompressorHandle:
 
     def config(self):
         """``{"name", "options", "seed"}``: enough to rebuild an equal handle with
-        ``Compression.get(name, seed=seed, **options)`` (Keras ``get_config``)."""
-        return {"name": self.name, "options": dict(self._options), "seed": self.seed}
+        ``Compression.get(name, seed=seed, **options)`` (Keras ``get_config``). Options
+        given as dataclasses (``auto``'s ``link``) appear as dicts of their fields, so
+        that the config serialises to JSON; the compressors take them back as dicts."""
+        options = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in self._options.items()}
+        return {"name": self.name, "options": options, "seed": self.seed}
 
     def make_runner(self, make_variable=None, strict=None, device=None):
         """A new runner (fresh state and random streams) for a new owner; ``strict``: see
