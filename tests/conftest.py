@@ -85,6 +85,9 @@ def pytest_collection_finish(session):
     are mostly process start-up (one core each), so it runs in the other core's idle time
     while the single-process tests run; its test then only collects the result."""
     global _docs_check
+    import horovod_launch
+    horovod_launch.MPI_JOBS_SELECTED = (any(item.get_closest_marker("mpi") for item in session.items)
+                                        and horovod_launch.mpi_problem() is None)
     if session.config.option.collectonly:
         return
     if _early_docs_check(session.items):

@@ -31,11 +31,15 @@ class JobTimeout(AssertionError):
     pass
 
 
-def horovod_env(extra=None, launcher="gloo"):
+def horovod_env(extra=None, launcher="gloo", np_=None):
     env = dict(os.environ)
     if launcher != "gloo":
         for var in _CONTROLLER_VARS:
             env.pop(var, None)
+        if np_ is not None and np_ > (os.cpu_count() or 1):
+            # More ranks than CPUs, which OpenMPI cannot tell from -H localhost:N: without
+            # this its ranks poll without yielding (hvd_quant.cluster.mpi.mpi_env does the same).
+            env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     env.update({
         "TF_CPP_MIN_LOG_LEVEL": "3",
         "HOROVOD_GLOO_TIMEOUT_SECONDS": env.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "60"),
@@ -105,7 +109,7 @@ def run_horovod(script, np_, args=(), timeout=300, env=None, check=True, launche
     cmd = [*launch_command(launcher, np_), str(BIN / "python"), str(script), *map(str, args)]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=horovod_env(env, launcher), start_new_session=True)
+                            env=horovod_env(env, launcher, np_), start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -198,6 +202,28 @@ MPI_WORKER = HERE / "mp" / "mpi_worker.py"
 #: How each framework's MPI job is launched: both ways users launch under MPI are covered.
 MPI_LAUNCHER = {"torch": "mpirun", "tf": "mpi"}
 _mpi_jobs = {}
+
+
+#: Set by tests/conftest.py when collection ends: this session runs the MPI jobs (tests
+#: marked ``mpi`` are selected, and MPI can run here).
+MPI_JOBS_SELECTED = False
+
+
+def skip_gloo_twin(framework, np_):
+    """Skip a Gloo job whose every check this session's MPI job of the same framework and
+    rank count runs (tests/mp/mpi_worker.py: worker.py and the optimizer worker).
+
+    The full tier, where MPI is installed (CI), then runs those checks once, under MPI,
+    instead of twice: the MPI jobs cost about what the Gloo jobs they replace cost. Gloo
+    still runs every compressor and optimizer in the full tier's other jobs (the awkward
+    inputs' sweep at 2 and 3 ranks, Keras, mixed precision, the failure bounds), and the
+    quick tier, which never selects the MPI jobs, runs these under Gloo. ``-m "not mpi"``
+    runs them under Gloo in any session.
+    """
+    import pytest
+    if MPI_JOBS_SELECTED:
+        pytest.skip(f"the MPI job of {framework} at {np_} ranks runs these checks in this session "
+                    "(-m 'not mpi' runs them under Gloo)")
 
 
 #: An MPI job runs two workers, each given up to 600 s in its own Gloo job.

@@ -134,7 +134,16 @@ def test_mpi_launch_stays_on_the_cluster_links_and_keeps_rank_labels(monkeypatch
     assert agent.endswith("-m hvd_quant.cluster.mpi_agent --host=h0@hvdqc-abcdef-h0@0 --host=h1@hvdqc-abcdef-h1@1")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "--allow-run-as-root" not in mpi.mpirun_command(fake, ["python", "x.py"])
-    assert mpi.mpi_env(fake, {"EXTRA": "2"}) == {"KEEP": "1", "EXTRA": "2"}
+    # Two ranks per one-CPU host: OpenMPI is told to yield while it waits, unless the user said.
+    assert mpi.mpi_env(fake, {"EXTRA": "2"}) == {"KEEP": "1", "EXTRA": "2", "OMPI_MCA_mpi_yield_when_idle": "1"}
+    monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "0")
+    assert mpi.mpi_env(SimpleNamespace(**{**vars(fake), "rank_env": lambda rank: dict(os.environ)}))[
+        "OMPI_MCA_mpi_yield_when_idle"] == "0"
+    for slots, cpus, size, expected in [(1, [[0], [1]], 2, False), (2, [[0, 1], [2, 3]], 4, False),
+                                        (1, [[0, 1], [0, 1]], 2, True), (3, [[0, 1]], 3, True),
+                                        (1, None, os.cpu_count() + 1, True), (1, None, 1, False)]:
+        layout = SimpleNamespace(slots=slots, host_cpus=cpus, size=size)
+        assert mpi.oversubscribed(layout) is expected, (slots, cpus, size)
     labels = ["r0@h0", "r1@h0", "r2@h1", "r3@h1"]
     assert mpi.retag("[mpirun] [1,2]<stdout>:loss 0.5", labels) == ["[r2@h1] loss 0.5"]
     assert mpi.retag("[mpirun] [1,0]<stdout>:a[1,3]<stderr>:b[1,3]<stdout>:", labels) == ["[r0@h0] a", "[r3@h1] b"]
