@@ -212,12 +212,15 @@ def test_scale_warning_names_the_flat_methods_once_on_rank_zero(caplog):
     assert scale_check.excess("ef_sign", d, 30) is None       # (n-1)/8 vs 2 (n-1)/n * 4: n/64
     assert scale_check.excess("ef_sign", d, 40) is not None
     assert scale_check.excess("onebit", d, 1024) is None      # flat in bytes
+    for baseline in ("none", "fp16"):                          # fp32 (fp16) itself: nothing to lose
+        assert all(scale_check.excess(baseline, d, n) is None for n in (2, 16, 1024))
     owner = Owner()
     with caplog.at_level("WARNING", logger="hvd_quant"):
         text = scale_check.warn_once(owner, "ef_sign", _FakeComm(0, 64), d)
         assert scale_check.warn_once(owner, "ef_sign", _FakeComm(0, 64), d) is None  # once per owner
         assert scale_check.warn_once(Owner(), "ef_sign", _FakeComm(3, 64), d) is None  # rank 0 only
         assert scale_check.warn_once(Owner(), "marsit", _FakeComm(0, 64), d) is None  # flat
+        assert scale_check.warn_once(Owner(), "none", _FakeComm(0, 16), d) is None  # the baseline
     assert len(caplog.records) == 1 and caplog.records[0].getMessage() == text
     assert "ef_sign sends" in text and "at 64 ranks" in text
     flat = text.split("stay flat here: ")[1]
