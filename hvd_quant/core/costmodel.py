@@ -415,13 +415,19 @@ def predict(method, numel, world_size, link, ranks_per_node=None, segments=1, bu
             "bytes": nbytes, "collectives": count}
 
 
+#: The baselines: a ring allreduce of fp32 or fp16 compresses nothing, so it neither counts
+#: as a method that stays flat nor gets the scale warning (:mod:`hvd_quant.core.scale_check`).
+UNCOMPRESSED = ("none", "fp16", "horovod_fp32")
+
+
 def flat_methods(world_size, numel, ranks_per_node=None, candidates=COMPRESSORS + OPTIMIZERS):
     """The methods whose bytes per rank at ``world_size`` stay at most half of an fp32 ring
-    allreduce's: the ones whose wire does not grow with ``n`` (for :func:`scale_warning`)."""
+    allreduce's: the ones whose wire does not grow with ``n`` (named by
+    :mod:`hvd_quant.core.scale_check`'s warning)."""
     ref = fp32_ring_bytes(numel, world_size)
     out = []
     for m in candidates:
-        if m in ("none", "fp16"):
+        if m in UNCOMPRESSED:
             continue
         try:
             b = wire_bytes(collectives(m, numel, world_size, ranks_per_node))

@@ -21,16 +21,14 @@ THRESHOLD = 0.5
 
 _DONE_ATTR = "_hvd_quant_scale_checked"
 
-#: The baselines themselves: a ring allreduce of fp32 or fp16 has no compression to lose as
-#: ranks grow (``none`` sends exactly fp32's bytes at every world size, ``fp16`` half).
-UNCOMPRESSED = ("none", "fp16", "horovod_fp32")
-
 
 def excess(method, numel, world_size, ranks_per_node=None, options=None):
     """``(bytes per rank, fp32 ring bytes per rank)`` when ``method`` sends more than
     :data:`THRESHOLD` of an fp32 ring allreduce for ``numel`` elements at ``world_size``
     ranks, else ``None`` (also for methods the cost model does not know)."""
-    if world_size < 2 or numel < 1 or method in UNCOMPRESSED:
+    # The baselines have no compression to lose as ranks grow (``none`` sends exactly
+    # fp32's bytes at every world size, ``fp16`` half).
+    if world_size < 2 or numel < 1 or method in costmodel.UNCOMPRESSED:
         return None
     try:
         sent = costmodel.wire_bytes(costmodel.collectives(method, numel, world_size, ranks_per_node,
