@@ -121,7 +121,7 @@ def test_mpi_launch_stays_on_the_cluster_links_and_keeps_rank_labels(monkeypatch
     from hvd_quant.cluster import mpi
 
     hosts = [netns.Host(i, f"h{i}", f"hvdqc-abcdef-h{i}", f"10.9.9.{i + 1}", f"p{i}") for i in range(2)]
-    fake = SimpleNamespace(hosts=hosts, slots=2, size=4, host_cpus=[[0], [1]],
+    fake = SimpleNamespace(hosts=hosts, slots=2, size=4, host_cpus=[[0], [1]], ranks_outnumber_cpus=lambda: True,
                            rank_env=lambda rank: {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_RANK": "0", "RANK": "0",
                                                   "PYTHONUNBUFFERED": "1", "KEEP": "1"})
     monkeypatch.setattr(os, "geteuid", lambda: 0)
@@ -139,11 +139,12 @@ def test_mpi_launch_stays_on_the_cluster_links_and_keeps_rank_labels(monkeypatch
     monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "0")
     assert mpi.mpi_env(SimpleNamespace(**{**vars(fake), "rank_env": lambda rank: dict(os.environ)}))[
         "OMPI_MCA_mpi_yield_when_idle"] == "0"
-    for slots, cpus, size, expected in [(1, [[0], [1]], 2, False), (2, [[0, 1], [2, 3]], 4, False),
-                                        (1, [[0, 1], [0, 1]], 2, True), (3, [[0, 1]], 3, True),
-                                        (1, None, os.cpu_count() + 1, True), (1, None, 1, False)]:
-        layout = SimpleNamespace(slots=slots, host_cpus=cpus, size=size)
-        assert mpi.oversubscribed(layout) is expected, (slots, cpus, size)
+    mine = len(os.sched_getaffinity(0))
+    for hosts_, slots, cpus, expected in [(2, 1, [[0], [1]], False), (2, 2, [[0, 1], [2, 3]], False),
+                                          (2, 1, [[0, 1], [0, 1]], True), (1, 3, [[0, 1]], True),
+                                          (1, mine + 1, "shared", True), (1, 1, "shared", False)]:
+        layout = EmulatedCluster(hosts=hosts_, slots=slots, cpus=cpus)  # no namespaces until started
+        assert layout.ranks_outnumber_cpus() is expected, (hosts_, slots, cpus)
     labels = ["r0@h0", "r1@h0", "r2@h1", "r3@h1"]
     assert mpi.retag("[mpirun] [1,2]<stdout>:loss 0.5", labels) == ["[r2@h1] loss 0.5"]
     assert mpi.retag("[mpirun] [1,0]<stdout>:a[1,3]<stderr>:b[1,3]<stdout>:", labels) == ["[r0@h0] a", "[r3@h1] b"]

@@ -258,6 +258,14 @@ class EmulatedCluster:
         cpus = [c for host in self.host_cpus for c in host]
         return len(cpus) != len(set(cpus))
 
+    def ranks_outnumber_cpus(self):
+        """True when some CPU runs more than one rank: hosts share CPUs, or a host has more
+        slots than CPUs (every host on every CPU: more ranks than CPUs). OpenMPI must then
+        be told to yield while it waits (:func:`hvd_quant.cluster.mpi.mpi_env`)."""
+        if self.host_cpus is None:
+            return self.size > len(os.sched_getaffinity(0))
+        return self.cpus_shared_by_hosts() or any(self.slots > len(host) for host in self.host_cpus)
+
     def rank_env(self, rank, horovod_rendezvous_port=None, extra=None):
         """The environment of ``rank``: this process's, plus torch.distributed's and (when a
         rendezvous port is given) Horovod's Gloo variables, plus ``extra``."""

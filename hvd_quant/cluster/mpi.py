@@ -96,7 +96,7 @@ def mpi_env(cluster, extra=None):
     # Ranks write to a pseudo-terminal under mpirun, so Python buffers their output by line;
     # unbuffered, each print would be two writes, two tags and a torn line.
     env.pop("PYTHONUNBUFFERED", None)
-    if oversubscribed(cluster) and "OMPI_MCA_mpi_yield_when_idle" not in env:
+    if cluster.ranks_outnumber_cpus() and "OMPI_MCA_mpi_yield_when_idle" not in env:
         # OpenMPI polls for messages without yielding unless it sees more ranks than slots,
         # and it trusts the slots given with -H: where a host's ranks outnumber its CPUs,
         # a polling rank takes the CPU its peer needs to send (3 ranks on 2 CPUs: the
@@ -104,15 +104,6 @@ def mpi_env(cluster, extra=None):
         env["OMPI_MCA_mpi_yield_when_idle"] = "1"
     env.update(extra or {})
     return env
-
-
-def oversubscribed(cluster):
-    """Whether some CPU runs more than one rank: hosts share CPUs, or a host has more
-    slots than CPUs (without CPU sets: more ranks than this machine's CPUs)."""
-    if cluster.host_cpus is None:
-        return cluster.size > (os.cpu_count() or 1)
-    cpus = [c for host in cluster.host_cpus for c in host]
-    return len(cpus) != len(set(cpus)) or any(cluster.slots > len(host) for host in cluster.host_cpus)
 
 
 class _Retag:
