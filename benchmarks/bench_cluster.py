@@ -255,8 +255,9 @@ def plot_scaling(runs, path):
     rates = sorted({r["rate_bps"] for r in mine})
     if not rates:
         return False
-    fig, axes = plt.subplots(1, len(rates), figsize=(6.0 * len(rates), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(rates), figsize=(6.0 * len(rates) + 1.8, 4.8), squeeze=False)
     markers = "os^vD<>ph*xP+Xd1234"
+    colors = plt.get_cmap("tab20").colors  # a dozen methods: tab10's colours would repeat
     for ax, rate in zip(axes[0], rates):
         at = sorted((r for r in mine if r["rate_bps"] == rate), key=layout_key)
         names = []
@@ -269,16 +270,21 @@ def plot_scaling(runs, path):
                        and r["summary"]["methods"][name]["speedup_vs_horovod_fp32"]]
                 if pts:
                     ax.plot(*zip(*pts), marker=markers[i % len(markers)], linestyle=style,
-                            color=f"C{i % 10}", label=name if slots == 1 else None)
+                            color=colors[(2 * i) % 20 + (2 * i) // 20], label=name if slots == 1 else None)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("ranks (dotted: 2 ranks per host)")
+        ax.set_xlabel("ranks (dotted, or a lone marker: 2 ranks per host)")
         ax.set_ylabel("speed-up vs Horovod fp32 (step)")
         ax.set_title(f"scaling model, {format_rate(rate)}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    # one legend beside the panels, where it hides no point
+    legend = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

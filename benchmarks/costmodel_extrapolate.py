@@ -90,11 +90,19 @@ def crossover(method, shapes, link, ranks_per_node=None):
     return None, "faster everywhere" if first else "slower everywhere"
 
 
-def links(calibration, message_s, horovod_s, memory_bps, flops):
+def links(calibration, message_s, horovod_s, memory_bps, flops, shares_from=""):
+    """The assumed link at every rate of :data:`RATES`, with the calibration's shares of the
+    link rate: those of rate ``shares_from`` (e.g. ``"100mbit"``), or the median over its
+    rates."""
     eff = None
     if calibration:
+        models = calibration["models"]
+        if shares_from:
+            if shares_from not in models:
+                raise SystemExit(f"--shares-from: the calibration has {', '.join(models)}, not {shares_from!r}")
+            models = {shares_from: models[shares_from]}
         effs = {}
-        for m in calibration["models"].values():
+        for m in models.values():
             for k, v in m["efficiency"].items():
                 effs.setdefault(k, []).append(v)
         eff = {k: statistics.median(v) for k, v in effs.items()} or None
@@ -104,7 +112,7 @@ def links(calibration, message_s, horovod_s, memory_bps, flops):
 def run(args):
     calibration = json.loads(Path(args.calibration).read_text()) if args.calibration else None
     link_of = links(calibration, args.message_us * 1e-6, args.horovod_ms * 1e-3, args.memory_gbps * 1e9,
-                    args.gflops * 1e9)
+                    args.gflops * 1e9, args.shares_from)
     k = args.ranks_per_node if args.ranks_per_node > 1 else None
     out = {"assumptions": {f"{r / 1e9:g}gbit":
                            link_of[r].to_dict() for r in RATES},
@@ -132,8 +140,9 @@ def markdown(result, args):
              f"negotiation per collective, {args.memory_gbps:g} GB/s memory, "
              f"{args.gflops:g} GFLOP/s for PowerSGD's products, "
              f"{result['ranks_per_node']} rank(s) per host; the shares of the link rate per kind "
-             + ("as calibrated on the emulated links." if args.calibration else
-                "measured on the emulated links in phase 1 (costmodel.EMULATED_EFFICIENCY).")
+             + (f"as calibrated on the emulated links ({args.shares_from or 'median over the calibrated rates'})."
+                if args.calibration else
+                "measured on the emulated links (costmodel.EMULATED_EFFICIENCY).")
              + " Compute excluded (the same for every method).", ""]
     for model, m in result["models"].items():
         lines += [f"### {model} parameters ({m['parameters']:,} in {m['tensors']} tensors)", ""]
@@ -196,6 +205,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calibration", default="", help="calibration.json (its shares of the link rate)")
+    p.add_argument("--shares-from", default="",
+                   help="take the shares of the link rate from this calibrated rate only, e.g. 100mbit: where "
+                        "the wire, not the CPUs, bounds the calibration's collectives (default: the median "
+                        "over every calibrated rate)")
     p.add_argument("--message-us", type=float, default=25.0, help="assumed latency of one Gloo message")
     p.add_argument("--horovod-ms", type=float, default=1.0, help="assumed Horovod negotiation per collective")
     p.add_argument("--memory-gbps", type=float, default=20.0, help="assumed memory bandwidth per rank")

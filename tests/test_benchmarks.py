@@ -453,3 +453,22 @@ def test_gpu_training_job_on_the_cpu(tmp_path):
     assert all(f"| {m} |" in report for m in methods + ["ddp_powersgd", "horovod_fp32"])
     assert "1-bit methods faster than both" in report
     assert "2 ranks:" in (out / "gpu_train.log").read_text()
+
+
+def test_extrapolation_takes_the_shares_of_one_calibrated_rate():
+    """``--shares-from RATE`` takes the shares of the link rate calibrated at that rate only
+    (phase 2 of issue 42: at 1 Gbit/s 16 ranks on 2 cores could not fill the link, so its
+    shares measure the CPUs); without it, the median over the calibrated rates; an unknown
+    rate is an error that names the ones there are."""
+    import costmodel_extrapolate as ex
+
+    calibration = {"models": {
+        "100mbit": {"efficiency": {"allreduce": 0.97, "allgather": 0.84, "alltoall": 0.57, "sendrecv": 0.79}},
+        "1gbit": {"efficiency": {"allreduce": 0.51, "allgather": 0.80, "alltoall": 0.57, "sendrecv": 0.73}}}}
+    one = ex.links(calibration, 25e-6, 1e-3, 20e9, 50e9, "100mbit")
+    both = ex.links(calibration, 25e-6, 1e-3, 20e9, 50e9)
+    for rate in ex.RATES:
+        assert one[rate].efficiency == calibration["models"]["100mbit"]["efficiency"]
+        assert both[rate].efficiency["allreduce"] == pytest.approx(0.74)
+    with pytest.raises(SystemExit, match="100mbit, 1gbit"):
+        ex.links(calibration, 25e-6, 1e-3, 20e9, 50e9, "10gbit")
