@@ -257,7 +257,8 @@ def plot_scaling(runs, path):
         return False
     fig, axes = plt.subplots(1, len(rates), figsize=(6.0 * len(rates) + 1.8, 4.8), squeeze=False)
     markers = "os^vD<>ph*xP+Xd1234"
-    colors = plt.get_cmap("tab20").colors  # a dozen methods: tab10's colours would repeat
+    # A dozen methods: tab10's colours would repeat. tab20's dark shades first, then its light.
+    colors = plt.get_cmap("tab20").colors
     for ax, rate in zip(axes[0], rates):
         at = sorted((r for r in mine if r["rate_bps"] == rate), key=layout_key)
         names = []

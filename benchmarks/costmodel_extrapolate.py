@@ -1,7 +1,7 @@
 """Extrapolate the cost model on paper: which method wins where, out to 1,024 ranks.
 
     .venv/bin/python benchmarks/costmodel_extrapolate.py --out-dir benchmarks/results/extrapolation \\
-        [--calibration benchmarks/results/calibration/calibration.json]
+        [--calibration benchmarks/results/calibration/calibration.json [--shares-from 100mbit]]
 
 For a 124M-parameter model (GPT-2 small's tensors) and a 1.3B-parameter one (24 layers of
 width 2048), at 1, 10 and 100 Gbit/s, the predicted time per step of each method's
@@ -12,7 +12,8 @@ same for every method, so it moves no crossover. Link figures: real hosts, one r
 (:meth:`~hvd_quant.core.costmodel.LinkModel.datacenter`: assumed per-message and
 per-collective latencies, a per-rank memory bandwidth; the shares of the link rate each
 collective kind reaches as calibrated on the emulated links when ``--calibration`` is
-given). These are predictions, not measurements: the assumptions are printed with them.
+given: the median over its rates, or those of one rate with ``--shares-from``, where the
+wire rather than the emulating machine's CPUs bounded the calibration). These are predictions, not measurements: the assumptions are printed with them.
 
 Output: ``extrapolation.md`` (per model and rate, the predicted ms at 64, 256 and 1,024
 ranks, the winner, and every method's crossover ``n``: the first number of ranks from
