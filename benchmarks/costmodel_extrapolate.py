@@ -13,7 +13,8 @@ same for every method, so it moves no crossover. Link figures: real hosts, one r
 per-collective latencies, a per-rank memory bandwidth; the shares of the link rate each
 collective kind reaches as calibrated on the emulated links when ``--calibration`` is
 given: the median over its rates, or those of one rate with ``--shares-from``, where the
-wire rather than the emulating machine's CPUs bounded the calibration). These are predictions, not measurements: the assumptions are printed with them.
+wire rather than the emulating machine's CPUs bounded the calibration). These are
+predictions, not measurements: the assumptions are printed with them.
 
 Output: ``extrapolation.md`` (per model and rate, the predicted ms at 64, 256 and 1,024
 ranks, the winner, and every method's crossover ``n``: the first number of ranks from
