@@ -35,6 +35,13 @@
 #      after hvd.shutdown() can read a peer's old address and abort (gloo Connect timeout;
 #      upstream's own test_horovod_reinit flakes so, horovod PR #2839). We clear that
 #      scope's list only (docs/guide/failure.md, "Recovery after an error").
+#   6. Only with HVD_QUANT_HOROVOD_CUDA=0 (scripts/gpu_train_check.sh sets it): a CUDA build
+#      of torch makes the torch library add Horovod's CUDA parts (horovod/torch/CMakeLists.txt
+#      calls add_cuda() when cmake/Modules/FindPytorch.cmake finds torch.version.cuda and a
+#      CUDA_HOME), compiled by nvcc for every architecture it knows, in C++11. We make that
+#      probe say no CUDA: a CPU-operations Horovod, which is all hvd_quant's staged wire
+#      needs (GPU tensors then go to Horovod through pinned host buffers), built in a
+#      fraction of the time and without depending on the machine's CUDA toolkit.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -51,6 +58,11 @@ case ${HVD_QUANT_HOROVOD_MPI:-auto} in
     *) echo "[build_horovod] HVD_QUANT_HOROVOD_MPI must be auto, 0 or 1, not '$HVD_QUANT_HOROVOD_MPI'" >&2; exit 2 ;;
 esac
 if [ "$with_mpi" = 1 ]; then controllers="Gloo, MPI"; key=gloo-mpi; else controllers=Gloo; key=gloo; fi
+case ${HVD_QUANT_HOROVOD_CUDA:-auto} in
+    auto) no_cuda=0 ;;
+    0) no_cuda=1; key=$key-nocuda ;;
+    *) echo "[build_horovod] HVD_QUANT_HOROVOD_CUDA must be auto or 0, not '$HVD_QUANT_HOROVOD_CUDA'" >&2; exit 2 ;;
+esac
 if [ "${1:-}" = --controllers ]; then
     echo "$controllers"
     exit 0
@@ -105,6 +117,15 @@ else
     # Fix 5: the rendezvous server clears the finished scope's list, not every scope's.
     sed -i 's/self\.server\.finished_list\.clear()/self.server.finished_list[scope].clear()/' \
         "$src/horovod/runner/http/http_server.py"
+    # Fix 6 (opt-in): the torch probe reports no CUDA.
+    if [ "$no_cuda" = 1 ]; then
+        sed -i 's/print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)/print(False)/' \
+            "$src/cmake/Modules/FindPytorch.cmake"
+        if grep -qF "torch.version.cuda is not None" "$src/cmake/Modules/FindPytorch.cmake"; then
+            echo "[build_horovod] patch did not apply: the CUDA probe is still in cmake/Modules/FindPytorch.cmake" >&2
+            exit 1
+        fi
+    fi
     for check in "CMAKE_CXX_STANDARD 14:$src/CMakeLists.txt" \
                  "CMAKE_CXX_STANDARD 14:$src/horovod/torch/CMakeLists.txt" \
                  "-std=c++11 -fPIC:$src/third_party/gloo/CMakeLists.txt" \
