@@ -42,6 +42,11 @@
 #      probe say no CUDA: a CPU-operations Horovod, which is all hvd_quant's staged wire
 #      needs (GPU tensors then go to Horovod through pinned host buffers), built in a
 #      fraction of the time and without depending on the machine's CUDA toolkit.
+#   7. GCC 13 (the GPU machine's /opt/gcc) no longer includes <string> and <stdexcept>
+#      through other standard headers, which horovod/common/group_table.h and common.h
+#      rely on ("'string' in namespace 'std' does not name a type", "'logic_error' is not
+#      a member of 'std'"). We force-include them, and <cstdint>, the other header GCC 13
+#      stopped pulling in, into every C++ file (CXXFLAGS); nothing changes for GCC 12.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -146,6 +151,8 @@ else
         [ "$with_tf" = 1 ] || export HOROVOD_WITHOUT_TENSORFLOW=1
         export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
                HOROVOD_WITHOUT_MXNET=1 CMAKE_POLICY_VERSION_MINIMUM=3.5 MAKEFLAGS=-j"$(nproc)"
+        # Fix 7: GCC 13's missing transitive includes.
+        export CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept"
         unset HOROVOD_WITH_MPI HOROVOD_WITHOUT_MPI HOROVOD_CPU_OPERATIONS
         if [ "$with_mpi" = 1 ]; then
             # CPU operations default to MPI (Horovod's own default when it has MPI): see the top.

@@ -61,7 +61,7 @@ fi
 # Step names and their time limits (seconds), in order; train's is set when it starts.
 STEPS=(prepare tests bench train)
 declare -A LIMIT=([prepare]=120 [tests]=150 [bench]=140 [train]=150)
-BUDGET=480
+BUDGET=${HVD_QUANT_GPU_CHECK_S:-480}  # seconds for every step together (the train step gets what is left)
 # The benchmark stops timing the (slow) host path after this many seconds, to end in its limit.
 BENCH_HOST_BUDGET=90
 
@@ -129,12 +129,20 @@ print(f'Triton part $part: {n} calls compiled in {time.perf_counter() - t:.0f} s
 building() { [ -n "${BUILD_PID:-}" ] && kill -0 "$BUILD_PID" 2>/dev/null; }
 export -f building
 
+# The Horovod stand-in's folder for PYTHONPATH (with a colon), or nothing where horovod.torch
+# imports. While Horovod is being built and installed beside a step, the stand-in, so that
+# nothing imports a half-installed package.
+standin() {
+    if building || ! "$PYTHON" -c "import horovod.torch" >/dev/null 2>&1; then
+        say "no horovod.torch here (yet): the stand-in of tests/gpu_standin" >&2
+        echo "$root/tests/gpu_standin:"
+    fi
+}
+export -f standin
+
 step_tests() {
-    local standin=""
-    # While Horovod is being built and installed beside this step, the stand-in, so that no
-    # test imports a half-installed package.
-    if building || ! "$PYTHON" -c "import horovod.torch" >/dev/null 2>&1; then standin="$root/tests/gpu_standin:"; fi
-    [ -n "$standin" ] && say "no horovod.torch here: the stand-in of tests/gpu_standin"
+    local standin
+    standin=$(standin)
     PYTHONPATH="$standin$PYTHONPATH" "$PYTHON" -m pytest tests/test_cuda.py -q -rfEs -p no:cacheprovider \
         --timeout=120 --junitxml="$out/tests.xml" -o junit_family=xunit2
     local rc=$?
@@ -149,7 +157,8 @@ step_bench() {
     if [ "$cpu" = 1 ]; then
         "$PYTHON" benchmarks/bench_gpu.py --interpret --layouts 1 --repeats 1 --host-repeats 1 --out "$out"
     else
-        "$PYTHON" benchmarks/bench_gpu.py --repeats 10 --host-repeats 1 --budget-s "$BENCH_HOST_BUDGET" --out "$out"
+        PYTHONPATH="$(standin)$PYTHONPATH" "$PYTHON" benchmarks/bench_gpu.py --repeats 10 --host-repeats 1 \
+            --budget-s "$BENCH_HOST_BUDGET" --out "$out"
     fi
 }
 step_train() {

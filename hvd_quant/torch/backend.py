@@ -36,6 +36,16 @@ class TorchBackend(Backend):
             return torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype], device=self.device).reshape(-1)
         return to_device(torch.as_tensor(np.asarray(values), dtype=_DTYPES[dtype]).reshape(-1), self.device)
 
+    def divide(self, x, c):
+        # On a GPU, torch divides by a Python number as a multiplication by its reciprocal
+        # (its CUDA division kernel takes that shortcut for a CPU scalar), one rounding off
+        # the oracle's true division (seen on an H200: Global-QSGD's decode factor
+        # scale / (levels * n), 1-2 ulp). A divisor on the device makes it a true IEEE
+        # division; torch.full launches a fill with the number as its argument, no copy.
+        if x.device.type != "cpu" and not torch.is_tensor(c) and not isinstance(c, np.ndarray):
+            c = torch.full((), c, dtype=x.dtype, device=x.device)
+        return super().divide(x, c)
+
     def cast(self, x, dtype):
         return x.to(_DTYPES[dtype])
 

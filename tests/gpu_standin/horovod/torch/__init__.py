@@ -21,6 +21,14 @@ class DistributedOptimizer:  # only ever compared against
     pass
 
 
+class Compression:  # Horovod's own compressors; hvd_quant's optimizer adopts these two
+    class none:
+        pass
+
+    class fp16:
+        pass
+
+
 def _absent(*_args, **_kwargs):
     raise RuntimeError("horovod stand-in: no collectives on this machine")
 
