@@ -291,6 +291,44 @@ def method_runs(name, backend, device, counts, host):
     return lambda: runner.reduce(grad, comm, "g", segments, out=out)
 
 
+def profile_method(name, backend, device, counts, calls=3, top=8):
+    """Where one step of ``name`` spends its time: torch's profiler over ``calls`` steps, the
+    kernels (on the CPU, under ``--interpret``: the operators) by their own time per step,
+    the ``top`` largest first, and their total beside the step's wall time (the rest is the
+    host: Python, launches, waits)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    run = method_runs(name, backend, device, counts, False)
+    cuda = device.type == "cuda"
+    run()
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            run()
+        if cuda:
+            torch.cuda.synchronize()
+    wall_us = 1e6 * (time.perf_counter() - t0) / calls
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            us = e.self_cuda_time_total if us is None else us
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            rows.append({"kernel": e.key, "calls": e.count / calls, "us": us / calls})
+    rows.sort(key=lambda r: -r["us"])
+    busy = sum(r["us"] for r in rows)
+    return {"method": name, "wall_us": wall_us, "kernels_us": busy, "kernel_count": sum(r["calls"] for r in rows),
+            "top": rows[:top], "under_profiler": True}
+
+
 def deepspeed_cupy_onebit(device, d):
     """DeepSpeed's 1-bit compressed allreduce at one rank, its GPU recipe written from its
     description (``runtime/comm/nccl.py``, ``runtime/compression/cupy.py``): the worker
@@ -447,6 +485,13 @@ def run_layout(label, shapes, device, args, clock, deadline, log):
         result["methods"].append(row)
         log(f"  {name:22s} {row['ms']:9.3f} ms  generic {row['generic_ms']:9.3f} ms  host {_fmt(row['host_ms'])} ms")
 
+    result["profiles"] = []
+    for name in args.profile:
+        prof = profile_method(name, fast, device, counts)
+        result["profiles"].append(prof)
+        log(f"  profile {name}: {prof['kernels_us']:.0f} us in {prof['kernel_count']:.0f} kernels per step, "
+            f"{prof['wall_us']:.0f} us of wall time under the profiler")
+
     step, why = deepspeed_cupy_onebit(device, d)
     if step is None:
         result["others"].append({"name": "DeepSpeed 1-bit, CuPy recipe", "ms": None, "skipped": why})
@@ -533,6 +578,15 @@ def markdown(report):
                          f"{_ratio(r.get('host_ms'), r['ms'])} |")
         for r in res["others"]:
             lines.append(f"| {r['name']} | {_fmt(r['ms'])} | | | {r.get('skipped', '')} |")
+        for prof in res.get("profiles", []):
+            lines += ["", f"Where {prof['method']}'s step goes (torch's profiler, per step): "
+                      f"{prof['kernels_us']:.0f} us in {prof['kernel_count']:.0f} kernels, "
+                      f"{prof['wall_us']:.0f} us of wall time (the profiler adds its own); the largest:", "",
+                      "| kernel | calls | us | share of kernel time |", "|---|---:|---:|---:|"]
+            for r in prof["top"]:
+                kernel = r["kernel"] if len(r["kernel"]) <= 70 else r["kernel"][:67] + "..."
+                lines.append(f"| `{kernel}` | {r['calls']:g} | {r['us']:.1f} | "
+                             f"{100 * r['us'] / max(prof['kernels_us'], 1e-9):.0f}% |")
         if res["targets"]:
             lines += ["", "Issue 39's targets (on this gradient):", "", "| target | measured | result |",
                       "|---|---|---|"]
@@ -556,8 +610,14 @@ def main(argv=None):
     p.add_argument("--only", default="", help="comma-separated primitives and methods (default: all)")
     p.add_argument("--layouts", default="",
                    help="comma-separated layout numbers: 0 GPT-2 small, 1 one tensor (default: both)")
+    p.add_argument("--profile", default="",
+                   help="comma-separated methods to run under torch's profiler too (kernels by time)")
     args = p.parse_args(argv)
     args.only = {s for s in args.only.split(",") if s}
+    args.profile = [s for s in args.profile.split(",") if s]
+    unknown = sorted(set(args.profile) - set(METHODS))
+    if unknown:
+        p.error(f"--profile: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     start = time.perf_counter()
 
     def log(msg):

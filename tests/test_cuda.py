@@ -757,11 +757,16 @@ def test_parameters_on_two_devices_are_reduced_through_the_host(monkeypatch, cap
             with caplog.at_level("WARNING", logger="hvd_quant"):
                 results[(split, kind)] = ThreadWorld(2).run(body)
     assert "has parameters on cpu, cuda:0" in caplog.text
+    # Not bit for bit: the GPU's matrix product sums in another order than the CPU's, so the
+    # gradients differ in their last bits, and a 1-bit method can turn that into a flipped
+    # sign for an element near zero (seen on an H200: 10 of 6,144 weights off by up to
+    # 4e-4 relative). A wrong reduction or state on the wrong device moves every element.
     for kind in ("ours", "onebit_adam"):
         for (home, got), (_, want) in zip(results[(True, kind)], results[(False, kind)]):
             assert home.type == "cpu"
             for a, b in zip(got, want):
-                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+                assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), kind
+                assert np.sum(~np.isclose(a, b, rtol=1e-4, atol=1e-5)) <= max(1, a.size // 100), kind
 
 
 def test_a_param_group_on_another_device_is_refused(monkeypatch):

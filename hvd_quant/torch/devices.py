@@ -104,7 +104,7 @@ class BucketStreams:
                 if event is not None:
                     stream.wait_event(event)
                 if p.grad is not None and p.grad.device == self.device:
-                    p.grad.record_stream(stream)
+                    _record_stream(p.grad, stream)
             if not by_hooks and self._round is not None:
                 stream.wait_event(self._round)
             mean = reduce()
@@ -117,7 +117,18 @@ class BucketStreams:
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self._done[gi])
         if torch.is_tensor(mean) and mean.device == self.device:
-            mean.record_stream(current)
+            _record_stream(mean, current)
 
     def end_round(self):
         self._round = None
+
+
+def _record_stream(tensor, stream):
+    """``tensor.record_stream(stream)``, for a sparse tensor on its indices and values:
+    torch has no ``record_stream`` for the SparseCUDA layout (a sparse ``nn.Embedding``'s
+    gradient; seen with torch 2.11), and those two dense tensors are what it reads."""
+    if tensor.is_sparse:
+        tensor._indices().record_stream(stream)
+        tensor._values().record_stream(stream)
+    else:
+        tensor.record_stream(stream)
