@@ -32,4 +32,5 @@ if [ "$tier" = quick ]; then
     exec "$root/.venv/bin/python" -m pytest -m "quick or not (multiprocess or cluster or slow)" "${args[@]}"
 fi
 echo "[test] full tier"
-exec "$root/.venv/bin/python" -m pytest "${args[@]}"
+# The slowest tests, listed at the end: what to look at when the tier nears CI's budget.
+exec "$root/.venv/bin/python" -m pytest --durations=30 "${args[@]}"
