@@ -326,7 +326,7 @@ def profile_method(name, backend, device, counts, calls=3, top=8):
     rows.sort(key=lambda r: -r["us"])
     busy = sum(r["us"] for r in rows)
     return {"method": name, "wall_us": wall_us, "kernels_us": busy, "kernel_count": sum(r["calls"] for r in rows),
-            "top": rows[:top], "under_profiler": True}
+            "top": rows[:top]}
 
 
 def deepspeed_cupy_onebit(device, d):

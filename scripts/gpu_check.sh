@@ -128,9 +128,6 @@ print(f'Triton part $part: {n} calls compiled in {time.perf_counter() - t:.0f} s
     return "$failed"
 }
 
-building() { [ -n "${BUILD_PID:-}" ] && kill -0 "$BUILD_PID" 2>/dev/null; }
-export -f building
-
 # The Horovod stand-in's folder for PYTHONPATH (with a colon) on a GPU: the tests and the
 # benchmark run in one process and issue no collective, so they take the stand-in whether or
 # not, and whenever, this machine's Horovod got built or installed beside them (nothing
@@ -178,17 +175,17 @@ status=0
 start=$SECONDS
 : >"$state"
 # The training step needs Horovod; a bare GPU machine has none, and building it takes minutes
-# of CPU (estimated 3 on 16 cores). So it is built from the start, beside the compiling and
-# the tests (which use few cores), and the benchmark waits for it so its timings see a
-# quiet machine.
+# of CPU (133 s on the H200 machine's 16 cores). So it is built from the start, beside the
+# compiling and the tests (which use few cores), and the benchmark waits for it so that its
+# timings see a quiet machine.
 BUILD_PID=""
+building() { [ -n "$BUILD_PID" ] && kill -0 "$BUILD_PID" 2>/dev/null; }
 if [ "$cpu" = 0 ] && ! "$PYTHON" -c "import horovod.torch" >/dev/null 2>&1; then
     say "no horovod.torch here: installing the carried wheel or building it, in the background (log: train/gpu_train.log, train/horovod-build.log)"
     mkdir -p "$out/train"
     bash scripts/gpu_train_check.sh "$out/train" --build-only >"$out/train/build.out" 2>&1 &
     BUILD_PID=$!
 fi
-export BUILD_PID
 wait_for_build() {  # $1: at most this many seconds
     local t0=$SECONDS
     building || return 0
