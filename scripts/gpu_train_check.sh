@@ -46,7 +46,7 @@ if [ "${1:-}" = --fetch ]; then
     exit 0
 fi
 
-out=${1:?usage: scripts/gpu_train_check.sh OUTDIR [--cpu] [-- job arguments] | --fetch}
+out=${1:?usage: scripts/gpu_train_check.sh OUTDIR [--build-only | --cpu] [-- job arguments] | --fetch}
 shift
 job=(--out "$out")
 build_only=0
