@@ -10,8 +10,8 @@ from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor
                                           MarsitCompressor, MarsitSelect)
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import pack_signs, packed_sign_bytes, unpack_signs
-from hvd_quant.core.ring import (butterfly_allreduce, chunk_bounds, direct_allreduce, ring_allreduce,
-                                 torus_allreduce)
+from hvd_quant.core.ring import (GATHER_EXTRA_BYTES, butterfly_allreduce, chunk_bounds, direct_allreduce,
+                                 ring_allreduce, torus_allreduce)
 from hvd_quant.core.rng import bits_below
 from hvd_quant.core.hierarchical import ranks_per_node_of
 from hvd_quant.core.runner import CompressorRunner, RankDisagreement
@@ -371,7 +371,8 @@ def framework_run(backend, comp, xs_np, seed=0):
 
 def check_framework(backend):
     x = np.random.default_rng(0).standard_normal(D).astype(np.float32)
-    for topology, rows in (("ring", None), ("torus", 2), ("butterfly", None), ("direct", None)):
+    for topology, rows in (("ring", None), ("torus", 2), ("butterfly", None), ("direct", None),
+                           ("gather", None)):
         comp = MarsitCompressor(topology=topology, torus_rows=rows, compensation="global")
         # Same input everywhere: the result must be exactly alpha * sign(x).
         outs, _ = framework_run(backend, comp, [x] * 4)
@@ -385,13 +386,14 @@ def check_framework(backend):
             got = np.concatenate([state[f"{k}/residual"] for k, _ in SEGMENTS])
             np.testing.assert_allclose(got, xs[r] - outs[0], rtol=1e-6, atol=1e-6)
     # The default path (local compensation) on the direct layout, its scales riding in the
-    # alltoall: the numpy oracle's bits.
+    # alltoall, and on the gather layout (auto's choice for this small buffer at 5 ranks),
+    # its scales riding in the allgather: the numpy oracle's bits.
     xs = random_xs(5, 1, seed=4)[0]
-    comp = MarsitCompressor()
-    outs, _ = framework_run(backend, comp, xs)
-    want, _ = framework_run(B, comp, xs)
-    for got, ref in zip(outs, want):
-        np.testing.assert_array_equal(got, ref)
+    for comp in (MarsitCompressor(topology="direct"), MarsitCompressor()):
+        outs, _ = framework_run(backend, comp, xs)
+        want, _ = framework_run(B, comp, xs)
+        for got, ref in zip(outs, want):
+            np.testing.assert_array_equal(got, ref)
 
 
 def test_torch_backend():
@@ -502,18 +504,82 @@ def test_auto_topology_on_uneven_hosts_fails_fast_and_says_why():
 @pytest.mark.parametrize("n,k", [(5, None), (6, 3), (6, 2), (8, 1), (8, 2)])
 def test_auto_topology_is_direct_from_five_ranks(n, k):
     """From 5 ranks on, two collectives whatever the hosts (a ring's or a torus's hops
-    are one Horovod collective each); hosts of uneven sizes then cannot disagree."""
+    are one Horovod collective each), or one allgather for a small buffer; hosts of
+    uneven sizes then cannot disagree."""
     xs = random_xs(n, 1)[0]
     auto, auto_meters = run_on_hosts(MarsitCompressor(), xs, [k] * n)
-    direct, _ = run_on_hosts(MarsitCompressor(topology="direct"), xs, [None] * n)
-    for a, t in zip(auto, direct):
+    gather, _ = run_on_hosts(MarsitCompressor(topology="gather"), xs, [None] * n)
+    for a, t in zip(auto, gather):
         np.testing.assert_array_equal(a, t)
     assert MarsitCompressor().layout(_Layout(n, k)) == "direct"
-    assert CascadingSignCompressor().layout(_Layout(n, k)) == "direct"
-    # One alltoall (the signs, with the scales in it) and one allgather: no scale gather.
+    assert MarsitCompressor().buffer_layout(_Layout(n, k), D, len(SEGMENTS)) == "gather"
+    # Beyond GATHER_EXTRA_BYTES of extra bytes, the direct layout's alltoall and allgather.
+    big = 8 * (GATHER_EXTRA_BYTES // (n - 2) + 1)
+    assert MarsitCompressor().buffer_layout(_Layout(n, k), big) == "direct"
+    assert MarsitCompressor().buffer_layout(_Layout(n, k), big - 8 * 8) == "gather"
+    # Cascading signs exist only hop by hop: never gathered.
+    assert CascadingSignCompressor().buffer_layout(_Layout(n, k), D) == "direct"
+    # One allgather (the signs, with the scales in it): no other collective.
     for meter in auto_meters:
-        assert set(meter.by_kind) == {"alltoall", "allgather"}
+        assert set(meter.by_kind) == {"allgather"}
     run_on_hosts(MarsitCompressor(), random_xs(6, 1)[0], [None] * 4 + [2, None])
+
+
+@pytest.mark.parametrize("n", [2, 3, 6])
+@pytest.mark.parametrize("compensation", ["local", "global", False])
+def test_gather_layout_decodes_the_exact_mean_sign(n, compensation):
+    """topology="gather": every rank gets alpha * mean_r sign(p_r), the value Marsit's
+    selection estimates without bias, bit-identical on every rank; the residual follows
+    its rule."""
+    comp = MarsitCompressor(topology="gather", compensation=compensation)
+    xs = random_xs(n, 2, seed=n)
+    runners = [CompressorRunner(comp, B, seed=1) for _ in range(n)]
+    residual = [np.zeros(D, np.float32) for _ in range(n)]
+    for step in range(2):
+        outs, _, meters = run_compressor(comp, [xs[step]], runners=runners)
+        outs = outs[0]
+        p = [xs[step][r] + residual[r] for r in range(n)]
+        alpha = np.mean([segment_mean_abs(q) for q in p], axis=0)
+        mean_sign = np.mean([np.where(q >= 0, 1.0, -1.0) for q in p], axis=0)
+        for r in range(n):
+            np.testing.assert_array_equal(outs[r], outs[0])
+        np.testing.assert_allclose(outs[0], alpha * mean_sign, rtol=1e-5, atol=1e-7)
+        if compensation:
+            for r in range(n):
+                state = runners[r].state_dict()
+                got = np.concatenate([state[f"{k}/residual"] for k, _ in SEGMENTS])
+                sent = alpha * np.where(p[r] >= 0, 1.0, -1.0)
+                expected = p[r] - (outs[0] if compensation == "global" else sent)
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+                residual[r] = got
+        # Allgathers only (local compensation: the bits with the scales in one; otherwise
+        # the scales' allgather first, as on every layout), the bytes of the cost model.
+        want = comp.wire_bytes(D, n, len(SEGMENTS), layout="gather")
+        assert all(set(m.by_kind) == {"allgather"} and m.bytes_sent == pytest.approx(want)
+                   for m in meters)
+
+
+def test_gather_layout_with_a_non_finite_rank_returns_nan_and_keeps_the_residuals():
+    n = 5
+    comp = MarsitCompressor()
+    runners = [CompressorRunner(comp, B, seed=2) for _ in range(n)]
+    run_compressor(comp, random_xs(n, 1, seed=7), runners=runners)
+    before = [runners[r].state_dict() for r in range(n)]
+    xs = random_xs(n, 1, seed=8)
+    xs[0][3][5] = np.inf
+    outs, _, _ = run_compressor(comp, xs, runners=runners)
+    for r in range(n):
+        assert np.isnan(outs[0][r]).all()
+        after = runners[r].state_dict()
+        for key in before[r]:
+            np.testing.assert_array_equal(after[key], before[r][key])
+
+
+def test_gather_topology_refuses_cascading_signs():
+    with pytest.raises(ValueError, match="no hops"):
+        MarsitCompressor(topology="gather", hop="cascade")
+    with pytest.raises(ValueError, match="no hops"):
+        CascadingSignCompressor(topology="gather")
 
 
 @pytest.mark.parametrize("topology", ["butterfly", "direct"])

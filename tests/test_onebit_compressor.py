@@ -20,7 +20,8 @@ from hvd_quant import kernels
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.handle import CompressorHandle
 from hvd_quant.core.onebit import (compressed_allreduce, compressed_allreduce_bytes,
-                                   compressed_allreduce_compensated, padded_size, server_residual)
+                                   compressed_allreduce_compensated, gathered_allreduce, padded_size,
+                                   server_residual)
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.core.state import BUFFER_PREFIX, StateStore, buffer_key
@@ -76,13 +77,86 @@ def errors(runner):
     return get("worker_error"), server - np.where(server >= 0, scale, -scale)
 
 
+# --- the gather layout: one allgather, the exact average of the worker signs --------------------
+def gather_by_hand(xs, steps):
+    """Every rank's worker stage in numpy (DeepSpeed's padding and RMS scale), and the
+    average of every rank's scaled signs in rank order: (outputs, worker errors) per rank."""
+    n, d = len(xs), xs[0][0].size
+    total = padded_size(d, n)
+    w = [np.zeros(total, np.float32) for _ in range(n)]
+    outs = [[] for _ in range(n)]
+    for s in steps:
+        c = [np.concatenate([xs[r][s], np.zeros(total - d, np.float32)]) + w[r] for r in range(n)]
+        sign = [np.where(v >= 0, np.float32(1), np.float32(-1)) for v in c]
+        sigma = [np.float32(np.float32(np.sqrt(np.sum(v.astype(np.float64) ** 2))) / np.float32(np.sqrt(total)))
+                 for v in c]
+        mean = np.zeros(total, np.float32)
+        for r in range(n):
+            mean = mean + np.float32(sigma[r] * np.float32(1.0 / n)) * sign[r]
+        for r in range(n):
+            w[r] = c[r] - sigma[r] * sign[r]
+            outs[r].append(mean[:d])
+    return outs, w
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n,layout", [(2, "gather"), (3, "gather"), (6, "auto"), (8, "auto")])
+@pytest.mark.parametrize("d", [1, 13, 1001])
+def test_gather_layout_averages_every_ranks_scaled_signs(backend, n, layout, d):
+    """layout="gather" (and "auto" from 5 ranks on for a small buffer): one allgather,
+    the exact average the two stages' server would re-sign, identical on every rank;
+    the worker error as in the two stages, the server's state untouched."""
+    xs = data(n, d, seed=3)
+    comp = hvd_quant.get("onebit", layout=layout)
+    assert comp.buffer_layout(d, n) == "gather"
+    runners = [CompressorRunner(comp, backend) for _ in range(n)]
+    outs, world = run_compressor(runners, xs, range(STEPS), backend=backend)
+    want, want_w = gather_by_hand(xs, range(STEPS))
+    for r in range(n):
+        for s in range(STEPS):
+            np.testing.assert_array_equal(outs[r][s], outs[0][s])
+            np.testing.assert_allclose(outs[r][s], want[r][s], rtol=2e-6, atol=1e-7)
+        w, e = errors(runners[r])
+        np.testing.assert_allclose(w, want_w[r], rtol=2e-6, atol=1e-6)
+        assert not e.any()  # no server stage ran
+    for m in world.meters:
+        assert set(m.by_kind) == {"allgather"}
+        assert m.bytes_sent == pytest.approx(STEPS * comp.wire_bytes(d, n))
+
+
+def test_auto_layout_is_the_two_stages_up_to_four_ranks_and_for_large_buffers():
+    comp = hvd_quant.get("onebit")
+    assert comp.options() == {"layout": "auto"}
+    for n in (2, 3, 4):
+        assert comp.buffer_layout(10, n) == "two_stage"
+    assert comp.buffer_layout(132_000, 16) == "gather"  # the digits MLP at 16 ranks
+    assert comp.buffer_layout(3_700_000, 16) == "two_stage"
+    assert comp.buffer_layout(10, 16) == hvd_quant.get("onebit", layout="gather").buffer_layout(10, 16)
+    assert hvd_quant.get("onebit", layout="two_stage").buffer_layout(10, 16) == "two_stage"
+    with pytest.raises(ValueError, match="layout must be one of"):
+        hvd_quant.get("onebit", layout="ring")
+
+
+def test_gather_layout_with_a_non_finite_rank_returns_nan_and_keeps_the_worker_error():
+    n, d = 6, 100
+    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    run_compressor(runners, data(n, d), range(1))
+    before = [errors(r)[0].copy() for r in runners]
+    xs = data(n, d, steps=1, seed=9)
+    xs[4][0][7] = np.nan
+    outs, _ = run_compressor(runners, xs, range(1))
+    for r in range(n):
+        assert np.isnan(outs[r][0]).all()
+        np.testing.assert_array_equal(errors(runners[r])[0], before[r])
+
+
 # --- the compressor equals the core collective -------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("d", [0, 1, 2, 7, 13, 100, 1001])
 def test_equals_compressed_allreduce_over_steps(backend, n, d):
     xs = data(n, d)
-    runners = [CompressorRunner(hvd_quant.get("onebit"), backend) for _ in range(n)]
+    runners = [CompressorRunner(hvd_quant.get("onebit", layout="two_stage"), backend) for _ in range(n)]
     outs, world = run_compressor(runners, xs, range(STEPS), backend=backend)
     expected = by_hand(backend, xs, range(STEPS))
     total = padded_size(d, n)
@@ -95,7 +169,7 @@ def test_equals_compressed_allreduce_over_steps(backend, n, d):
         assert w.shape == (total,) and e.shape == (total // n,)
         np.testing.assert_array_equal(w, expected[rank][1])
         np.testing.assert_array_equal(e, expected[rank][2])
-    comp = hvd_quant.get("onebit")
+    comp = hvd_quant.get("onebit", layout="two_stage")
     for m in world.meters:
         assert m.bytes_sent == pytest.approx(STEPS * comp.wire_bytes(d, n))
         assert m.bytes_sent == pytest.approx(STEPS * compressed_allreduce_bytes(d, n))
@@ -105,7 +179,7 @@ def test_equals_compressed_allreduce_over_steps(backend, n, d):
 @pytest.mark.parametrize("d", [1, 7, 1001])
 def test_equals_deepspeed(n, d):
     xs = data(n, d, seed=5)
-    runners = [CompressorRunner(hvd_quant.get("onebit"), B) for _ in range(n)]
+    runners = [CompressorRunner(hvd_quant.get("onebit", layout="two_stage"), B) for _ in range(n)]
     outs, _ = run_compressor(runners, xs, range(STEPS))
     total = padded_size(d, n)
     ref_w = [np.zeros(total, np.float32) for _ in range(n)]
@@ -351,6 +425,39 @@ def test_torch_tensors_give_the_same_bits(n, d):
     want = ThreadWorld(n).run(lambda c: body(c, ref))
     for (outs, state), (outs_ref, state_ref) in zip(got, want):
         for a, b in zip(outs + state, outs_ref + state_ref):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_gather_layout_gives_the_same_bits_in_each_framework(framework):
+    """gathered_allreduce on torch CPU tensors and TensorFlow tensors (eager) against the
+    numpy oracle with the same kernels: outputs and worker errors bit for bit, over steps."""
+    if framework == "torch":
+        T = pytest.importorskip("hvd_quant.torch.backend").TorchBackend()
+    else:
+        T = pytest.importorskip("hvd_quant.tensorflow.backend").TFBackend()
+    from solo_comm import FrameworkComm
+
+    ref = BACKENDS[-1]
+    n, d = 6, 1001
+    xs = data(n, d, steps=3, seed=4)
+    total = padded_size(d, n)
+
+    def body(c, B):
+        comm = c if B is ref else FrameworkComm(c, B)
+        worker = B.constant(np.zeros(total, np.float32), "float32")
+        outs = []
+        for s in range(3):
+            out, worker, finite = gathered_allreduce(B, comm, B.constant(xs[c.rank][s], "float32"),
+                                                     worker, f"t{s}")
+            assert bool(finite)
+            outs.append(np.asarray(B.to_numpy(out)))
+        return outs + [np.asarray(B.to_numpy(worker))]
+
+    got = ThreadWorld(n).run(lambda c: body(c, T))
+    want = ThreadWorld(n).run(lambda c: body(c, ref))
+    for a_rank, b_rank in zip(got, want):
+        for a, b in zip(a_rank, b_rank):
             np.testing.assert_array_equal(a, b)
 
 

@@ -58,9 +58,9 @@ from ..core.comm import all_ranks_finite, identical_sum, rank_order_sum
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
 from ..core.packing import (bytes_float, float_bytes, pack_signs, packed_sign_bytes, sign_pack_residual,
-                            unpack_scaled_sum, unpack_signs, unpack_sum_residual)
+                            split_scales, unpack_scaled_sum, unpack_signs, unpack_sum_residual, with_scales)
 from ..core.pipeline import _Done, start_allgather
-from ..core.ring import (DIRECT_FROM, butterfly_allreduce, direct_allreduce, direct_padded_numel,
+from ..core.ring import (DIRECT_FROM, butterfly_allreduce, direct_allreduce, direct_padded_numel, gathers,
                          is_power_of_two, ring_allreduce, torus_allreduce)
 from ..core.rng import dyadic_bits, select_bits
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
@@ -130,7 +130,7 @@ class CascadingSign(HopOperator):
 _HOPS = {"marsit": MarsitSelect, "cascade": CascadingSign}
 
 #: The ``topology`` option's values.
-TOPOLOGIES = ("auto", "ring", "torus", "butterfly", "direct")
+TOPOLOGIES = ("auto", "ring", "torus", "butterfly", "direct", "gather")
 
 
 def auto_layout(n, ranks_per_node=None):
@@ -190,13 +190,20 @@ class MarsitCompressor(Compressor):
         * ``"direct"``: the reduce-scatter as one alltoall (chunk ``j`` of every rank to
           rank ``j``, which folds the ``n`` chunks pairwise with the same selection), the
           scales riding in it, then one allgather: two collectives whatever ``n``.
+        * ``"gather"``: one allgather of every rank's bits with its scales, ``(n - 1)``
+          times the bits per rank. There is no hop to select at: every rank decodes the
+          exact mean ``alpha * mean_r sign_r``, which the selection estimates without
+          bias (so the same expectation, with less variance, and not a ±1 vector). Not
+          with ``hop="cascade"``, which only exists hop by hop.
         * ``"auto"``: up to 4 ranks a torus with one row per host when the communicator
           knows that every host holds the same number ``k > 1`` of ranks, numbered host
           by host (:meth:`Communicator.ranks_per_node`; Horovod's ``local_size`` and
           ``cross_size`` on the global process set), else a ring, as before 2026-11-28;
           from 5 ranks on ``"direct"`` (:func:`auto_layout`): each hop is one Horovod
           collective, and their latency, not the bytes, made the 30-hop ring of 16 ranks
-          slow (docs/benchmarks/scaling.md).
+          slow (docs/benchmarks/scaling.md); and there, for a buffer small enough that one
+          collective's latency outweighs the extra bytes, ``"gather"``
+          (:func:`~hvd_quant.core.ring.gathers`, :meth:`buffer_layout`; Marsit's hop only).
     torus_rows : int
         Number of torus rows (e.g. nodes) for ``topology="torus"``; must divide the
         number of ranks. Rank ``r`` is at row ``r // cols``; rows come from
@@ -233,6 +240,9 @@ class MarsitCompressor(Compressor):
             raise ValueError("topology='torus' needs torus_rows, a positive int")
         if hop not in _HOPS:
             raise ValueError(f"hop must be one of {sorted(_HOPS)}, got {hop!r}")
+        if hop == "cascade" and topology == "gather":
+            raise ValueError("topology='gather' has no hops to re-sign at: cascading signs need "
+                             "'ring', 'torus', 'butterfly', 'direct' or 'auto'")
         if compensation is True:
             compensation = "global"
         if compensation not in ("global", "local", False):
@@ -260,13 +270,26 @@ class MarsitCompressor(Compressor):
 
     def layout(self, comm):
         """What this rank runs on ``comm``: the torus rows (an int), ``None`` for a ring,
-        ``"butterfly"`` or ``"direct"``."""
+        ``"butterfly"``, ``"direct"`` or ``"gather"`` (with ``topology="auto"``, small
+        buffers may still go by ``"gather"``: :meth:`buffer_layout`)."""
         if self.topology == "torus":
             return self.torus_rows
-        if self.topology in ("butterfly", "direct"):
+        if self.topology in ("butterfly", "direct", "gather"):
             return self.topology
         k = comm.ranks_per_node() if self.topology == "auto" else None
         return auto_layout(comm.size, k) if self.topology == "auto" else None
+
+    def buffer_layout(self, comm, numel, segments=1):
+        """:meth:`layout` for one buffer of ``numel`` elements in ``segments`` tensors:
+        ``"auto"``'s direct layout becomes ``"gather"`` where
+        :func:`~hvd_quant.core.ring.gathers` says one allgather of the bits and scales is
+        the cheaper (Marsit's hop only). The same on every rank."""
+        layout = self.layout(comm)
+        row = packed_sign_bytes(numel) + (4 * segments if self.scale == "mean_abs" else 0)
+        if (layout == "direct" and self.topology == "auto" and self.hop == "marsit"
+                and gathers(comm.size, row)):
+            return "gather"
+        return layout
 
     def reduce(self, x, ctx):
         B, comm = ctx.backend, ctx.comm
@@ -282,13 +305,14 @@ class MarsitCompressor(Compressor):
         # The default (mean_abs, local compensation) packs the bits in the same pass as
         # the scale sums: the ring carries bits only, so it need not wait for alpha, whose
         # gather is started here and waited for after the ring (phase 4).
-        # With the direct layout the scales ride in its alltoall instead (phase 3).
+        # With the direct layout the scales ride in its alltoall instead, with the gather
+        # layout in its allgather (phase 3).
         fused = self.scale == "mean_abs" and self.compensation == "local"
-        layout = self.layout(comm)
+        layout = self.buffer_layout(comm, d, len(counts))
         if fused:
             sums, bits = compensate_sums_signs(B, x, residual, counts)
             local = segment_means(B, sums, counts)
-            if layout != "direct":
+            if layout not in ("direct", "gather"):
                 alpha_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
         elif self.scale == "mean_abs":
             local = segment_means(B, compensate_sums(B, x, residual, counts), counts)
@@ -313,7 +337,16 @@ class MarsitCompressor(Compressor):
 
         # Phase 3: multi-hop allreduce of the sign bits, 1 bit per element on every hop.
         name = ctx.collective_name("signs")
-        if layout == "butterfly":
+        if layout == "gather":  # every rank's bits, n rows; decoded with alpha / n per row
+            if fused:
+                row = with_scales(B, B.reshape(bits, (1, nbytes)), 1, B.divide(local, float(n)))
+                agg, gathered = split_scales(B, start_allgather(comm, row, f"{name}.gather").wait(), n,
+                                             nbytes, len(counts))
+                alpha_handle = _Done(gathered)
+            else:
+                agg = B.reshape(start_allgather(comm, B.reshape(bits, (1, nbytes)), f"{name}.gather").wait(),
+                                (-1,))
+        elif layout == "butterfly":
             agg = butterfly_allreduce(B, comm, bits, self.op, name, ctx.rng)
         elif layout == "direct" and fused:
             agg, gathered = direct_allreduce(B, comm, bits, self.op, name, ctx.rng,
@@ -335,14 +368,16 @@ class MarsitCompressor(Compressor):
         if fused:
             alpha = rank_order_sum(B, alpha_handle.wait(), n)
             finite = B.all_finite(alpha)
+        row_scales = B.concat([B.divide(alpha, float(n))] * n) if layout == "gather" else alpha
+        if fused:
             out, residual = B.cond(
                 finite,
-                lambda: unpack_sum_residual(B, agg, alpha, counts, d, x, residual, alpha, out=ctx.out,
+                lambda: unpack_sum_residual(B, agg, row_scales, counts, d, x, residual, alpha, out=ctx.out,
                                             resid_out=residual),
                 lambda: (B.full(d, float("nan")), residual))
             ctx.state.set("residual", residual)
         else:
-            out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, alpha, counts, d, out=ctx.out),
+            out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, row_scales, counts, d, out=ctx.out),
                          lambda: B.full(d, float("nan")))
 
         # Phase 5: global compensation, against the aggregated result every rank shares.
@@ -351,12 +386,15 @@ class MarsitCompressor(Compressor):
         return out
 
     def wire_bytes(self, numel, world_size, segments=1, layout=None):
-        """Bytes one rank sends; ``layout`` as :meth:`layout` returns it (``"direct"`` pads
-        the bits to a multiple of ``n`` bytes; the others move the same bytes)."""
+        """Bytes one rank sends; ``layout`` as :meth:`buffer_layout` returns it (``"direct"``
+        pads the bits to a multiple of ``n`` bytes; ``"gather"`` sends them to every other
+        rank; the others move the same bytes)."""
         nbytes = packed_sign_bytes(numel)
-        if layout == "direct":
+        if layout == "gather":
+            nbytes = (world_size - 1) * nbytes
+        elif layout == "direct":
             nbytes = direct_padded_numel(nbytes, world_size)
-        ring = 2.0 * (world_size - 1) / world_size * nbytes
+        ring = nbytes if layout == "gather" else 2.0 * (world_size - 1) / world_size * nbytes
         if self.scale == "mean_abs":
             return ring + (world_size - 1) * 4 * segments  # allgather of the scales
         return ring + (2.0 * (world_size - 1) / world_size * 4 if self.check_finite else 0)

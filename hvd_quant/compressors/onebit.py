@@ -22,6 +22,15 @@ With ``n`` ranks, a buffer of ``d`` elements is padded with zeros to ``D``, a mu
     -> allgather of the packed server signs and of the n sigma_s
     out      = concat_j sigma_s[j] * sign(c_s[j]), cut back to d        (every rank alike)
 
+Layouts (option ``layout``): the above is ``"two_stage"``, two dependent collectives
+whatever ``n``. ``"gather"`` sends each rank's worker signs and scale in one allgather
+and every rank decodes the exact average ``sum_r sigma_w[r] / n * sign_r``, the server's
+``c_s`` without its error or second sign (:func:`~hvd_quant.core.onebit.gathered_allreduce`):
+one collective, ``(n - 1) (D / 8 + 4)`` bytes per rank. ``"auto"`` (default) takes it from
+5 ranks on for buffers small enough that a collective's latency outweighs the extra bytes
+(:func:`~hvd_quant.core.ring.gathers`), and the two stages otherwise and always up to 4
+ranks.
+
 One scale per buffer and side: through hvd_quant's ``DistributedOptimizer`` (torch or
 Keras) and ``DistributedGradientTape`` a fused buffer shares one scale, like DeepSpeed's
 flattened fp32 parameter group; through Horovod's stock ``hvd.DistributedOptimizer`` /
@@ -54,7 +63,12 @@ added (:mod:`hvd_quant.core.onebit`).
 """
 
 from ..core.compressor import Compressor
-from ..core.onebit import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
+from ..core.onebit import (compressed_allreduce_bytes, compressed_allreduce_compensated, gathered_allreduce,
+                           gathered_allreduce_bytes, padded_size)
+from ..core.ring import gathers
+
+#: The ``layout`` option's values.
+LAYOUTS = ("auto", "two_stage", "gather")
 
 
 class OnebitCompressor(Compressor):
@@ -63,7 +77,19 @@ class OnebitCompressor(Compressor):
     The averaging collective of DeepSpeed's 1-bit Adam and 0/1 Adam
     (``deepspeed/runtime/comm/nccl.py``, ``NcclBackend.compressed_allreduce``; Tang et al.,
     "1-bit Adam", ICML 2021) as a gradient compressor: "1-bit SGD with two-sided error
-    feedback" for any optimizer. It takes no options.
+    feedback" for any optimizer.
+
+    Parameters
+    ----------
+    layout : "auto" (default), "two_stage" or "gather"
+        ``"two_stage"``: DeepSpeed's alltoall and allgather, two dependent collectives.
+        ``"gather"``: the worker stage, then one allgather of every rank's signs and the
+        exact average of them (:func:`~hvd_quant.core.onebit.gathered_allreduce`: no
+        server stage, so the server state stays as it is). ``"auto"``: the two stages,
+        except from 5 ranks on for a buffer small enough that one collective's latency
+        outweighs the gather's extra bytes (:func:`~hvd_quant.core.ring.gathers`): at 16
+        ranks the second collective cost more than the whole buffer's bytes
+        (docs/benchmarks/scaling.md). Up to 4 ranks ``"auto"`` is always the two stages.
 
     Attributes
     ----------
@@ -86,6 +112,22 @@ class OnebitCompressor(Compressor):
     state_slots = ()  # nothing per element: both error buffers are buffer slots
     buffer_slots = ("worker_error", "server_error", "server_scale")
 
+    def __init__(self, layout="auto"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"onebit: layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+        self.layout_option = layout
+
+    def options(self):
+        return {"layout": self.layout_option}
+
+    def buffer_layout(self, numel, world_size):
+        """``"two_stage"`` or ``"gather"``: how a buffer of ``numel`` elements is reduced
+        at ``world_size`` ranks (the same on every rank)."""
+        if self.layout_option != "auto":
+            return self.layout_option
+        row = padded_size(numel, world_size) // 8 + 4
+        return "gather" if gathers(world_size, row) else "two_stage"
+
     def buffer_state_sizes(self, numel, world_size):
         total = padded_size(numel, world_size)
         return {"worker_error": total, "server_error": total // world_size, "server_scale": 1}
@@ -95,6 +137,11 @@ class OnebitCompressor(Compressor):
         worker_error = ctx.state.get("worker_error")
         server_state = ctx.state.get("server_error")
         server_scale = ctx.state.get("server_scale")
+        if self.buffer_layout(B.numel(x), ctx.comm.size) == "gather":
+            out, worker_error, _ = gathered_allreduce(B, ctx.comm, x, worker_error, ctx.collective_name("onebit"),
+                                                      out=ctx.out)
+            ctx.state.set("worker_error", worker_error)
+            return out
         out, worker_error, server_state, server_scale, _ = compressed_allreduce_compensated(
             B, ctx.comm, x, worker_error, server_state, server_scale, ctx.collective_name("onebit"),
             out=ctx.out)
@@ -104,4 +151,6 @@ class OnebitCompressor(Compressor):
         return out
 
     def wire_bytes(self, numel, world_size, segments=1):
+        if self.buffer_layout(numel, world_size) == "gather":
+            return float(gathered_allreduce_bytes(numel, world_size))
         return float(compressed_allreduce_bytes(numel, world_size))

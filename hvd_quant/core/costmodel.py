@@ -88,7 +88,7 @@ def collectives(method, numel, world_size, ranks_per_node=None, segments=1, opti
     optimizer's list is one of its 1-bit steps (0/1 Adam: a sync step).
 
     Options read: ``marsit``/``cascading_sign`` ``topology`` (and ``torus_rows``),
-    ``global_qsgd`` ``norm``."""
+    ``global_qsgd`` ``norm``, ``onebit`` ``layout``."""
     n, d, S = int(world_size), int(numel), int(segments)
     options = dict(options or {})
     if n <= 1:
@@ -114,7 +114,8 @@ def collectives(method, numel, world_size, ranks_per_node=None, segments=1, opti
                     Collective("allgather", float(per), n)]
         return [Collective("allreduce", 4.0, n)] + _ring_hops(d, n, n, rank)
     if method == "onebit":
-        return _onebit([d], n)
+        from ..compressors.onebit import OnebitCompressor
+        return _onebit([d], n, OnebitCompressor(options.get("layout", "auto")).buffer_layout(d, n))
     if method in ("onebit_adam", "zero_one_adam"):
         # DeepSpeed's per-tensor scales (scales="tensor"): every tensor padded on its own.
         sizes = options.get("tensor_sizes") or _even_sizes(d, S)
@@ -167,8 +168,10 @@ def _marsit(method, d, n, k, S, options, rank):
     if method == "cascading_sign":
         comp = MarsitCompressor(topology=comp.topology, torus_rows=comp.torus_rows, hop="cascade",
                                 compensation=False)
-    layout = comp.layout(_Layout(n, k))
+    layout = comp.buffer_layout(_Layout(n, k), d, S)
     W = packed_sign_bytes(d)
+    if layout == "gather":  # Marsit's default path: the scales ride with the bits
+        return [Collective("allgather", W + 4.0 * S, n)]
     # The scales: inside the direct layout's alltoall on Marsit's default path; else an
     # allgather, started before the hops and waited for after them (Marsit) or waited for
     # first (cascading_sign: no error feedback, so no fused pass).
@@ -216,10 +219,12 @@ class _Layout:
         return self._k
 
 
-def _onebit(sizes, n):
+def _onebit(sizes, n, layout="two_stage"):
     D = sum(padded_size(int(c), n) for c in sizes)
     width = D // n // 8
     T = len(sizes)
+    if layout == "gather":
+        return [Collective("allgather", D / 8 + 4.0 * T, n)]
     return [Collective("alltoall", float(n * (width + 4 * T)), n),
             Collective("allgather", float(width + 4 * T), n)]
 

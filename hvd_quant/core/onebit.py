@@ -255,6 +255,66 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     return result, worker_error, server_error, server_scale, finite
 
 
+def gathered_allreduce(B, comm, x, worker_error, name, counts=None, out=None):
+    """The worker stage of :func:`compressed_allreduce`, then one allgather of every rank's
+    signs and scales, and the exact average of the ``n`` scaled signs on every rank: the
+    server stage's ``c_s`` with no server error and no second sign.
+
+    One collective instead of two, for small buffers at many ranks (the layout
+    ``OnebitCompressor(layout="auto")`` picks by :func:`~hvd_quant.core.ring.gathers`):
+    each rank receives ``(n - 1) (D / 8 + 4 T)`` bytes, against about twice ``D / 8`` in
+    the two stages, and saves one collective's latency, which at 16 ranks cost more than
+    the whole buffer's bytes (docs/benchmarks/scaling.md). The worker keeps its error
+    feedback, padding and RMS scales exactly as in the two stages; the estimate is closer
+    to the mean than the two stages' (it is never re-signed), so the server has nothing
+    to carry and its state is not touched. Every rank decodes the same rows in rank order:
+    bit-identical results.
+
+    Parameters and returns as :func:`compressed_allreduce` without ``server_error``:
+    ``(out, worker_error, finite)``; a non-finite step leaves the worker error as it was.
+    """
+    n, d = comm.size, B.numel(x)
+    counts = [d] if counts is None else [int(c) for c in counts]
+    if sum(counts) != d:
+        raise ValueError(f"tensor sizes {counts} do not add up to the buffer's {d} elements")
+    padded = [padded_size(c, n) for c in counts]
+    total = sum(padded)
+    buf = _pad_tensors(B, x, counts, padded)
+
+    # Phase 1 (worker): sums of squares and sign bits in one pass, as in the two stages.
+    sums, bits = compensate_sums_signs(B, buf, worker_error, padded, squares=True)
+    worker_scale = rms_scales(B, buf, worker_error, padded, sums=sums)
+
+    # Phase 2: one allgather of every rank's signs with its scales after them; the scales
+    # say whether every rank's step is finite before the error buffer changes.
+    width = packed_sign_bytes(total)
+    row = with_scales(B, B.reshape(bits, (1, width)), 1, worker_scale)
+    all_bits, worker_scales = split_scales(
+        B, start_allgather(comm, row, f"{name}.gather").wait(), n, width, len(counts))
+    finite = B.all_finite(worker_scales)
+
+    # Phase 3: sum_r (sigma_w[r] / n) * sign_r in rank order (DeepSpeed's server average,
+    # over the whole buffer) and the new worker error, in one pass.
+    def decode():
+        into = out if total == d else None
+        mean, new_error = unpack_sum_residual(B, all_bits, worker_scales * (1.0 / n), padded, total, buf,
+                                              worker_error, worker_scale, out=into,
+                                              resid_out=worker_error)
+        return _unpad_tensors(B, mean, counts, padded), new_error
+
+    result, worker_error = B.cond(finite, decode, lambda: (B.full(d, float("nan")), worker_error))
+    return result, worker_error, finite
+
+
+def gathered_allreduce_bytes(numel, world_size):
+    """Bytes one rank sends in :func:`gathered_allreduce` (WireMeter cost model)."""
+    n = world_size
+    if n == 1:
+        return 0.0
+    tensors = 1 if isinstance(numel, int) else len(numel)
+    return (n - 1) * (padded_size(numel, n) // 8 + 4.0 * tensors)
+
+
 def _pad_tensors(B, x, counts, padded):
     """Each tensor of ``x`` followed by its zero padding (``x`` itself, not a copy, when no
     tensor needs any: e.g. at 2 ranks for sizes that are multiples of 16)."""

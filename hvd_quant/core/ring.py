@@ -198,6 +198,25 @@ def torus_allreduce(B, row_comm, col_comm, wire, op, name, rng):
 #: exponential dithering (docs/benchmarks/scaling.md).
 DIRECT_FROM = 5
 
+#: The most bytes a rank may receive beyond a two-collective layout's for one buffer to be
+#: reduced by a single allgather instead (:func:`gathers`). A Horovod collective costs its
+#: negotiation cycle over every rank whatever its size: at 16 emulated ranks at 100 Mbit/s
+#: the second collective of onebit and Marsit cost 50-60 ms a step on the digits MLP
+#: (docs/benchmarks/scaling.md, phase 2), about 400 KB at the link's measured rate; on
+#: Horovod's 1 ms cycle 256 KiB is 2 ms at 1 Gbit/s and less at any faster link.
+GATHER_EXTRA_BYTES = 256 * 1024
+
+
+def gathers(n, row_bytes):
+    """Whether a buffer whose packed row is ``row_bytes`` goes by one allgather of every
+    rank's row at ``n`` ranks, rather than by a reduce-scatter and an allgather (two
+    dependent collectives of about ``2 row_bytes`` each rank in all): from
+    :data:`DIRECT_FROM` ranks on, when the allgather's ``(n - 1) row_bytes`` exceed the
+    two collectives' bytes by at most :data:`GATHER_EXTRA_BYTES` (small buffers, where a
+    collective's latency outweighs its bytes). Up to 4 ranks nothing changes: the layouts
+    there stay bit for bit what they were."""
+    return n >= DIRECT_FROM and (n - 2) * row_bytes <= GATHER_EXTRA_BYTES
+
 
 def is_power_of_two(n):
     return n >= 1 and n & (n - 1) == 0

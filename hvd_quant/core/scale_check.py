@@ -6,13 +6,15 @@ from 32 ranks on the 1-bit allgather sends more than half as much as fp32, from 
 as much. Users pick a method at 2 ranks and run it at 256; nothing told them. So the first
 time an owner (an optimizer, a tape's variables, a 1-bit optimizer) reduces, rank 0 logs
 one warning through the ``hvd_quant`` logger when the method's bytes per rank at this
-world size (:mod:`hvd_quant.core.costmodel`) exceed half of an fp32 ring allreduce's,
+world size (:mod:`hvd_quant.core.costmodel`) exceed half of an fp32 ring allreduce's by
+more than 256 KiB (below that, a collective's latency matters more than the bytes),
 naming the methods whose bytes stay flat. Nothing else changes: the method runs as asked.
 """
 
 import logging
 
 from . import costmodel
+from .ring import GATHER_EXTRA_BYTES
 
 log = logging.getLogger("hvd_quant")
 
@@ -36,7 +38,9 @@ def excess(method, numel, world_size, ranks_per_node=None, options=None):
     except ValueError:
         return None
     fp32 = costmodel.fp32_ring_bytes(numel, world_size)
-    return (sent, fp32) if sent > THRESHOLD * fp32 else None
+    # A small model's bytes do not matter beside a collective's latency: the same margin
+    # under which onebit and Marsit gather a small buffer on purpose (core.ring.gathers).
+    return (sent, fp32) if sent - THRESHOLD * fp32 > GATHER_EXTRA_BYTES else None
 
 
 def _model_options(options):

@@ -11,13 +11,15 @@ COMPRESSORS = [
     ("ef_sign", "ef_sign", {}),
     ("marsit", "marsit", {}),
     ("marsit_nocomp", "marsit", {"compensation": False}),
+    ("marsit_gather", "marsit", {"topology": "gather"}),  # auto's layout from 5 ranks, small buffers
     ("cascading_sign", "cascading_sign", {}),
     ("global_qsgd", "global_qsgd", {}),
     ("global_qsgd_l2", "global_qsgd", {"norm": "l2"}),
     ("global_qsgd_exp", "global_qsgd_exp", {}),
     ("onebit", "onebit", {}),
+    ("onebit_gather", "onebit", {"layout": "gather"}),   # likewise
 ]
-DETERMINISTIC = {"none", "fp16", "ef_sign", "onebit"}
+DETERMINISTIC = {"none", "fp16", "ef_sign", "onebit", "onebit_gather", "marsit_gather"}
 
 
 def rank_input(rank, numel, step):

@@ -76,7 +76,8 @@ def reduce_cases():
 
 
 # The compressors whose hot paths are fused kernels on TensorFlow too.
-GRAPH_LABELS = ("ef_sign", "marsit", "global_qsgd", "global_qsgd_exp", "onebit")
+GRAPH_LABELS = ("ef_sign", "marsit", "global_qsgd", "global_qsgd_exp", "onebit", "onebit_gather",
+                "marsit_gather")
 
 
 def reduce_cases_graph():
