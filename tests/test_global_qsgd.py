@@ -444,3 +444,50 @@ def test_tiny_buffers(name, opts, d, int_dtypes):
     xs = [np.full(d, r + 1.0, np.float32) for r in range(3)]
     est, _ = reduce_all(hvd_quant.get(name, **opts), xs, int_dtypes=int_dtypes)
     assert est.shape == (d,) and est.dtype == np.float32 and np.all(np.isfinite(est))
+
+
+@pytest.mark.parametrize("options", LINEAR[:3], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("int_dtypes", [TORCH_INTS, NATIVE_INTS], ids=["lanes", "native"])
+def test_a_small_wire_at_many_ranks_is_summed_by_allgather_with_the_same_bits(monkeypatch, options,
+                                                                              int_dtypes):
+    """From 5 ranks on a small wire of levels goes by one allgather and a local sum in rank
+    order (sum_levels): the integers are exact in any order, so the result is the
+    allreduce's, bit for bit; only the collective and its bytes differ."""
+    import hvd_quant.compressors.global_qsgd as gq
+    n, d = 6, 1001
+    xs = [np.random.default_rng(40 + r).standard_normal(d).astype(np.float32) for r in range(n)]
+    xs[2][7] = 30.0  # one rank holds the global maximum: every partial sum near the bound
+    comp = hvd_quant.get("global_qsgd", **options)
+    gathered, meters = reduce_all(comp, xs, seed=3, int_dtypes=int_dtypes)
+    width, _ = comp.resolve(n)
+    payload = gq.int_payload_bytes(d, width, int_dtypes)
+    assert gq.gathers(n, payload)
+    levels_kind = {"max": "allreduce", "l2": "allgather"}[options["norm"]]  # the scale's
+    assert set(meters[0].by_kind) == {"allgather"} | {levels_kind}
+    assert meters[0].bytes_sent == pytest.approx(comp.wire_bytes(d, n, int_dtypes=int_dtypes))
+    monkeypatch.setattr(gq, "gathers", lambda n, row: False)
+    reduced, meters = reduce_all(comp, xs, seed=3, int_dtypes=int_dtypes)
+    np.testing.assert_array_equal(gathered, reduced)
+    assert meters[0].by_kind.get("allreduce", 0) > 0
+    # Below 5 ranks, and for a large wire, the allreduce.
+    assert not gq.gathers(4, payload) and not gq.gathers(16, 10 ** 6)
+
+
+def test_exp_dithering_gathers_a_small_buffer_and_adds_the_decoded_rows():
+    """global_qsgd_exp from 5 ranks on, small buffer: the scale allreduce, one allgather of
+    every rank's codes, and the sum of the n decoded rows in rank order (no stochastic
+    sum), identical on every rank; the cost model's bytes."""
+    from hvd_quant.compressors.exp_dithering import encode
+    n, d = 6, 1001
+    xs = [np.random.default_rng(60 + r).standard_normal(d).astype(np.float32) for r in range(n)]
+    comp = hvd_quant.get("global_qsgd_exp")
+    got, meters = reduce_all(comp, xs, seed=5)
+    scale = B.full(1, max(float(np.abs(x).max()) for x in xs))
+    want = None
+    for r in range(n):
+        codes = encode(B, xs[r], scale, n, B.generator(5 + 1_000_003 * r))
+        part = exp_decode(B, codes, scale, n)
+        want = part if want is None else want + part
+    np.testing.assert_array_equal(got, want)
+    assert set(meters[0].by_kind) == {"allreduce", "allgather"}
+    assert meters[0].bytes_sent == pytest.approx(comp.wire_bytes(d, n))

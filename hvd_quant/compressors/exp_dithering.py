@@ -30,6 +30,13 @@ Each hop is unbiased given its inputs, so the result is an unbiased estimate of 
 of the ``z`` (tower rule); the codes always stand for sums, so the ranks' counts are not
 needed.
 
+Small buffers from 5 ranks on (:func:`~hvd_quant.core.ring.gathers`: at most 256 KiB more
+per rank than the direct layout) go by one allgather of every rank's codes instead, and
+every rank adds the ``n`` decoded rows in rank order: no stochastic sum at all, so the
+same expectation with less variance, identical on every rank. One collective after the
+scale instead of two: at 16 ranks a collective's latency outweighed such a buffer's bytes
+(docs/benchmarks/scaling.md).
+
 Headroom (why ``2**(n-1)``, not the reference's ``2 n``). A hop's result is at most
 twice its larger operand, so a result standing for ``m`` ranks is at most ``2**(m-1)``
 times the largest fresh value ``2**(1-n)``: by induction ``2 * max(2**(m1-1), 2**(m2-1))
@@ -49,7 +56,7 @@ uniform grid (2**-23 or 2**-24) are taken as 0 (bias below that grid times the o
 
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
-from ..core.ring import DIRECT_FROM, direct_allreduce, direct_padded_numel, ring_allreduce
+from ..core.ring import DIRECT_FROM, direct_allreduce, direct_padded_numel, gathers, ring_allreduce
 from ..core.rng import draws
 from .global_qsgd import FLOAT32_MAX, global_scale, normalise
 
@@ -114,6 +121,17 @@ def exp_decode(B, codes, scale, world_size, into=None):
     mag = B.where(B.less(mag_code, _shift(B, 1)), B.zeros(1), mag)
     sign = 1.0 - 2.0 * B.cast(B.right_shift(c, _shift(B, 7)), "float32")
     return B.clip(mag * sign * factor * scale, -FLOAT32_MAX, FLOAT32_MAX)
+
+
+def decode_rows(B, rows, scale, world_size, numel):
+    """The mean estimate from every rank's codes (``world_size`` rows of ``numel``): each
+    row decoded (:func:`exp_decode`, ``value * 2**(n-1) / n * scale``: that rank's share
+    of the mean) and the rows added in rank order, so every rank gets the same bits."""
+    total = None
+    for r in range(world_size):
+        part = exp_decode(B, B.slice(rows, r * numel, (r + 1) * numel), scale, world_size)
+        total = part if total is None else total + part
+    return total
 
 
 def combine_codes(B, a, b, u):
@@ -184,6 +202,10 @@ class GlobalQSGDExpCompressor(Compressor):
         # Phase 2: encode (zeros on a non-finite step), then the ring of stochastic sums.
         codes = B.cond(finite, lambda: encode(B, x, scale, n, ctx.rng),
                        lambda: encode(B, B.zeros(d), scale, n, ctx.rng))
+        if gathers(n, d):  # one byte per element: every rank's codes, decoded and added here
+            rows = B.reshape(comm.allgather(codes, ctx.collective_name("codes.gather")), (-1,))
+            return B.cond(finite, lambda: decode_rows(B, rows, scale, n, d),
+                          lambda: B.full(d, float("nan")))
         reduce = direct_allreduce if n >= DIRECT_FROM else ring_allreduce
         total = reduce(B, comm, codes, ExpDitheringSum(), ctx.collective_name("codes"), ctx.rng)
         return B.cond(finite, lambda: exp_decode(B, total, scale, n, into=ctx.out),
@@ -192,7 +214,9 @@ class GlobalQSGDExpCompressor(Compressor):
     def wire_bytes(self, numel, world_size, segments=1):
         """Average bytes sent per rank: the fp32 scale by allreduce, one byte per element
         round the ring (``2 (n-1) / n`` of the codes; from 5 ranks, of the codes padded to
-        a multiple of ``n``)."""
+        a multiple of ``n``, or every code to every rank for a small buffer)."""
+        if world_size > 1 and gathers(world_size, numel):
+            return 2.0 * (world_size - 1) / world_size * 4 + (world_size - 1) * numel
         if world_size >= DIRECT_FROM:
             numel = direct_padded_numel(numel, world_size)
         return 2.0 * (world_size - 1) / world_size * (4 + numel) if world_size > 1 else 0.0

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from .onebit import padded_size
 from .packing import packed_sign_bytes
-from .ring import DIRECT_FROM, chunk_bounds, direct_padded_numel
+from .ring import DIRECT_FROM, chunk_bounds, direct_padded_numel, gathers
 
 KINDS = ("allreduce", "allgather", "alltoall", "sendrecv")
 
@@ -106,8 +106,11 @@ def collectives(method, numel, world_size, ranks_per_node=None, segments=1, opti
         norm = options.get("norm", "max")
         width, _ = resolve_width_levels(norm, n, options.get("bits"), options.get("levels"))
         scale = Collective("allreduce", 4.0, n) if norm == "max" else Collective("allgather", 8.0, n)
-        return [scale, Collective("allreduce", float(int_payload_bytes(d, width, ("int32", "int64"))), n)]
+        payload = float(int_payload_bytes(d, width, ("int32", "int64")))
+        return [scale, Collective("allgather" if gathers(n, payload) else "allreduce", payload, n)]
     if method == "global_qsgd_exp":
+        if gathers(n, d):  # small buffers: every rank's codes, one byte each
+            return [Collective("allreduce", 4.0, n), Collective("allgather", float(d), n)]
         if n >= DIRECT_FROM:
             per = direct_padded_numel(d, n) // n
             return [Collective("allreduce", 4.0, n), Collective("alltoall", float(n * per), n),
