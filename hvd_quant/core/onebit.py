@@ -181,13 +181,9 @@ def server_residual(B, server_state, server_scale, counts, world_size):
 def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, counts, out):
     """Both functions above; ``server_scale`` None: the server error is a residual."""
     n, d = comm.size, B.numel(x)
-    counts = [d] if counts is None else [int(c) for c in counts]
-    if sum(counts) != d:
-        raise ValueError(f"tensor sizes {counts} do not add up to the buffer's {d} elements")
-    padded = [padded_size(c, n) for c in counts]
+    counts, padded, buf = _padded_input(B, x, counts, n)
     chunks = [p // n for p in padded]
     total, chunk = sum(padded), sum(chunks)
-    buf = _pad_tensors(B, x, counts, padded)
 
     # Phase 1 (worker): one pass gives the sums of squares and the sign bits (a sign does
     # not depend on the scale). One alltoall carries the signs and the RMS scales: row j,
@@ -274,12 +270,8 @@ def gathered_allreduce(B, comm, x, worker_error, name, counts=None, out=None):
     ``(out, worker_error, finite)``; a non-finite step leaves the worker error as it was.
     """
     n, d = comm.size, B.numel(x)
-    counts = [d] if counts is None else [int(c) for c in counts]
-    if sum(counts) != d:
-        raise ValueError(f"tensor sizes {counts} do not add up to the buffer's {d} elements")
-    padded = [padded_size(c, n) for c in counts]
+    counts, padded, buf = _padded_input(B, x, counts, n)
     total = sum(padded)
-    buf = _pad_tensors(B, x, counts, padded)
 
     # Phase 1 (worker): sums of squares and sign bits in one pass, as in the two stages.
     sums, bits = compensate_sums_signs(B, buf, worker_error, padded, squares=True)
@@ -313,6 +305,17 @@ def gathered_allreduce_bytes(numel, world_size):
         return 0.0
     tensors = 1 if isinstance(numel, int) else len(numel)
     return (n - 1) * (padded_size(numel, n) // 8 + 4.0 * tensors)
+
+
+def _padded_input(B, x, counts, n):
+    """``(counts, padded sizes, x padded)``: the tensor sizes of ``x`` (``[d]`` when None,
+    checked to add up to ``d``), each padded by DeepSpeed's rule for ``n`` ranks."""
+    d = B.numel(x)
+    counts = [d] if counts is None else [int(c) for c in counts]
+    if sum(counts) != d:
+        raise ValueError(f"tensor sizes {counts} do not add up to the buffer's {d} elements")
+    padded = [padded_size(c, n) for c in counts]
+    return counts, padded, _pad_tensors(B, x, counts, padded)
 
 
 def _pad_tensors(B, x, counts, padded):

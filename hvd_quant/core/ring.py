@@ -209,12 +209,13 @@ GATHER_EXTRA_BYTES = 256 * 1024
 
 def gathers(n, row_bytes):
     """Whether a buffer whose packed row is ``row_bytes`` goes by one allgather of every
-    rank's row at ``n`` ranks, rather than by a reduce-scatter and an allgather (two
-    dependent collectives of about ``2 row_bytes`` each rank in all): from
-    :data:`DIRECT_FROM` ranks on, when the allgather's ``(n - 1) row_bytes`` exceed the
-    two collectives' bytes by at most :data:`GATHER_EXTRA_BYTES` (small buffers, where a
+    rank's row at ``n`` ranks, rather than by the method's usual collectives (a
+    reduce-scatter and an allgather, or an allreduce: about ``2 row_bytes`` per rank in
+    all): from :data:`DIRECT_FROM` ranks on, when the allgather's ``(n - 1) row_bytes``
+    exceed those bytes by at most :data:`GATHER_EXTRA_BYTES` (small buffers, where a
     collective's latency outweighs its bytes). Up to 4 ranks nothing changes: the layouts
-    there stay bit for bit what they were."""
+    there stay bit for bit what they were. Used by onebit, Marsit and both Global-QSGD
+    variants."""
     return n >= DIRECT_FROM and (n - 2) * row_bytes <= GATHER_EXTRA_BYTES
 
 
