@@ -7,7 +7,7 @@ from solo_comm import FrameworkComm, SoloComm
 
 import hvd_quant
 from hvd_quant.compressors.marsit import (CascadingSign, CascadingSignCompressor,
-                                          MarsitCompressor, MarsitSelect)
+                                          MarsitCompressor, MarsitSelect, cascade_tie_mask)
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.packing import pack_signs, packed_sign_bytes, unpack_signs
 from hvd_quant.core.ring import (GATHER_EXTRA_BYTES, butterfly_allreduce, chunk_bounds, direct_allreduce,
@@ -401,7 +401,9 @@ def check_framework(backend):
     # alltoall, and on the gather layout (auto's choice for this small buffer at 5 ranks),
     # its scales riding in the allgather: the numpy oracle's bits.
     xs = random_xs(5, 1, seed=4)[0]
-    for comp in (MarsitCompressor(topology="direct"), MarsitCompressor()):
+    # The cascade likewise (gathered at 5 ranks, its tie-breaks riding with the bits).
+    for comp in (MarsitCompressor(topology="direct"), MarsitCompressor(), CascadingSignCompressor(),
+                 CascadingSignCompressor(topology="direct")):
         outs, _ = framework_run(backend, comp, xs)
         want, _ = framework_run(B, comp, xs)
         for got, ref in zip(outs, want):
@@ -529,8 +531,9 @@ def test_auto_topology_is_direct_from_five_ranks(n, k):
     big = 8 * (GATHER_EXTRA_BYTES // (n - 2) + 1)
     assert MarsitCompressor().buffer_layout(_Layout(n, k), big) == "direct"
     assert MarsitCompressor().buffer_layout(_Layout(n, k), big - 8 * 8) == "gather"
-    # Cascading signs exist only hop by hop: never gathered.
-    assert CascadingSignCompressor().buffer_layout(_Layout(n, k), D) == "direct"
+    # The cascade gathers too, its row twice the bits (they come with as many tie-breaks).
+    assert CascadingSignCompressor().buffer_layout(_Layout(n, k), D, len(SEGMENTS)) == "gather"
+    assert CascadingSignCompressor().buffer_layout(_Layout(n, k), big - 8 * 8) == "direct"
     # One allgather (the signs, with the scales in it): no other collective.
     for meter in auto_meters:
         assert set(meter.by_kind) == {"allgather"}
@@ -563,11 +566,72 @@ def test_gather_layout_with_a_non_finite_rank_returns_nan_and_keeps_the_residual
             np.testing.assert_array_equal(after[key], before[r][key])
 
 
-def test_gather_topology_refuses_cascading_signs():
-    with pytest.raises(ValueError, match="no hops"):
-        MarsitCompressor(topology="gather", hop="cascade")
-    with pytest.raises(ValueError, match="no hops"):
-        CascadingSignCompressor(topology="gather")
+def tree_weights(n):
+    """Each rank's weight in the expected value of a pairwise fold (tree_fold's order,
+    pairs ``(0, 1), (2, 3), ...``, an odd one passing up) of cascading signs: a combine
+    halves both sides' weights."""
+    groups = [[r] for r in range(n)]
+    weights = np.ones(n)
+    while len(groups) > 1:
+        nxt = []
+        for i in range(0, len(groups) - 1, 2):
+            weights[groups[i] + groups[i + 1]] /= 2.0
+            nxt.append(groups[i] + groups[i + 1])
+        if len(groups) % 2:
+            nxt.append(groups[-1])
+        groups = nxt
+    return weights
+
+
+def test_gathered_cascade_is_the_fold_with_each_ranks_shipped_tie_breaks():
+    """Every rank folds the gathered rows pairwise, combine k keeping its own side's bit
+    where rank k's first draw of fair coin flips is 1: the numpy fold by hand, bit for
+    bit, on every rank, from one allgather of twice the bits plus the scales."""
+    n, seed = 5, 3
+    xs = random_xs(n, 1, seed=9)
+    comp = CascadingSignCompressor(topology="gather")
+    outs, _, meters = run_compressor(comp, xs, seed=seed)
+    nbytes = packed_sign_bytes(D)
+    bits = [np.packbits((x >= 0).astype(np.uint8), bitorder="little") for x in xs[0]]
+    masks = [B.to_numpy(cascade_tie_mask(B, B.generator(seed + 1_000_003 * r), nbytes)) for r in range(n)]
+    rows, used = list(bits), iter(masks)
+    while len(rows) > 1:
+        folded = []
+        for i in range(0, len(rows) - 1, 2):
+            m = next(used)
+            folded.append((rows[i] & m) | (rows[i + 1] & ~m))
+        rows = folded + (rows[-1:] if len(rows) % 2 else [])
+    signs = np.where(np.unpackbits(rows[0], bitorder="little")[:D] == 1, 1.0, -1.0)
+    alpha = np.mean([segment_mean_abs(x) for x in xs[0]], axis=0)
+    for out in outs[0]:
+        np.testing.assert_allclose(out, alpha * signs, rtol=1e-5, atol=1e-7)
+    for meter in meters:
+        assert set(meter.by_kind) == {"allgather"}
+        assert meter.bytes_sent == pytest.approx(comp.wire_bytes(D, n, len(SEGMENTS), layout="gather"))
+        assert meter.bytes_sent == (n - 1) * (2 * nbytes + 4 * len(SEGMENTS))
+
+
+@pytest.mark.parametrize("topology", ["gather", "direct"])
+def test_cascade_is_as_biased_gathered_as_in_the_direct_layout(topology):
+    """Both layouts fold the ranks in the same tree, so a rank's weight in the expected
+    sign is halved at each of its combines: at 5 ranks 1/8 for ranks 0-3, 1/2 for rank 4.
+    Signs + + + - - (mean +0.2) give -0.25 in expectation; Marsit's gather gives the
+    exact +0.2."""
+    n, d = 5, 8 * 4000
+    rank_signs = np.array([1.0, 1.0, 1.0, -1.0, -1.0])
+    weights = tree_weights(n)
+    np.testing.assert_allclose(weights, [1 / 8] * 4 + [1 / 2])
+    expected = float(weights @ rank_signs)
+    xs = [np.full(d, s, np.float32) for s in rank_signs]  # |x| = 1: alpha = 1
+    world = ThreadWorld(n)
+    runners = [CompressorRunner(CascadingSignCompressor(topology=topology), B, seed=4) for _ in range(n)]
+    outs = world.run(lambda c: runners[c.rank].reduce(xs[c.rank], c, "g", [("p", d)]))
+    se = np.sqrt((1.0 - expected ** 2) / d)
+    assert abs(outs[0].mean() - expected) <= 5 * se
+    assert abs(outs[0].mean() - rank_signs.mean()) > 20 * se
+    marsit = ThreadWorld(n).run(lambda c: CompressorRunner(MarsitCompressor(topology="gather"), B).reduce(
+        xs[c.rank], c, "g", [("p", d)]))
+    np.testing.assert_allclose(marsit[0], rank_signs.mean(), rtol=1e-6)
 
 
 @pytest.mark.parametrize("topology", ["butterfly", "direct"])

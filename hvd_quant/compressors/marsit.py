@@ -54,14 +54,14 @@ alltoall), or a 4-byte allreduce (the non-finite check) with a constant scale.
 
 import math
 
-from ..core.comm import all_ranks_finite, identical_sum, rank_order_sum
+from ..core.comm import all_ranks_finite, rank_order_sum
 from ..core.compressor import Compressor
 from ..core.hops import HopOperator
 from ..core.packing import (bytes_float, float_bytes, pack_signs, packed_sign_bytes, sign_pack_residual,
                             split_scales, unpack_scaled_sum, unpack_signs, unpack_sum_residual, with_scales)
 from ..core.pipeline import _Done, start_allgather
 from ..core.ring import (DIRECT_FROM, butterfly_allreduce, direct_allreduce, direct_padded_numel, gathers,
-                         is_power_of_two, ring_allreduce, torus_allreduce)
+                         is_power_of_two, ring_allreduce, torus_allreduce, tree_fold)
 from ..core.rng import dyadic_bits, select_bits
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
 
@@ -125,6 +125,37 @@ class CascadingSign(HopOperator):
         tie = B.cast(B.less(B.uniform(rng, 8 * B.numel(own)), B.full(1, 0.5)), "float32") - 0.5
         bits = B.cast(B.greater_equal(total + tie, B.zeros(1)), "uint8")
         return B.packbits(bits)
+
+
+class _ShippedTies(HopOperator):
+    """:class:`CascadingSign`'s rule with the tie-breaks drawn by the ranks that sent
+    them: combine ``k`` of a fold takes the ``k``-th mask, ``(own & mask) | (received &
+    ~mask)`` bitwise (where the two signs agree either gives the same bit; where they
+    differ the mask's fair coin decides, as the re-signing's random half does)."""
+
+    name = "cascade"
+    unit = 1
+
+    def __init__(self, masks):
+        self.masks = iter(masks)
+
+    def combine(self, B, own, own_count, received, received_count, rng):
+        return select_bits(B, own, received, next(self.masks))
+
+
+def cascade_tie_mask(B, rng, nbytes):
+    """``nbytes`` of fair coin flips (each bit 1 with probability 1/2; one random plane),
+    what a rank ships for :func:`fold_gathered_cascade`."""
+    return dyadic_bits(B, rng.next_key(B), 1, 1, nbytes)
+
+
+def fold_gathered_cascade(B, rows, masks):
+    """Cascading signs over gathered rows, the same on every rank: the pairwise fold of
+    the direct layout (:func:`~hvd_quant.core.ring.tree_fold`: ``(0, 1), (2, 3), ...``,
+    then pairs of pairs) over every rank's whole row, combine ``k`` breaking its ties with
+    rank ``k``'s shipped mask. Each rank's stream thus decides some ties, as it does on a
+    ring, and no rank needs another's stream."""
+    return tree_fold(B, rows, [1] * len(rows), _ShippedTies(masks), None)[0]
 
 
 _HOPS = {"marsit": MarsitSelect, "cascade": CascadingSign}
@@ -193,8 +224,11 @@ class MarsitCompressor(Compressor):
         * ``"gather"``: one allgather of every rank's bits with its scales, ``(n - 1)``
           times the bits per rank. There is no hop to select at: every rank decodes the
           exact mean ``alpha * mean_r sign_r``, which the selection estimates without
-          bias (so the same expectation, with less variance, and not a ±1 vector). Not
-          with ``hop="cascade"``, which only exists hop by hop.
+          bias (so the same expectation, with less variance, and not a ±1 vector). With
+          ``hop="cascade"`` each rank also sends as many bits of fair coin flips, and
+          every rank folds the rows pairwise as the direct layout folds its chunks, fold
+          ``k`` breaking its ties with rank ``k``'s flips (:func:`fold_gathered_cascade`):
+          the same cascading rule, ``2 (n - 1)`` times the bits per rank.
         * ``"auto"``: up to 4 ranks a torus with one row per host when the communicator
           knows that every host holds the same number ``k > 1`` of ranks, numbered host
           by host (:meth:`Communicator.ranks_per_node`; Horovod's ``local_size`` and
@@ -203,7 +237,7 @@ class MarsitCompressor(Compressor):
           collective, and their latency, not the bytes, made the 30-hop ring of 16 ranks
           slow (docs/benchmarks/scaling.md); and there, for a buffer small enough that one
           collective's latency outweighs the extra bytes, ``"gather"``
-          (:func:`~hvd_quant.core.ring.gathers`, :meth:`buffer_layout`; Marsit's hop only).
+          (:func:`~hvd_quant.core.ring.gathers`, :meth:`buffer_layout`).
     torus_rows : int
         Number of torus rows (e.g. nodes) for ``topology="torus"``; must divide the
         number of ranks. Rank ``r`` is at row ``r // cols``; rows come from
@@ -240,9 +274,6 @@ class MarsitCompressor(Compressor):
             raise ValueError("topology='torus' needs torus_rows, a positive int")
         if hop not in _HOPS:
             raise ValueError(f"hop must be one of {sorted(_HOPS)}, got {hop!r}")
-        if hop == "cascade" and topology == "gather":
-            raise ValueError("topology='gather' has no hops to re-sign at: cascading signs need "
-                             "'ring', 'torus', 'butterfly', 'direct' or 'auto'")
         if compensation is True:
             compensation = "global"
         if compensation not in ("global", "local", False):
@@ -282,14 +313,19 @@ class MarsitCompressor(Compressor):
     def buffer_layout(self, comm, numel, segments=1):
         """:meth:`layout` for one buffer of ``numel`` elements in ``segments`` tensors:
         ``"auto"``'s direct layout becomes ``"gather"`` where
-        :func:`~hvd_quant.core.ring.gathers` says one allgather of the bits and scales is
-        the cheaper (Marsit's hop only). The same on every rank."""
+        :func:`~hvd_quant.core.ring.gathers` says one allgather of :meth:`gather_row_bytes`
+        is the cheaper. The same on every rank."""
         layout = self.layout(comm)
-        row = packed_sign_bytes(numel) + (4 * segments if self.scale == "mean_abs" else 0)
-        if (layout == "direct" and self.topology == "auto" and self.hop == "marsit"
-                and gathers(comm.size, row)):
+        if (layout == "direct" and self.topology == "auto"
+                and gathers(comm.size, self.gather_row_bytes(numel, segments))):
             return "gather"
         return layout
+
+    def gather_row_bytes(self, numel, segments=1):
+        """What each rank sends in the gather layout: its sign bits, with ``hop="cascade"``
+        as many bits of tie-breaks, and its scales with ``scale="mean_abs"``."""
+        bits = packed_sign_bytes(numel) * (2 if self.hop == "cascade" else 1)
+        return bits + (4 * segments if self.scale == "mean_abs" else 0)
 
     def reduce(self, x, ctx):
         B, comm = ctx.backend, ctx.comm
@@ -302,26 +338,25 @@ class MarsitCompressor(Compressor):
         # small float allgather, summed identically on every rank). Its values double as
         # the non-finite flag. A constant alpha sends no float: then the flag costs one
         # 4-byte allreduce of its own, unless check_finite=False.
-        # The default (mean_abs, local compensation) packs the bits in the same pass as
-        # the scale sums: the ring carries bits only, so it need not wait for alpha, whose
-        # gather is started here and waited for after the ring (phase 4).
-        # With the direct layout the scales ride in its alltoall instead, with the gather
-        # layout in its allgather (phase 3).
-        fused = self.scale == "mean_abs" and self.compensation == "local"
+        # The signs of x + e never depend on alpha, so with a measured alpha the sign
+        # collectives need not wait for it: its gather is started here and waited for
+        # after them (phase 4), or the scales ride in the direct layout's alltoall or the
+        # gather layout's allgather (phase 3). The default (mean_abs, local compensation)
+        # also packs the bits in the same pass as the scale sums.
+        ride = self.scale == "mean_abs"
+        fused = ride and self.compensation == "local"
         layout = self.buffer_layout(comm, d, len(counts))
         if fused:
             sums, bits = compensate_sums_signs(B, x, residual, counts)
             local = segment_means(B, sums, counts)
-            if layout not in ("direct", "gather"):
-                alpha_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
-        elif self.scale == "mean_abs":
+        elif ride:
             local = segment_means(B, compensate_sums(B, x, residual, counts), counts)
-            alpha = identical_sum(B, comm, B.divide(local, float(n)), ctx.collective_name("scale"))
-            finite = B.all_finite(alpha)
         else:
             alpha = B.full(len(counts), self.scale)
             finite = (all_ranks_finite(B, comm, x, ctx.collective_name("finite")) if self.check_finite
                       else B.all_finite(alpha))
+        if ride and layout not in ("direct", "gather"):
+            alpha_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
 
         # Phase 2 (other settings): sign bits of p = x + e; with local compensation the new
         # residual p - alpha * sign(p) in the same pass, kept only on a finite step.
@@ -337,18 +372,27 @@ class MarsitCompressor(Compressor):
 
         # Phase 3: multi-hop allreduce of the sign bits, 1 bit per element on every hop.
         name = ctx.collective_name("signs")
-        if layout == "gather":  # every rank's bits, n rows; decoded with alpha / n per row
-            if fused:
-                row = with_scales(B, B.reshape(bits, (1, nbytes)), 1, B.divide(local, float(n)))
+        if layout == "gather":
+            # Every rank's row: its bits (with hop="cascade" followed by its tie-breaks) and
+            # its scales. Marsit decodes the n rows with alpha / n each; the cascade folds
+            # them into one, as the direct layout would, the same on every rank.
+            cascade = self.hop == "cascade"
+            width = 2 * nbytes if cascade else nbytes
+            row = B.concat([bits, cascade_tie_mask(B, ctx.rng, nbytes)]) if cascade else bits
+            row = B.reshape(row, (1, width))
+            if ride:
+                row = with_scales(B, row, 1, B.divide(local, float(n)))
                 agg, gathered = split_scales(B, start_allgather(comm, row, f"{name}.gather").wait(), n,
-                                             nbytes, len(counts))
+                                             width, len(counts))
                 alpha_handle = _Done(gathered)
             else:
-                agg = B.reshape(start_allgather(comm, B.reshape(bits, (1, nbytes)), f"{name}.gather").wait(),
-                                (-1,))
+                agg = B.reshape(start_allgather(comm, row, f"{name}.gather").wait(), (-1,))
+            if cascade:
+                agg = fold_gathered_cascade(B, [B.slice(agg, r * width, r * width + nbytes) for r in range(n)],
+                                            [B.slice(agg, r * width + nbytes, (r + 1) * width) for r in range(n)])
         elif layout == "butterfly":
             agg = butterfly_allreduce(B, comm, bits, self.op, name, ctx.rng)
-        elif layout == "direct" and fused:
+        elif layout == "direct" and ride:
             agg, gathered = direct_allreduce(B, comm, bits, self.op, name, ctx.rng,
                                              extra=float_bytes(B, B.divide(local, float(n))))
             alpha_handle = _Done(bytes_float(B, gathered))
@@ -365,10 +409,11 @@ class MarsitCompressor(Compressor):
         # (fused primitive unpack_sum_residual), kept only on a finite step: one read of x
         # and e, where a residual pass beside the ring's hops read them once more, with the
         # CPU of the backward pass on a rank that has one core (several ranks per host).
-        if fused:
+        if ride:
             alpha = rank_order_sum(B, alpha_handle.wait(), n)
             finite = B.all_finite(alpha)
-        row_scales = B.concat([B.divide(alpha, float(n))] * n) if layout == "gather" else alpha
+        row_scales = (B.concat([B.divide(alpha, float(n))] * n) if layout == "gather" and self.hop == "marsit"
+                      else alpha)
         if fused:
             out, residual = B.cond(
                 finite,
@@ -387,11 +432,11 @@ class MarsitCompressor(Compressor):
 
     def wire_bytes(self, numel, world_size, segments=1, layout=None):
         """Bytes one rank sends; ``layout`` as :meth:`buffer_layout` returns it (``"direct"``
-        pads the bits to a multiple of ``n`` bytes; ``"gather"`` sends them to every other
-        rank; the others move the same bytes)."""
+        pads the bits to a multiple of ``n`` bytes; ``"gather"`` sends them, with the
+        cascade's tie-breaks, to every other rank; the others move the same bytes)."""
         nbytes = packed_sign_bytes(numel)
         if layout == "gather":
-            nbytes = (world_size - 1) * nbytes
+            nbytes = (world_size - 1) * nbytes * (2 if self.hop == "cascade" else 1)
         elif layout == "direct":
             nbytes = direct_padded_numel(nbytes, world_size)
         ring = nbytes if layout == "gather" else 2.0 * (world_size - 1) / world_size * nbytes

@@ -173,19 +173,14 @@ def _marsit(method, d, n, k, S, options, rank):
                                 compensation=False)
     layout = comp.buffer_layout(_Layout(n, k), d, S)
     W = packed_sign_bytes(d)
-    if layout == "gather":  # Marsit's default path: the scales ride with the bits
-        return [Collective("allgather", W + 4.0 * S, n)]
-    # The scales: inside the direct layout's alltoall on Marsit's default path; else an
-    # allgather, started before the hops and waited for after them (Marsit) or waited for
-    # first (cascading_sign: no error feedback, so no fused pass).
-    fused = method == "marsit"
-    out = []
-    if not (fused and layout == "direct"):
-        out.append(Collective("allgather", 4.0 * S, n, overlapped=fused))
+    if layout == "gather":  # the scales (and the cascade's tie-breaks) ride with the bits
+        return [Collective("allgather", float(comp.gather_row_bytes(d, S)), n)]
+    # The scales (scale="mean_abs", both methods' default): inside the direct layout's
+    # alltoall; else an allgather started before the hops and waited for after them.
     if layout == "direct":
         per = direct_padded_numel(W, n) // n
-        extra = 4.0 * S if fused else 0.0
-        return out + [Collective("alltoall", n * (per + extra), n), Collective("allgather", float(per), n)]
+        return [Collective("alltoall", n * (per + 4.0 * S), n), Collective("allgather", float(per), n)]
+    out = [Collective("allgather", 4.0 * S, n, overlapped=True)]
     if layout == "butterfly":
         sent, lo, hi, m = [], 0, W, 1
         while m < n:

@@ -13,13 +13,15 @@ COMPRESSORS = [
     ("marsit_nocomp", "marsit", {"compensation": False}),
     ("marsit_gather", "marsit", {"topology": "gather"}),  # auto's layout from 5 ranks, small buffers
     ("cascading_sign", "cascading_sign", {}),
+    ("cascading_gather", "cascading_sign", {"topology": "gather"}),  # auto's from 5 ranks: shipped tie-breaks
     ("global_qsgd", "global_qsgd", {}),
     ("global_qsgd_l2", "global_qsgd", {"norm": "l2"}),
     ("global_qsgd_exp", "global_qsgd_exp", {}),
     ("onebit", "onebit", {}),
     ("onebit_gather", "onebit", {"layout": "gather"}),   # likewise
 ]
-DETERMINISTIC = {"none", "fp16", "ef_sign", "onebit", "onebit_gather", "marsit_gather"}
+# cascading_gather draws from each rank's seeded stream, the oracle's too: the same bits.
+DETERMINISTIC = {"none", "fp16", "ef_sign", "onebit", "onebit_gather", "marsit_gather", "cascading_gather"}
 
 
 def rank_input(rank, numel, step):

@@ -77,7 +77,7 @@ def reduce_cases():
 
 # The compressors whose hot paths are fused kernels on TensorFlow too.
 GRAPH_LABELS = ("ef_sign", "marsit", "global_qsgd", "global_qsgd_exp", "onebit", "onebit_gather",
-                "marsit_gather")
+                "marsit_gather", "cascading_gather")
 
 
 def reduce_cases_graph():
