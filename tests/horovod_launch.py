@@ -216,7 +216,8 @@ def skip_gloo_twin(framework, np_):
     The full tier, where MPI is installed (CI), then runs those checks once, under MPI,
     instead of twice: the MPI jobs cost about what the Gloo jobs they replace cost. Gloo
     still runs every compressor and optimizer in the full tier's other jobs (the awkward
-    inputs' sweep at 2 and 3 ranks, Keras, mixed precision, the failure bounds), and the
+    inputs' sweep, torch at 2 and 3 ranks and TensorFlow at 3, Keras, mixed precision, the
+    failure bounds), and the
     quick tier, which never selects the MPI jobs, runs these under Gloo. ``-m "not mpi"``
     runs them under Gloo in any session.
     """

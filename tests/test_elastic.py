@@ -167,7 +167,11 @@ def test_elastic_tensorflow_custom_loop_survivors_continue(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("method", ["onebit", "zero_one_adam"])
+# 0/1 Adam only since 2026-11-29 (the onebit compressor's fit job took about 80 s of a slow
+# day's CI): the onebit compressor's buffers resized on a reset inside
+# hq.DistributedOptimizer are checked by the custom-loop job above ("onebit_opt"), and
+# fit's re-trace and epoch restore by this one.
+@pytest.mark.parametrize("method", ["zero_one_adam"])
 def test_elastic_keras_fit_survivors_continue(tmp_path, method):
     from hvd_quant.core.onebit import padded_size
 

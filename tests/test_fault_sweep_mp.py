@@ -1,5 +1,5 @@
-"""The fault and input sweep (tests/test_fault_sweep.py) under real Horovod, 2 and 3 ranks,
-torch and TensorFlow: every compressor and every 1-bit optimizer on empty tensors, one
+"""The fault and input sweep (tests/test_fault_sweep.py) under real Horovod: torch at 2 and
+3 ranks, TensorFlow at 3: every compressor and every 1-bit optimizer on empty tensors, one
 element, sizes not divisible by the world size or by 8, zeros, subnormals and values near
 the float32 maximum; one rank's inf, -inf or NaN in one element (compressors, and each
 1-bit optimizer at a step of each of its phases); and a parameter whose gradient is None
@@ -18,7 +18,11 @@ from test_fault_sweep import COMPRESSORS, OPTIMIZER_FAULTS, RULES, SIZES, near_m
 # that uses it: the limit must exceed the job's own (1200 s), or pyproject's 300 s applies.
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(1260)]
 WORKER = HERE / "mp" / "sweep_worker.py"
-JOBS = [("torch", 2), ("torch", 3), ("tf", 2), ("tf", 3)]
+# TensorFlow at 3 ranks only (its 2-rank job took 80 s of a slow day's CI): the awkward
+# inputs meet the same TF code at either size, 3 ranks adds uneven chunks, and torch's
+# 2-rank job keeps the layouts of a power of two; every compressor's TF path at 2 ranks
+# runs in tests/test_multiprocess.py's jobs.
+JOBS = [("torch", 2), ("torch", 3), ("tf", 3)]
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=[f"{f}-{n}" for f, n in JOBS])

@@ -182,9 +182,11 @@ def check_low_precision_variables(runs, dtype, path, config):
         assert first["iterations"] == STEPS and first["bytes"] > 0, label
 
 
+# At 2 ranks the methods of one collective; the ring and alltoall ones at 3 ranks (below),
+# where odd chunks add to what 2 ranks would test (a cut of 16 traced cases from CI).
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("path", ["tape", "optimizer"])
-@pytest.mark.parametrize("config", ALL)
+@pytest.mark.parametrize("config", [c for c in ALL if c not in RING])
 def test_keras_low_precision_variables(keras_job, dtype, path, config):
     runs = [_ok(_ok(rank["low_precision_variables"])[f"{dtype}/{path}/{config}"]) for rank in keras_job]
     check_low_precision_variables(runs, dtype, path, config)

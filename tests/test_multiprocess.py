@@ -32,15 +32,14 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(660)]
 WORKER = HERE / "mp" / "worker.py"
 
 # The quick tier (./scripts/test.sh) runs every compressor in both frameworks at 2 and 3
-# ranks; tf-keras (Keras 2) and the MPI jobs only in the full tier, where an MPI job replaces
+# ranks; the MPI jobs only in the full tier, where an MPI job replaces
 # the Gloo job of its framework and rank count (horovod_launch.skip_gloo_twin).
 QUICK, MPI = pytest.mark.quick, [pytest.mark.mpi, pytest.mark.timeout(MPI_TEST_TIMEOUT)]
 JOBS = [pytest.param(("torch", 2, {}, "gloo"), marks=QUICK), pytest.param(("torch", 3, {}, "gloo"), marks=QUICK),
         pytest.param(("tf", 2, {}, "gloo"), marks=QUICK), pytest.param(("tf", 3, {}, "gloo"), marks=QUICK),
-        ("tf", 2, {"TF_USE_LEGACY_KERAS": "1"}, "gloo"),
         pytest.param(("torch", 2, {}, "mpi"), marks=MPI), pytest.param(("torch", 3, {}, "mpi"), marks=MPI),
         pytest.param(("tf", 2, {}, "mpi"), marks=MPI), pytest.param(("tf", 3, {}, "mpi"), marks=MPI)]
-JOB_IDS = ["torch-2", "torch-3", "tf-2", "tf-3", "tf_keras2-2", "torch-2-mpi", "torch-3-mpi", "tf-2-mpi", "tf-3-mpi"]
+JOB_IDS = ["torch-2", "torch-3", "tf-2", "tf-3", "torch-2-mpi", "torch-3-mpi", "tf-2-mpi", "tf-3-mpi"]
 
 
 @pytest.fixture(scope="module", params=JOBS, ids=JOB_IDS)
@@ -49,11 +48,10 @@ def job(request, tmp_path_factory):
     if launcher == "mpi":
         out = mpi_job(framework, nranks, tmp_path_factory) / "worker"
     else:
-        if not env:  # the Keras 2 job has no MPI twin
-            skip_gloo_twin(framework, nranks)
+        skip_gloo_twin(framework, nranks)
         out = tmp_path_factory.mktemp(f"{framework}{nranks}")
         run_horovod(WORKER, nranks, [framework, out], timeout=600, env=env)
-    return {"framework": framework, "size": nranks, "legacy": bool(env), "launcher": launcher,
+    return {"framework": framework, "size": nranks, "launcher": launcher,
             "ranks": load_rank_results(out, nranks)}
 
 
@@ -227,13 +225,7 @@ def test_stock_horovod_and_fused_paths_train(job):
             # ulp can flip a sign bit of a near-zero element.)
             np.testing.assert_allclose(train[f"{name}/ours/eager"], train[f"{name}/ours/fn"],
                                        rtol=1e-5, atol=1e-6)
-        if job["legacy"]:
-            np.testing.assert_allclose(train["ef_sign/ours/eager"], train["ef_sign/stock/eager"],
-                                       rtol=1e-6, atol=1e-7)
-            np.testing.assert_allclose(train["global_qsgd/stock/eager"], train["global_qsgd/stock/fn"],
-                                       rtol=1e-5, atol=1e-6)
-            err = job["ranks"][0]["stock_multi_hop"]
-            assert "hvd_quant.tensorflow.DistributedGradientTape" in err["message"]
+        # Horovod's stock tape exists under tf-keras only: tests/test_keras.py's tf-keras job.
 
 
 def test_staged_collectives_train_the_same_bits(job):

@@ -425,12 +425,16 @@ if MODE == "keras3":
     record("partial_fit", partial_optimizer_fit)
     record("process_set", outside_the_process_set)
     record("aggregated", aggregated_passes)
-elif MODE == "keras3_fit":
+elif MODE == "keras3_fit":  # 3 ranks: fit only (XLA's split is the same at any rank count)
     record("fit", fit_every_compressor)
-    record("jit_split", jit_compile_split)
 elif MODE == "legacy":
     assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     record("legacy_fit", legacy_fit)
+    # Our tape beside Horovod's stock tape under tf-keras: the part of tests/mp/worker.py
+    # that depends on the Keras version (its other checks run under Keras 3 at 2 and 3 ranks).
+    import train_tf
+    record("legacy_tape", train_tf.fused_vs_stock)
+    record("stock_multi_hop", train_tf.stock_refuses_multi_hop)
 else:
     raise SystemExit(f"unknown mode {MODE}")
 
