@@ -434,15 +434,16 @@ class MarsitCompressor(Compressor):
         """Bytes one rank sends; ``layout`` as :meth:`buffer_layout` returns it (``"direct"``
         pads the bits to a multiple of ``n`` bytes; ``"gather"`` sends them, with the
         cascade's tie-breaks, to every other rank; the others move the same bytes)."""
-        nbytes = packed_sign_bytes(numel)
+        n = world_size
+        # A constant scale sends no float: the non-finite flag's 4-byte allreduce instead.
+        flag = 2.0 * (n - 1) / n * 4 if self.scale != "mean_abs" and self.check_finite else 0
         if layout == "gather":
-            nbytes = (world_size - 1) * nbytes * (2 if self.hop == "cascade" else 1)
-        elif layout == "direct":
-            nbytes = direct_padded_numel(nbytes, world_size)
-        ring = nbytes if layout == "gather" else 2.0 * (world_size - 1) / world_size * nbytes
-        if self.scale == "mean_abs":
-            return ring + (world_size - 1) * 4 * segments  # allgather of the scales
-        return ring + (2.0 * (world_size - 1) / world_size * 4 if self.check_finite else 0)
+            return (n - 1) * self.gather_row_bytes(numel, segments) + flag
+        nbytes = packed_sign_bytes(numel)
+        if layout == "direct":
+            nbytes = direct_padded_numel(nbytes, n)
+        scales = (n - 1) * 4 * segments if self.scale == "mean_abs" else 0  # their allgather
+        return 2.0 * (n - 1) / n * nbytes + scales + flag
 
 
 class CascadingSignCompressor(MarsitCompressor):
