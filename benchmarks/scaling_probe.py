@@ -9,8 +9,11 @@ Run inside an emulated cluster (one Horovod job; every variant side by side, int
 
 ``chain``
     Chains of dependent collectives of one kind and size (``allreduce``, ``allgather``,
-    ``alltoall``, and ``hop``: the ring hop of :meth:`HorovodTorchComm.sendrecv`, an
-    alltoall with one non-empty split), each call timed on every rank; per call the
+    ``alltoall``, ``hop``: the ring hop of :meth:`HorovodTorchComm.sendrecv`, an
+    alltoall with one non-empty split, and ``two_phase``: an allreduce as an alltoall of
+    ``n`` chunks, their sum in float32 on the receiving rank, and an allgather of the sums),
+    of a gradient of ``size / 4`` elements sent in each of ``--dtypes`` (``float16``: the
+    wire of ``Compression.fp16``, which Gloo sums in float16), each call timed on every rank; per call the
     median wall time (slowest rank) and the CPU time the process used (all its threads:
     the caller's wait, Horovod's background thread, Gloo's), for every wait mode of
     :mod:`hvd_quant.torch.comm` (``spin``: ``hvd.synchronize``; ``sleep``: poll and sleep; ``default``: what the
@@ -84,16 +87,23 @@ def gather_rows(values):
 
 
 # --- chains of collectives --------------------------------------------------------------------
-def run_chain(comm, kind, nbytes, calls, tag):
+def run_chain(comm, kind, nbytes, calls, tag, dtype="float32"):
     n, r = comm.size, comm.rank
-    numel = max(1, nbytes // 4)
-    x = torch.ones(numel)
+    numel = max(1, nbytes // 4)  # the gradient's elements; the wire has `dtype`'s
+    x = torch.ones(numel, dtype=getattr(torch, dtype))
     times = []
     for i in range(calls):
-        name = f"probe.{tag}.{kind}.{nbytes}.{i % 4}"  # a few names, reused: Horovod's cache hits
+        name = f"probe.{tag}.{kind}.{nbytes}.{dtype}.{i % 4}"  # a few names, reused: Horovod's cache hits
         t = time.perf_counter()
         if kind == "allreduce":
             comm.allreduce(x, "sum", name)
+        elif kind == "two_phase":
+            chunk = -(-numel // n)
+            padded = torch.zeros(chunk * n, dtype=x.dtype)
+            padded[:numel] = x
+            mine = comm.alltoall(padded, name + ".a2a").reshape(n, chunk)
+            total = mine.to(torch.float32).sum(0).to(x.dtype)  # one rounding, not n - 1
+            comm.allgather(total, name + ".ag")[:numel].to(torch.float32)
         elif kind == "allgather":
             comm.allgather(x, name)
         elif kind == "alltoall":
@@ -127,6 +137,7 @@ DEFAULT_WAIT = torch_comm.WAIT
 def chain(args):
     comm = HorovodTorchComm()
     kinds = args.kinds.split(",")
+    dtypes = args.dtypes.split(",")
     sizes = [int(s) for s in args.sizes.split(",")]
     waits = args.waits.split(",")
     results = {}
@@ -135,11 +146,11 @@ def chain(args):
     if hvd.rank() == 0:
         print(f"[probe] idle: Horovod's loop uses {100 * results['idle']['cpu_s_per_s_mean_rank']:.1f}% "
               f"of a core per rank while nothing is sent", flush=True)
-    for kind in kinds:
+    for kind, dtype in [(k, d) for k in kinds for d in dtypes]:
         for nbytes in sizes:
             for wait in waits:  # warm-up: first use of each name is negotiated in full
                 set_wait(wait)
-                run_chain(comm, kind, nbytes, 4, "w")
+                run_chain(comm, kind, nbytes, 4, "w", dtype)
             per = {w: {"wall": [], "cpu": []} for w in waits}
             for rep in range(args.repeats):
                 order = waits[rep % len(waits):] + waits[:rep % len(waits)]
@@ -147,7 +158,7 @@ def chain(args):
                     set_wait(wait)
                     barrier()
                     c0 = time.process_time()
-                    times = run_chain(comm, kind, nbytes, args.calls, "t")
+                    times = run_chain(comm, kind, nbytes, args.calls, "t", dtype)
                     cpu = (time.process_time() - c0) / args.calls
                     per[wait]["wall"] += times
                     per[wait]["cpu"].append(cpu)
@@ -155,15 +166,15 @@ def chain(args):
                 walls = gather_rows(per[wait]["wall"])
                 cpus = gather_rows(per[wait]["cpu"])
                 slowest = [max(col) for col in zip(*walls)]
-                key = f"{kind}/{nbytes}/{wait}"
-                results[key] = {"kind": kind, "bytes": nbytes, "wait": wait,
+                key = f"{kind}/{nbytes}/{wait}" + ("" if dtype == "float32" else f"/{dtype}")
+                results[key] = {"kind": kind, "bytes": nbytes, "dtype": dtype, "wait": wait,
                                 "median_s": statistics.median(slowest),
                                 "mean_s": statistics.fmean(slowest),
                                 "cpu_s_per_call_mean_rank": statistics.fmean(statistics.fmean(c) for c in cpus),
                                 "raw_slowest_s": slowest}
                 if hvd.rank() == 0:
                     r = results[key]
-                    print(f"[probe] {kind:9s} {nbytes:9d} B  wait={wait:5s}  median {1e3 * r['median_s']:8.2f} ms"
+                    print(f"[probe] {kind:9s} {dtype:7s} {nbytes:9d} B  wait={wait:5s}  median {1e3 * r['median_s']:8.2f} ms"
                           f"  mean {1e3 * r['mean_s']:8.2f} ms  cpu/call/rank {1e3 * r['cpu_s_per_call_mean_rank']:7.2f} ms",
                           flush=True)
     return results
@@ -267,7 +278,8 @@ def main(argv=None):
     sub = p.add_subparsers(dest="what", required=True)
     c = sub.add_parser("chain")
     c.add_argument("--kinds", default="allreduce,allgather,alltoall,hop")
-    c.add_argument("--sizes", default="4,16384")
+    c.add_argument("--sizes", default="4,16384", help="bytes of the float32 gradient")
+    c.add_argument("--dtypes", default="float32", help="wire dtypes, e.g. float32,float16")
     c.add_argument("--calls", type=int, default=20)
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--waits", default="spin,sleep")
