@@ -27,7 +27,7 @@ import torch
 from hvd_quant import kernels
 from hvd_quant.compressors import exp_dithering as ed
 from hvd_quant.compressors import global_qsgd as gq
-from hvd_quant.compressors.marsit import MarsitSelect
+from hvd_quant.compressors.marsit import CascadingSign, MarsitSelect
 from hvd_quant.core.hierarchical import select_rows, threshold_rows
 from hvd_quant.core.onebit import padded_size, rms_scale
 from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum, unpack_sums_signs
@@ -83,6 +83,8 @@ def cases(B, x, e):
         "Marsit hop": lambda: MarsitSelect().combine(B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 1, CounterRNG(3)),
         "Marsit hop, odds 1/3 (a draw per element)": lambda: MarsitSelect().combine(
             B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 2, CounterRNG(3)),
+        "cascading-sign hop (decode both, add, re-sign: the baseline Marsit replaces)": lambda: CascadingSign().combine(
+            B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 1, CounterRNG(5)),
         "BinSGDM hierarchy re-binarisation, 2 rows (a random row)": lambda: select_rows(
             B, two_rows[:2 * (d // 8)], 2, 7),
         "BinSGDM hierarchy re-binarisation, 3 rows (a draw per element)": lambda: threshold_rows(

@@ -291,7 +291,8 @@ def touched_sign(d, n):
 
 
 def touched_cascading(d, n):
-    """No residual: scale (read F), sign + pack (read F), decode (write F)."""
+    """No residual: scale (read F), sign + pack (read F), decode (write F), and the folds
+    of its hops in bytes of a copy (``costmodel.cascade_fold_bytes``: compute, measured)."""
     return costmodel.memory_bytes("cascading_sign", d, n)
 
 

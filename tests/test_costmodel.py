@@ -110,6 +110,47 @@ def test_marsit_torus_collectives_match_the_code(rows, n):
         assert log == model_list("marsit", 1003, n, None, 2, options, r)
 
 
+@pytest.mark.parametrize("d,n,k,options", [
+    (20_000, 3, None, {}),                                 # ring
+    (300_000, 6, None, {}),                                # direct (beyond the gather rule)
+    (20_000, 6, None, {}),                                 # gather
+    (20_000, 6, None, {"topology": "torus", "torus_rows": 2}),
+    (20_000, 4, None, {"topology": "butterfly"}),
+    (300_000, 8, 2, {})])
+def test_cascade_fold_bytes_count_the_combines_the_code_makes(monkeypatch, d, n, k, options):
+    """The model's cascade folds against the combines each rank really makes: the float32
+    rule over (n - 1) / n of the elements, or the gather layout's n - 1 bitwise selections
+    of whole rows."""
+    import threading
+    from hvd_quant.compressors import marsit
+    from hvd_quant.core.packing import packed_sign_bytes
+
+    counts, lock = {}, threading.Lock()
+
+    def counting(cls, unit):
+        inner = cls.combine
+
+        def combine(self, B_, own, *rest):
+            with lock:
+                row = counts.setdefault(threading.get_ident(), [0, 0])
+                row[unit] += 8 * B_.numel(own) if unit == 0 else 1
+            return inner(self, B_, own, *rest)
+        monkeypatch.setattr(cls, "combine", combine)
+    counting(marsit.CascadingSign, 0)
+    counting(marsit._ShippedTies, 1)
+    recorded_compressor("cascading_sign", d, n, k, 2, options)  # two reductions per rank
+    elements = [row[0] / 2 for row in counts.values()]
+    selections = [row[1] / 2 for row in counts.values()]
+    model = costmodel.cascade_fold_bytes(d, n, k, 2, options)
+    if any(selections):
+        assert not any(elements) and selections == [n - 1] * n
+        assert model == 4.0 * (n - 1) * packed_sign_bytes(d)
+    else:
+        # Chunks are whole bytes (and padded to n of them in the direct layout).
+        assert np.mean(elements) == pytest.approx(d * (n - 1) / n, rel=2 * n * 8 * n / d)
+        assert model == pytest.approx(costmodel.CASCADE_COMBINE_BYTES * np.mean(elements), rel=2 * n * 8 * n / d)
+
+
 HP = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 RULES = {
     "onebit_adam": lambda k: OnebitAdamRule(freeze_step=1),

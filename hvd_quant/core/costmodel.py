@@ -25,7 +25,8 @@ Time of one step of one buffer, per rank (:func:`predict`)::
   (Gloo's allgather and alltoall were measured at about half the link rate on shaped
   links);
 * memory: the passes of the method over the buffer (:func:`memory_bytes`, lower bounds),
-  at a measured copy bandwidth (bytes read plus written per second);
+  at a measured copy bandwidth (bytes read plus written per second), and
+  ``cascading_sign``'s folds in bytes of a copy (:func:`cascade_fold_bytes`, measured);
 * for torch's PowerSGD only, its matrix products at a rate of floating-point operations
   (:func:`powersgd_flops`).
 
@@ -165,12 +166,17 @@ def _ring_hops(nbytes, n, ranks, r=0):
     return [Collective("sendrecv", float(b), ranks) for b in rs + ag]
 
 
-def _marsit(method, d, n, k, S, options, rank):
+def _marsit_compressor(method, options):
     from ..compressors.marsit import MarsitCompressor
     comp = MarsitCompressor(topology=options.get("topology", "auto"), torus_rows=options.get("torus_rows"))
     if method == "cascading_sign":
         comp = MarsitCompressor(topology=comp.topology, torus_rows=comp.torus_rows, hop="cascade",
                                 compensation=False)
+    return comp
+
+
+def _marsit(method, d, n, k, S, options, rank):
+    comp = _marsit_compressor(method, options)
     layout = comp.buffer_layout(_Layout(n, k), d, S)
     W = packed_sign_bytes(d)
     if layout == "gather":  # the scales (and the cascade's tie-breaks) ride with the bits
@@ -252,9 +258,39 @@ def fp32_ring_bytes(numel, world_size):
     return 2.0 * (n - 1) / n * 4 * numel if n > 1 else 0.0
 
 
-def memory_bytes(method, numel, world_size):
+#: One element of a combine of :class:`~hvd_quant.compressors.marsit.CascadingSign`, in
+#: bytes of a copy: the time a copy at the memory bandwidth takes to move this many bytes.
+#: Measured, not counted. Its passes add up to about 62 bytes per element (both chunks decoded
+#: to float32, their sum, a uniform per element for the ties, the re-signing and packing), but
+#: the uniform draws and the table lookups are compute. On one core (issue 42, 2026-11-29): the
+#: direct layout's fold of a 3.7M buffer at 4, 8 and 16 ranks (chunks of 0.2-0.9M elements)
+#: took 8.5-11 ns per element, 130-215 bytes of a 64 MB copy at 12-21 GB/s; one combine of the
+#: whole buffer 16 ns, 300 bytes (``bench_quantize.py``'s cascading-sign hop, 37x a ``copy_``).
+#: 180 is the folds' middle. Marsit's bitwise selection of the same chunks took 1/30 of it.
+CASCADE_COMBINE_BYTES = 180.0
+
+
+def cascade_fold_bytes(numel, world_size, ranks_per_node=None, segments=1, options=None):
+    """What one rank's combines of ``cascading_sign`` cost for one buffer, in bytes of a copy.
+
+    Every layout that reduces chunks (ring, torus, butterfly, direct) has each rank combine
+    ``(n - 1) / n`` of the buffer's elements once, through :class:`CascadingSign`'s float32
+    rule (:data:`CASCADE_COMBINE_BYTES` each); the gather layout folds ``n`` whole rows of
+    packed bits bitwise instead, ``n - 1`` selections reading two rows and a mask and
+    writing one (counted; on small buffers their Python overhead is more)."""
+    d, n = int(numel), int(world_size)
+    if n <= 1:
+        return 0.0
+    comp = _marsit_compressor("cascading_sign", options or {})
+    if comp.buffer_layout(_Layout(n, ranks_per_node), d, segments) == "gather":
+        return 4.0 * (n - 1) * packed_sign_bytes(d)
+    return CASCADE_COMBINE_BYTES * d * (n - 1) / n
+
+
+def memory_bytes(method, numel, world_size, ranks_per_node=None, segments=1):
     """Bytes one rank reads and writes in memory to reduce ``numel`` elements (lower bounds,
-    passes over the buffer; network copies belong to the link)."""
+    passes over the buffer; network copies belong to the link). ``ranks_per_node`` and
+    ``segments`` choose ``cascading_sign``'s layout, whose folds depend on it."""
     d, n = float(numel), int(world_size)
     F = 4.0 * d
     ring = 4.0 * F * (n - 1) / n
@@ -267,7 +303,7 @@ def memory_bytes(method, numel, world_size):
         # gathered or ring bits
         return F * (6.0 + (2.0 * n - 1.0) / 32.0)
     if method == "cascading_sign":
-        return F * (3.0 + n / 32.0)
+        return F * (3.0 + n / 32.0) + cascade_fold_bytes(numel, n, ranks_per_node, segments)
     if method in ("global_qsgd", "global_qsgd_exp"):
         w = 1.0 * d  # one byte per element on the wire
         return 3.0 * F + 2.0 * w + 4.0 * w * (n - 1) / n
@@ -412,7 +448,7 @@ def predict(method, numel, world_size, link, ranks_per_node=None, segments=1, bu
         comm += comm_seconds(colls, link)
         nbytes += wire_bytes(colls)
         count += sum(1 for c in colls if not c.overlapped)
-        memory += memory_bytes(method, b, world_size) / link.memory_bps
+        memory += memory_bytes(method, b, world_size, ranks_per_node, seg) / link.memory_bps
     compute = 0.0
     if method == "ddp_powersgd" and (options or {}).get("shapes"):
         compute = powersgd_flops(options["shapes"], options.get("rank", 4)) / link.flops
