@@ -31,6 +31,7 @@ from hvd_quant.compressors.marsit import CascadingSign, MarsitSelect
 from hvd_quant.core.hierarchical import select_rows, threshold_rows
 from hvd_quant.core.onebit import padded_size, rms_scale
 from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum, unpack_sums_signs
+from hvd_quant.core.ring import tree_fold
 from hvd_quant.core.rng import CounterRNG, random_bytes
 from hvd_quant.core.segments import compensate_sums
 from hvd_quant.optimizers import elementwise as ew
@@ -85,6 +86,8 @@ def cases(B, x, e):
             B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 2, CounterRNG(3)),
         "cascading-sign hop (decode both, add, re-sign: the baseline Marsit replaces)": lambda: CascadingSign().combine(
             B, bits, 1, two_rows[d // 8 + (d % 8 > 0):], 1, CounterRNG(5)),
+        "cascading-sign fold of 16 chunks (the direct layout at 16 ranks)": lambda: tree_fold(
+            B, list(bits[:bits.numel() // 16 * 16].reshape(16, -1)), [1] * 16, CascadingSign(), CounterRNG(5)),
         "BinSGDM hierarchy re-binarisation, 2 rows (a random row)": lambda: select_rows(
             B, two_rows[:2 * (d // 8)], 2, 7),
         "BinSGDM hierarchy re-binarisation, 3 rows (a draw per element)": lambda: threshold_rows(

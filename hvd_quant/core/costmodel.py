@@ -262,12 +262,12 @@ def fp32_ring_bytes(numel, world_size):
 #: bytes of a copy: the time a copy at the memory bandwidth takes to move this many bytes.
 #: Measured, not counted. Its passes add up to about 62 bytes per element (both chunks decoded
 #: to float32, their sum, a uniform per element for the ties, the re-signing and packing), but
-#: the uniform draws and the table lookups are compute. On one core (issue 42, 2026-11-29): the
-#: direct layout's fold of a 3.7M buffer at 4, 8 and 16 ranks (chunks of 0.2-0.9M elements)
-#: took 8.5-11 ns per element, 130-215 bytes of a 64 MB copy at 12-21 GB/s; one combine of the
-#: whole buffer 16 ns, 300 bytes (``bench_quantize.py``'s cascading-sign hop, 37x a ``copy_``).
-#: 180 is the folds' middle. Marsit's bitwise selection of the same chunks took 1/30 of it.
-CASCADE_COMBINE_BYTES = 180.0
+#: the uniform draws and the table lookups are compute. On one core (issue 42, 2026-11-29),
+#: the direct layout's fold of a 3.7M buffer at 4, 8 and 16 ranks took 8.5-11.6 ns per element
+#: combined, 130-250 bytes of a copy at 12-21 GB/s (``bench_quantize.py``'s "cascading-sign
+#: fold of 16 chunks": 29-30 ``copy_`` of the buffer, 250 bytes); 200 is their middle.
+#: Marsit's bitwise selection of the same chunks took 1/30 of it.
+CASCADE_COMBINE_BYTES = 200.0
 
 
 def cascade_fold_bytes(numel, world_size, ranks_per_node=None, segments=1, options=None):
