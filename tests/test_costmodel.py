@@ -127,13 +127,13 @@ def test_cascade_fold_bytes_count_the_combines_the_code_makes(monkeypatch, d, n,
 
     counts, lock = {}, threading.Lock()
 
-    def counting(cls, unit):
+    def counting(cls, slot):  # per rank (its thread): [elements combined, bitwise selections]
         inner = cls.combine
 
         def combine(self, B_, own, *rest):
             with lock:
                 row = counts.setdefault(threading.get_ident(), [0, 0])
-                row[unit] += 8 * B_.numel(own) if unit == 0 else 1
+                row[slot] += 8 * B_.numel(own) if slot == 0 else 1
             return inner(self, B_, own, *rest)
         monkeypatch.setattr(cls, "combine", combine)
     counting(marsit.CascadingSign, 0)
