@@ -134,6 +134,8 @@ def main():
         kinds = collections.Counter(opt.step_kinds) if hasattr(opt, "step_kinds") else None
         report.epoch(epoch, loss, acc, sent, step_time, steps, getattr(opt, "comm_rounds", None), kinds)
     report.finish(fp32_bytes, getattr(opt, "skipped_steps", None))
+    if ddp_bytes is not None:
+        torch.distributed.destroy_process_group()  # torch asks every program that made a group to end it
 
 
 def _bytes(opt, compression, ddp_bytes=None, steps=0):

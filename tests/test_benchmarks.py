@@ -337,8 +337,27 @@ def test_gpu_benchmark_runs_under_the_interpreter(tmp_path):
     others = {r["name"]: r for r in layout["others"]}
     assert set(others) == {"DeepSpeed 1-bit, CuPy recipe", "PowerSGD hook, rank 1", "PowerSGD hook, rank 4"}
     assert all(r["ms"] is not None or r["skipped"] for r in others.values())
+    # PowerSGD runs wherever torch.distributed has Gloo: measured (in its child process), not skipped.
+    assert others["PowerSGD hook, rank 1"]["ms"] > 0 and others["PowerSGD hook, rank 4"]["ms"] > 0
     table = (out / "bench_gpu.md").read_text()
     assert "times mean nothing" in table and "| ef_sign |" in table and "| sign_pack |" in table
+
+
+def test_gpu_benchmark_reports_a_failed_powersgd_child(monkeypatch):
+    """bench_gpu's PowerSGD child (a process of its own: its docstring says why) that
+    exits non-zero, or measures nothing, gives every rank's row skipped with the reason;
+    the benchmark goes on."""
+    import bench_gpu
+    import torch
+
+    monkeypatch.setattr(sys, "executable", "false")  # a child that prints nothing and exits 1
+    rows = bench_gpu.powersgd_in_child(torch.device("cpu"), [(4, 4)], 1)
+    assert [r["name"] for r in rows] == ["PowerSGD hook, rank 1", "PowerSGD hook, rank 4"]
+    assert all(r["ms"] is None and r["skipped"] == "child failed: exit status 1" for r in rows)
+    monkeypatch.undo()
+    # A device the child cannot use: it reports each rank skipped with torch's error, exit 0.
+    rows = bench_gpu.powersgd_in_child(torch.device("meta"), [(4, 4)], 1)
+    assert all(r["ms"] is None and r["skipped"] for r in rows), rows
 
 
 def test_gpu_benchmark_judges_the_issues_targets():
