@@ -412,6 +412,7 @@ def powersgd_runs(device, shapes, rank):
 
 POWERSGD_RANKS = (1, 4)
 POWERSGD_CHILD_TIMEOUT_S = 900
+POWERSGD_ROWS = {rank: f"PowerSGD hook, rank {rank}" for rank in POWERSGD_RANKS}  # the report's row names
 
 
 def powersgd_child(device, shapes, repeats):
@@ -429,8 +430,7 @@ def powersgd_child(device, shapes, repeats):
     first, and this process skips a teardown it has no use for."""
     clock = Clock(device)
     rows = []
-    for rank in POWERSGD_RANKS:
-        name = f"PowerSGD hook, rank {rank}"
+    for rank, name in POWERSGD_ROWS.items():
         try:
             run, why = powersgd_runs(device, shapes, rank)
             ms = None if run is None else 1e3 * clock(run, repeats, wall=True)
@@ -450,16 +450,16 @@ def powersgd_in_child(device, shapes, repeats):
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--powersgd-child",
            json.dumps({"device": str(device), "shapes": shapes, "repeats": repeats})]
-    names = [f"PowerSGD hook, rank {rank}" for rank in POWERSGD_RANKS]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=POWERSGD_CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return [{"name": n, "ms": None, "skipped": f"no result in {POWERSGD_CHILD_TIMEOUT_S} s"} for n in names]
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    return [{"name": n, "ms": None, "skipped": f"child failed: {tail}"} for n in names]
+        why = f"no result in {POWERSGD_CHILD_TIMEOUT_S} s"
+    else:
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and lines:
+            return json.loads(lines[-1])
+        why = "child failed: " + (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return [{"name": name, "ms": None, "skipped": why} for name in POWERSGD_ROWS.values()]
 
 
 # --- the run -----------------------------------------------------------------------------------
