@@ -88,6 +88,9 @@ def gather_rows(values):
 
 # --- chains of collectives --------------------------------------------------------------------
 def run_chain(comm, kind, nbytes, calls, tag, dtype="float32"):
+    """``calls`` dependent collectives of ``kind``, each timed on this rank (seconds). Every
+    rank sends ones, so each result is known: the first call's is checked (a variant that
+    is fast because it is wrong must not win)."""
     n, r = comm.size, comm.rank
     numel = max(1, nbytes // 4)  # the gradient's elements; the wire has `dtype`'s
     x = torch.ones(numel, dtype=getattr(torch, dtype))
@@ -96,23 +99,25 @@ def run_chain(comm, kind, nbytes, calls, tag, dtype="float32"):
         name = f"probe.{tag}.{kind}.{nbytes}.{dtype}.{i % 4}"  # a few names, reused: Horovod's cache hits
         t = time.perf_counter()
         if kind == "allreduce":
-            comm.allreduce(x, "sum", name)
+            out, expected = comm.allreduce(x, "sum", name), n
         elif kind == "two_phase":
             chunk = -(-numel // n)
             padded = torch.zeros(chunk * n, dtype=x.dtype)
             padded[:numel] = x
             mine = comm.alltoall(padded, name + ".a2a").reshape(n, chunk)
             total = mine.to(torch.float32).sum(0).to(x.dtype)  # one rounding, not n - 1
-            comm.allgather(total, name + ".ag")[:numel].to(torch.float32)
+            out, expected = comm.allgather(total, name + ".ag")[:numel].to(torch.float32), n
         elif kind == "allgather":
-            comm.allgather(x, name)
+            out, expected = comm.allgather(x, name), 1
         elif kind == "alltoall":
-            comm.alltoall(torch.ones(numel * n), name)
+            out, expected = comm.alltoall(torch.ones(numel * n), name), 1
         elif kind == "hop":
-            comm.sendrecv(x, (r + 1) % n, (r - 1) % n, name)
+            out, expected = comm.sendrecv(x, (r + 1) % n, (r - 1) % n, name), 1
         else:
             raise ValueError(kind)
         times.append(time.perf_counter() - t)
+        if i == 0 and not bool((out == expected).all()):
+            raise AssertionError(f"probe: {kind} of {dtype} ones gave {out.unique().tolist()}, not all {expected}")
     return times
 
 
@@ -273,7 +278,8 @@ def digits(args):
     return results
 
 
-def main(argv=None):
+def parser():
+    """The command line: ``chain`` and ``digits`` with their options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     c = sub.add_parser("chain")
@@ -294,7 +300,11 @@ def main(argv=None):
     for q in (c, d):
         q.add_argument("--out", default="")
     # "default": the library's own choice (HVD_QUANT_WAIT or auto), left as it is.
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     hvd.init()
     torch.set_num_threads(hvd_quant.threads_per_rank())
     t0 = time.perf_counter()

@@ -491,3 +491,55 @@ def test_extrapolation_takes_the_shares_of_one_calibrated_rate():
         assert both[rate].efficiency["allreduce"] == pytest.approx(0.74)
     with pytest.raises(SystemExit, match="100mbit, 1gbit"):
         ex.links(calibration, 25e-6, 1e-3, 20e9, 50e9, "10gbit")
+
+
+PROBE_JOB = """
+import json, sys
+import horovod.torch as hvd
+import scaling_probe as probe
+
+hvd.init()
+p = probe.parser()
+chain = probe.chain(p.parse_args(["chain", "--kinds", "allreduce,allgather,alltoall,hop,two_phase",
+                                  "--sizes", "4,4004", "--dtypes", "float32,float16", "--calls", "2",
+                                  "--repeats", "2", "--waits", "spin,sleep", "--idle", "0.2"]))
+digits = probe.digits(p.parse_args(["digits", "--configs", "none,ef_sign:seed=3,horovod_fp16",
+                                    "--waits", "sleep", "--steps", "2", "--rounds", "2", "--hidden", "16"]))
+if hvd.rank() == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump({"chain": chain, "digits": digits}, f, allow_nan=True)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_scaling_probe_chains_and_digits_steps_at_three_ranks(tmp_path):
+    """``scaling_probe.py``'s two probes in one job at 3 ranks (an odd count: the two-phase
+    allreduce pads its chunks): every kind of chain in float32 and float16 for both wait
+    modes, each checked on its first call (ones in, the known sum out), timed with CPU
+    time; the digits step through ``hq.DistributedOptimizer`` and Horovod's own fp16, with
+    the collectives its waits saw (none for Horovod's own optimizer) and the bytes sent."""
+    from horovod_launch import run_horovod
+
+    script, out = tmp_path / "probe_job.py", tmp_path / "probe.json"
+    script.write_text(PROBE_JOB)
+    run_horovod(script, 3, [out], timeout=240, env={"PYTHONPATH": os.pathsep.join([str(BENCH), str(ROOT)])})
+    result = json.loads(out.read_text())
+    chain = result["chain"]
+    assert 0 <= chain.pop("idle")["cpu_s_per_s_mean_rank"] < 3
+    kinds = ("allreduce", "allgather", "alltoall", "hop", "two_phase")
+    expected = {f"{k}/{b}/{w}" + ("" if d == "float32" else f"/{d}")
+                for k in kinds for b in (4, 4004) for w in ("spin", "sleep") for d in ("float32", "float16")}
+    assert set(chain) == expected
+    for key, row in chain.items():
+        assert len(row["raw_slowest_s"]) == 4 and row["median_s"] > 0, key  # 2 repeats x 2 calls
+        assert row["cpu_s_per_call_mean_rank"] > 0, key
+    digits = result["digits"]
+    assert set(digits) == {"none|sleep", "ef_sign:seed=3|sleep", "horovod_fp16|sleep"}
+    for key, row in digits.items():
+        assert len(row["step_s_rounds"]) == 2 and row["step_s_median"] > 0 and row["cpu_s_per_step_mean_rank"] > 0
+    assert digits["none|sleep"]["collectives_per_step"] >= 1
+    assert digits["ef_sign:seed=3|sleep"]["collectives_per_step"] >= 1
+    assert digits["horovod_fp16|sleep"]["collectives_per_step"] == 0  # Horovod's optimizer: not our waits
+    assert digits["ef_sign:seed=3|sleep"]["bytes_sent_total"] < digits["none|sleep"]["bytes_sent_total"]
