@@ -425,7 +425,7 @@ def powersgd_child(device, shapes, repeats):
     thread reaches interpreter teardown first, the worker's GIL request ends its thread
     inside a C++ destructor and the process aborts ("terminate called without an active
     exception": seen in this benchmark's CI check, and reproduced in 18 of 40 runs of a
-    20-line script; pytorch/pytorch#190489). ``destroy_process_group()`` does not help: the
+    short script; pytorch/pytorch#190489). ``destroy_process_group()`` does not help: the
     DDP reducer still holds the group. Measured here, the rows are printed and flushed
     first, and this process skips a teardown it has no use for."""
     clock = Clock(device)
