@@ -151,6 +151,20 @@ def test_cascade_fold_bytes_count_the_combines_the_code_makes(monkeypatch, d, n,
         assert model == pytest.approx(costmodel.CASCADE_COMBINE_BYTES * np.mean(elements), rel=2 * n * 8 * n / d)
 
 
+def test_predict_charges_the_cascade_folds_of_the_topology_asked_for():
+    """``predict``'s memory term takes the method's options: ``cascading_sign`` on an
+    explicit torus folds float32 chunks, where ``auto`` would gather a buffer this small
+    and fold bits (about 12x fewer bytes of a copy)."""
+    link = LinkModel(1e9, latency0=dict.fromkeys(costmodel.KINDS, 1e-3),
+                     latency1=dict.fromkeys(costmodel.KINDS, 1e-4),
+                     efficiency=dict(costmodel.EMULATED_EFFICIENCY), memory_bps=10e9)
+    torus = {"topology": "torus", "torus_rows": 2}
+    p = predict("cascading_sign", 20_000, 6, link, buckets=[20_000], options=torus)
+    on_torus = costmodel.memory_bytes("cascading_sign", 20_000, 6, options=torus)
+    assert p["memory_s"] == pytest.approx(on_torus / 10e9)
+    assert on_torus > 10 * costmodel.memory_bytes("cascading_sign", 20_000, 6)
+
+
 HP = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 RULES = {
     "onebit_adam": lambda k: OnebitAdamRule(freeze_step=1),

@@ -287,10 +287,11 @@ def cascade_fold_bytes(numel, world_size, ranks_per_node=None, segments=1, optio
     return CASCADE_COMBINE_BYTES * d * (n - 1) / n
 
 
-def memory_bytes(method, numel, world_size, ranks_per_node=None, segments=1):
+def memory_bytes(method, numel, world_size, ranks_per_node=None, segments=1, options=None):
     """Bytes one rank reads and writes in memory to reduce ``numel`` elements (lower bounds,
-    passes over the buffer; network copies belong to the link). ``ranks_per_node`` and
-    ``segments`` choose ``cascading_sign``'s layout, whose folds depend on it."""
+    passes over the buffer; network copies belong to the link). ``ranks_per_node``,
+    ``segments`` and ``options`` (its topology) choose ``cascading_sign``'s layout, whose
+    folds depend on it."""
     d, n = float(numel), int(world_size)
     F = 4.0 * d
     ring = 4.0 * F * (n - 1) / n
@@ -303,7 +304,7 @@ def memory_bytes(method, numel, world_size, ranks_per_node=None, segments=1):
         # gathered or ring bits
         return F * (6.0 + (2.0 * n - 1.0) / 32.0)
     if method == "cascading_sign":
-        return F * (3.0 + n / 32.0) + cascade_fold_bytes(numel, n, ranks_per_node, segments)
+        return F * (3.0 + n / 32.0) + cascade_fold_bytes(numel, n, ranks_per_node, segments, options)
     if method in ("global_qsgd", "global_qsgd_exp"):
         w = 1.0 * d  # one byte per element on the wire
         return 3.0 * F + 2.0 * w + 4.0 * w * (n - 1) / n
@@ -448,7 +449,7 @@ def predict(method, numel, world_size, link, ranks_per_node=None, segments=1, bu
         comm += comm_seconds(colls, link)
         nbytes += wire_bytes(colls)
         count += sum(1 for c in colls if not c.overlapped)
-        memory += memory_bytes(method, b, world_size, ranks_per_node, seg) / link.memory_bps
+        memory += memory_bytes(method, b, world_size, ranks_per_node, seg, options) / link.memory_bps
     compute = 0.0
     if method == "ddp_powersgd" and (options or {}).get("shapes"):
         compute = powersgd_flops(options["shapes"], options.get("rank", 4)) / link.flops
