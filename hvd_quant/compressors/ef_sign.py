@@ -27,12 +27,24 @@ Non-finite input: a NaN or inf in ``p`` makes its segment's scale non-finite; th
 arrive with the bits, before any residual is touched, so every rank sees it first. Such
 a step returns NaN for the whole buffer on every rank and leaves every residual exactly
 as it was (its bits are still sent, so that every rank issues the same collectives).
+
+Chunked (:meth:`EFSignCompressor.reduce_chunked`, the torch optimizer's
+``pipeline_chunk_mb``): the scales of the whole buffer first, by an allgather of their
+own, then the sign allgather cut into chunks, chunk ``k + 1`` packed and chunk ``k - 1``
+decoded while chunk ``k`` travels. Bit-identical to the unchunked method: the
+per-segment scales come from the whole buffer, chunk boundaries fall on multiples of 8
+elements so the packed bytes are the same bytes, and encoding and decoding are
+element-wise.
 """
 
+import numpy as np
+
 from ..core.compressor import Compressor
-from ..core.packing import packed_sign_bytes, split_scales, unpack_sum_residual, with_scales
-from ..core.pipeline import start_allgather
-from ..core.segments import compensate_sums_signs, segment_means
+from ..core.packing import (packed_sign_bytes, sign_pack_residual, split_scales, unpack_scaled_sum,
+                            unpack_sum_residual, with_scales)
+from ..core.pipeline import pipelined, start_allgather
+from ..core.segments import (chunk_segments, compensate_sums, compensate_sums_signs, segment_bounds,
+                             segment_means)
 
 
 class EFSignCompressor(Compressor):
@@ -40,6 +52,7 @@ class EFSignCompressor(Compressor):
 
     name = "ef_sign"
     stateful = True
+    chunkable = True
 
     def reduce(self, x, ctx):
         B, comm = ctx.backend, ctx.comm
@@ -73,6 +86,52 @@ class EFSignCompressor(Compressor):
             lambda: (B.full(d, float("nan")), residual))
         ctx.state.set("residual", residual)
         return mean
+
+    def reduce_chunked(self, x, ctx, chunks):
+        """:meth:`reduce` with the sign allgather cut into ``chunks`` (module docstring)."""
+        B, comm = ctx.backend, ctx.comm
+        d, n = B.numel(x), comm.size
+        counts = [c for _, c in ctx.segments]
+        residual = ctx.state.get("residual")
+
+        # Phases 1-2 over the whole buffer: per-segment scales, then every rank's scales
+        # by allgather (the finite verdict comes with them).
+        scales = segment_means(B, compensate_sums(B, x, residual, counts), counts)
+        all_scales = comm.allgather(scales, ctx.collective_name("scales"))
+        if not bool(B.to_numpy(B.all_finite(all_scales))):
+            return B.full(d, float("nan"))  # every rank sees the same scales: residual kept
+
+        # Phase 3, chunk by chunk: pack the signs and the residual, gather, decode.
+        own = B.to_numpy(scales)
+        rows = B.to_numpy(all_scales).reshape(n, len(counts)) / np.float32(n)  # as unchunked: scale / n
+        in_place = B.kernel("sign_pack_residual", x, residual, scales) is not None
+        decode = B.kernel("unpack_scaled_sum", B.zeros(0, "uint8"), scales)
+        out = (ctx.out if ctx.out is not None else B.zeros(d)) if decode is not None else None
+        pieces, new_residual = [], []
+
+        def encode(k):
+            a, b = chunks[k]
+            idx, sub = chunk_segments(counts, a, b)
+            r_slice = B.slice(residual, a, b)
+            bits, res = sign_pack_residual(B, B.slice(x, a, b), r_slice,
+                                           B.constant(own[idx], "float32"), sub, out=r_slice)
+            if not in_place:
+                new_residual.append(res)
+            return start_allgather(comm, bits, ctx.collective_name(f"signs.c{k}")), idx, sub
+
+        def finish(k, pending):
+            handle, idx, sub = pending
+            a, b = chunks[k]
+            all_bits = handle.wait()
+            chunk_scales = B.constant(np.ascontiguousarray(rows[:, idx]).reshape(-1), "float32")
+            if decode is not None:
+                decode(all_bits, chunk_scales, segment_bounds(sub), b - a, out=B.slice(out, a, b))
+            else:
+                pieces.append(unpack_scaled_sum(B, all_bits, chunk_scales, sub, b - a))
+
+        pipelined(len(chunks), encode, finish)
+        ctx.state.set("residual", residual if in_place else B.concat(new_residual))
+        return out if out is not None else B.concat(pieces)
 
     def wire_bytes(self, numel, world_size, segments=1):
         return float((world_size - 1) * (packed_sign_bytes(numel) + 4 * segments))

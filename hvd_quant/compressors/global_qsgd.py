@@ -57,6 +57,7 @@ import math
 from ..core.comm import identical_sum, rank_order_sum
 from ..core.compressor import Compressor
 from ..core.packing import pack_lanes, packed_lane_words, unpack_lanes
+from ..core.pipeline import pipelined, start_allreduce
 from ..core.ring import gathers
 from ..core.rng import hash_bits, uniform_from_bits
 from ..core.segments import compensate_sums
@@ -288,6 +289,7 @@ class GlobalQSGDCompressor(Compressor):
     """
 
     name = "global_qsgd"
+    chunkable = True
 
     def __init__(self, norm="max", bits=None, levels=None):
         if norm not in NORMS:
@@ -329,6 +331,45 @@ class GlobalQSGDCompressor(Compressor):
         return B.cond(finite, lambda: dequantize(B, comm, total, d, scale, pre, levels, width,
                                                  into=ctx.out),
                       lambda: B.full(d, float("nan")))
+
+    def reduce_chunked(self, x, ctx, chunks):
+        """:meth:`reduce` with the integer allreduce cut into ``chunks``: quantize chunk
+        ``k + 1`` and dequantize chunk ``k - 1`` while chunk ``k``'s sum is on the wire.
+
+        Bit-identical to :meth:`reduce`: the scale collective and the random call's key
+        cover the whole buffer, and chunk ``k`` quantizes with the draws of its own
+        element indices (chunk bounds are multiples of 8 elements, so of the lanes per
+        int32 word), so every level, and the sum, is the same."""
+        B, comm = ctx.backend, ctx.comm
+        d = B.numel(x)
+        width, levels = self.resolve(comm.size)
+        # Phase 1 over the whole buffer, as unchunked: the scale and the finite verdict.
+        scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"))
+        key = ctx.rng.next_key(B)  # the unchunked method's one call, bad step or not
+        if not bool(B.to_numpy(finite)):
+            return B.full(d, float("nan"))  # every rank has the same verdict: no chunk is sent
+        # Phases 2-3, chunk by chunk: quantize, sum, dequantize. Chunks are dequantized
+        # straight into ctx.out when the fused kernel writes there and no rescaling
+        # follows (pre == 1, i.e. not near the float32 maximum).
+        native = f"int{width}" in comm.allreduce_int_dtypes
+        out = ctx.out if (ctx.out is not None and B.item(pre) >= 1.0 and B.kernel(
+            "dequantize_ints" if native else "dequantize_lanes", x) is not None) else None
+        pieces = []
+
+        def start(k):
+            a, b = chunks[k]
+            wire = quantize(B, comm, B.slice(x, a, b), scale, pre, levels, width, key=key, first=a)
+            return start_allreduce(comm, wire, "sum", ctx.collective_name(f"levels.c{k}"))
+
+        def finish(k, handle):
+            a, b = chunks[k]
+            into = B.slice(out, a, b) if out is not None else None
+            piece = dequantize(B, comm, handle.wait(), b - a, scale, pre, levels, width, into=into)
+            if out is None:  # otherwise the piece is already in place
+                pieces.append(piece)
+
+        pipelined(len(chunks), start, finish)
+        return out if out is not None else B.concat(pieces)
 
     def wire_bytes(self, numel, world_size, segments=1, int_dtypes=("int32", "int64")):
         """Bytes sent per rank: the integers by allreduce (by allgather for a small wire

@@ -86,6 +86,10 @@ class Compressor:
     #: restored only into the same buffer on the same rank of a world of the same size;
     #: otherwise they restart from zero (see :mod:`hvd_quant.core.state`).
     buffer_slots = ()
+    #: True when :meth:`reduce_chunked` pipelines the buffer in chunks, bit-identical to
+    #: :meth:`reduce` (:func:`hvd_quant.core.pipeline.chunked_reduce` asks this, and
+    #: otherwise runs :meth:`reduce`).
+    chunkable = False
 
     def buffer_state_sizes(self, numel, world_size):
         """``{key: number of elements}`` of each of :attr:`buffer_slots` for a buffer of
@@ -117,6 +121,15 @@ class Compressor:
         and the result must be a buffer of its own, not ``x``, or ``ctx.out`` (see
         :class:`ReduceContext`), written only once ``x`` is no longer read."""
         raise NotImplementedError
+
+    def reduce_chunked(self, x, ctx, chunks):
+        """:meth:`reduce`, with the collectives cut at the element ranges ``chunks``
+        (``[(start, stop)]``, multiples of 8 elements but the last) so that one chunk is
+        on the wire while the next is encoded and the previous one decoded
+        (:func:`hvd_quant.core.pipeline.pipelined`). The same result, state and random
+        stream as :meth:`reduce`, bit for bit. Called only when :attr:`chunkable`; the
+        default has nothing to pipeline and runs :meth:`reduce`."""
+        return self.reduce(x, ctx)
 
     def wire_bytes(self, numel, world_size, segments=1):
         """Bytes one rank sends to reduce a buffer of ``numel`` elements (cost model of

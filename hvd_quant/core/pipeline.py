@@ -19,15 +19,13 @@ them):
 :func:`chunked_reduce`
     Inside one buffer: start chunk ``k``'s collective asynchronously, then encode chunk
     ``k + 1`` (and decode chunk ``k - 1``) while it is on the wire. The scale collective
-    still covers the whole buffer first, so the quantization grid is unchanged.
-    Implemented for ``ef_sign`` (bit-identical to the unchunked method: the per-segment
-    scales come from the whole buffer, chunk boundaries fall on multiples of 8
-    elements so the packed bytes are the same bytes, and encoding and decoding are
-    element-wise), and for ``global_qsgd`` (the integer allreduce in chunks: the scale
-    collective and the random call's key cover the whole buffer, and chunk ``k``
-    quantizes with the draws of its own element indices, so every level, and the sum,
-    is bit-identical to the unchunked method). Other compressors fall back to their own
-    ``reduce`` (see :func:`supports_chunking`).
+    still covers the whole buffer first, so the quantization grid is unchanged. Each
+    method's chunked path lives with the method
+    (:meth:`~hvd_quant.core.compressor.Compressor.reduce_chunked`, e.g.
+    :mod:`hvd_quant.compressors.ef_sign` and :mod:`hvd_quant.compressors.global_qsgd`),
+    built on :func:`pipelined`; compressors that do not declare
+    :attr:`~hvd_quant.core.compressor.Compressor.chunkable` run their own ``reduce``
+    (see :func:`supports_chunking`).
 
 Asynchronous collectives: a communicator may offer ``allgather_async(x, name)``,
 ``alltoall_async(x, name)`` and ``allreduce_async(x, op, name)`` returning a handle with
@@ -38,10 +36,7 @@ returns its result, which keeps the results the same.
 
 import threading
 
-import numpy as np
-
-from .packing import packed_sign_bytes, sign_pack_residual, unpack_scaled_sum
-from .segments import compensate_sums, segment_bounds, segment_means
+from .packing import packed_sign_bytes
 
 
 # --- bucket pipeline -----------------------------------------------------------------------
@@ -191,22 +186,16 @@ def start_allreduce(comm, x, op, name):
     return _Done(comm.allreduce(x, op, name))
 
 
-#: Compressors (by class name) that :func:`chunked_reduce` pipelines.
-_CHUNKED = {"EFSignCompressor": "ef_sign", "GlobalQSGDCompressor": "global_qsgd"}
-
-
 def supports_chunking(compressor):
-    """True when :func:`chunked_reduce` pipelines this compressor's buffer.
+    """True when :func:`chunked_reduce` pipelines this compressor's buffer: the
+    compressor says so (:attr:`~hvd_quant.core.compressor.Compressor.chunkable`) and
+    implements :meth:`~hvd_quant.core.compressor.Compressor.reduce_chunked`.
 
-    * ``ef_sign`` and ``global_qsgd``: yes, bit-identical to unchunked (module docstring).
-    * ring/torus methods (``marsit``, ``cascading_sign``, ``global_qsgd_exp``): their
-      reduction is a chain of hops, and Marsit's and exponential dithering's per-hop
-      draws are indexed by position within a hop's chunk; they overlap through
-      :class:`BucketPipeline` instead.
-    * ``onebit``: its server stage needs every rank's whole chunk (alltoall) first.
-    """
-    name = _CHUNKED.get(type(compressor).__name__)
-    return name is not None and name == getattr(compressor, "name", None)
+    Methods whose reduction is a chain of hops (ring, torus) overlap through
+    :class:`BucketPipeline` instead: their per-hop draws are indexed by position within a
+    hop's chunk; and a method whose second stage needs every rank's whole chunk first
+    (an alltoall) has nothing to start early."""
+    return bool(getattr(compressor, "chunkable", False))
 
 
 def chunk_bounds(numel, chunk_numel):
@@ -214,19 +203,6 @@ def chunk_bounds(numel, chunk_numel):
     rounded up to a multiple of 8 (so packed sign bytes never straddle two chunks)."""
     step = max(8, -(-int(chunk_numel) // 8) * 8)
     return [(a, min(numel, a + step)) for a in range(0, numel, step)]
-
-
-def _chunk_segments(counts, a, b):
-    """``(segment indices, counts within [a, b))`` of the non-empty segments overlapping
-    the element range ``[a, b)``."""
-    bounds = segment_bounds(counts)
-    idx, sub = [], []
-    for s in range(len(counts)):
-        lo, hi = max(a, int(bounds[s])), min(b, int(bounds[s + 1]))
-        if hi > lo:
-            idx.append(s)
-            sub.append(hi - lo)
-    return idx, sub
 
 
 def chunked_reduce(runner, flat, comm, group, segments, chunk_numel, out=None):
@@ -238,108 +214,21 @@ def chunked_reduce(runner, flat, comm, group, segments, chunk_numel, out=None):
     if not chunk_numel or not supports_chunking(compressor) or d <= chunk_numel:
         return runner.reduce(flat, comm, group, segments, out=out)
     ctx = runner.context(comm, group, segments, out=out)
-    if compressor.name == "global_qsgd":
-        return _global_qsgd_chunked(flat, ctx, compressor, chunk_bounds(d, chunk_numel))
-    return _ef_sign_chunked(flat, ctx, chunk_bounds(d, chunk_numel))
+    return compressor.reduce_chunked(flat, ctx, chunk_bounds(d, chunk_numel))
 
 
-def _ef_sign_chunked(x, ctx, chunks):
-    """EF-SignSGD (:mod:`hvd_quant.compressors.ef_sign`) with the sign allgather cut into
-    chunks: pack chunk ``k + 1`` and decode chunk ``k - 1`` while chunk ``k`` travels."""
-    B, comm = ctx.backend, ctx.comm
-    d, n = B.numel(x), comm.size
-    counts = [c for _, c in ctx.segments]
-    nseg = len(counts)
-    residual = ctx.state.get("residual")
-
-    # Phases 1-2 over the whole buffer, exactly as unchunked: per-segment scales, then
-    # every rank's scales by allgather (the finite verdict comes with them).
-    scales = segment_means(B, compensate_sums(B, x, residual, counts), counts)
-    all_scales = comm.allgather(scales, ctx.collective_name("scales"))
-    if not bool(B.to_numpy(B.all_finite(all_scales))):
-        return B.full(d, float("nan"))  # every rank sees the same scales: residual kept
-
-    own = B.to_numpy(scales)
-    rows = B.to_numpy(all_scales).reshape(n, nseg) / np.float32(n)  # as unchunked: scale / n
-    in_place = B.kernel("sign_pack_residual", x, residual, scales) is not None
-    decode = B.kernel("unpack_scaled_sum", B.zeros(0, "uint8"), scales)
-    out = (ctx.out if ctx.out is not None else B.zeros(d)) if decode is not None else None
-    pieces, new_residual = [], []
-
-    def encode(k):
-        a, b = chunks[k]
-        idx, sub = _chunk_segments(counts, a, b)
-        r_slice = B.slice(residual, a, b)
-        bits, res = sign_pack_residual(B, B.slice(x, a, b), r_slice,
-                                       B.constant(own[idx], "float32"), sub, out=r_slice)
-        if not in_place:
-            new_residual.append(res)
-        return start_allgather(comm, bits, ctx.collective_name(f"signs.c{k}")), idx, sub
-
-    def finish(k, handle, idx, sub):
-        a, b = chunks[k]
-        all_bits = handle.wait()
-        chunk_scales = B.constant(np.ascontiguousarray(rows[:, idx]).reshape(-1), "float32")
-        if decode is not None:
-            decode(all_bits, chunk_scales, segment_bounds(sub), b - a, out=B.slice(out, a, b))
-        else:
-            pieces.append(unpack_scaled_sum(B, all_bits, chunk_scales, sub, b - a))
-
-    pending = encode(0)
-    for k in range(1, len(chunks)):
-        started = encode(k)
-        finish(k - 1, *pending)
-        pending = started
-    finish(len(chunks) - 1, *pending)
-    if not in_place:
-        ctx.state.set("residual", B.concat(new_residual))
-    else:
-        ctx.state.set("residual", residual)
-    return out if out is not None else B.concat(pieces)
-
-
-def _global_qsgd_chunked(x, ctx, compressor, chunks):
-    """Global-QSGD (:mod:`hvd_quant.compressors.global_qsgd`) with the integer allreduce
-    cut into chunks: quantize chunk ``k + 1`` and dequantize chunk ``k - 1`` while chunk
-    ``k``'s sum is on the wire. Chunk bounds are multiples of 8 elements, so of the lanes
-    per int32 word; every chunk uses the one random call of the buffer at its own
-    element indices."""
-    from ..compressors.global_qsgd import dequantize, global_scale, quantize  # no import cycle
-
-    B, comm = ctx.backend, ctx.comm
-    d = B.numel(x)
-    width, levels = compressor.resolve(comm.size)
-    # Phase 1 over the whole buffer, as unchunked: the scale and the finite verdict.
-    scale, pre, finite = global_scale(B, comm, x, compressor.norm, ctx.collective_name("scale"))
-    key = ctx.rng.next_key(B)  # the unchunked method's one call, bad step or not
-    if not bool(B.to_numpy(finite)):
-        return B.full(d, float("nan"))  # every rank has the same verdict: no chunk is sent
-    # Chunks are dequantized straight into ctx.out when the fused kernel writes there
-    # and no rescaling follows (pre == 1, i.e. not near the float32 maximum).
-    native = f"int{width}" in comm.allreduce_int_dtypes
-    out = ctx.out if (ctx.out is not None and B.item(pre) >= 1.0 and B.kernel(
-        "dequantize_ints" if native else "dequantize_lanes", x) is not None) else None
-    pieces = []
-
-    def start(k):
-        a, b = chunks[k]
-        wire = quantize(B, comm, B.slice(x, a, b), scale, pre, levels, width, key=key, first=a)
-        return start_allreduce(comm, wire, "sum", ctx.collective_name(f"levels.c{k}"))
-
-    def finish(k, handle):
-        a, b = chunks[k]
-        into = B.slice(out, a, b) if out is not None else None
-        piece = dequantize(B, comm, handle.wait(), b - a, scale, pre, levels, width, into=into)
-        if out is None:  # otherwise the piece is already in place
-            pieces.append(piece)
-
+def pipelined(nchunks, start, finish):
+    """The software pipeline of a chunked reduction: ``start(k)`` encodes chunk ``k`` and
+    starts its collective, returning a handle; ``finish(k, handle)`` waits for it and
+    decodes. Chunk ``k + 1`` is started before chunk ``k`` is finished, so one chunk is
+    on the wire while the next is encoded and the previous one decoded; every rank
+    issues the chunks' collectives in index order."""
     pending = start(0)
-    for k in range(1, len(chunks)):
+    for k in range(1, nchunks):
         started = start(k)
         finish(k - 1, pending)
         pending = started
-    finish(len(chunks) - 1, pending)
-    return out if out is not None else B.concat(pieces)
+    finish(nchunks - 1, pending)
 
 
 def packed_chunk_bytes(chunks):

@@ -13,6 +13,19 @@ def segment_bounds(counts):
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
 
+def chunk_segments(counts, a, b):
+    """``(segment indices, counts within [a, b))`` of the non-empty segments overlapping
+    the element range ``[a, b)`` (a chunk of the buffer: the scales it decodes with)."""
+    bounds = segment_bounds(counts)
+    idx, sub = [], []
+    for s in range(len(counts)):
+        lo, hi = max(a, int(bounds[s])), min(b, int(bounds[s + 1]))
+        if hi > lo:
+            idx.append(s)
+            sub.append(hi - lo)
+    return idx, sub
+
+
 def compensate_sums(B, x, e, counts, squares=False):
     """Per segment, the float64 sum of ``|p|`` (or of ``p**2`` with ``squares=True``),
     where ``p = x + e`` (``e`` may be ``None``: then ``p`` is ``x``).
