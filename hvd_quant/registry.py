@@ -1,6 +1,9 @@
-"""Compressors by name: ``hvd_quant.get("ef_sign")``."""
+"""Compressors by name: ``hvd_quant.get("ef_sign")``.
 
-import difflib
+The table itself is :mod:`hvd_quant.core.compressor`'s (:func:`register`, :func:`get`,
+:func:`available`); this module registers the built-in methods in it. Importing
+``hvd_quant`` imports this module, so every built-in is known by name from then on.
+"""
 
 from .compressors.auto import AutoCompressor
 from .compressors.baseline import FP16Compression, NoCompression
@@ -9,40 +12,7 @@ from .compressors.exp_dithering import GlobalQSGDExpCompressor
 from .compressors.global_qsgd import GlobalQSGDCompressor
 from .compressors.marsit import CascadingSignCompressor, MarsitCompressor
 from .compressors.onebit import OnebitCompressor
-
-_REGISTRY = {}
-
-
-def register(cls):
-    """Add a :class:`~hvd_quant.core.compressor.Compressor` subclass under ``cls.name``."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"a compressor named {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def available():
-    """Sorted names of every registered compressor."""
-    return sorted(_REGISTRY)
-
-
-def get(name, **options):
-    """A new compressor instance for ``name``, configured with ``options``.
-
-    Raises
-    ------
-    ValueError
-        For an unknown name (the message lists the available ones) or bad options.
-    """
-    if not isinstance(name, str) or name not in _REGISTRY:
-        hint = difflib.get_close_matches(str(name), _REGISTRY, n=1)
-        hint = f" Did you mean {hint[0]!r}?" if hint else ""
-        raise ValueError(f"unknown compressor {name!r}.{hint} Available: {', '.join(available())}")
-    try:
-        return _REGISTRY[name](**options)
-    except TypeError as exc:
-        raise ValueError(f"bad options for compressor {name!r}: {exc}") from None
-
+from .core.compressor import available, get, register  # noqa: F401 (the public names)
 
 for _cls in (NoCompression, FP16Compression, EFSignCompressor, MarsitCompressor,
              CascadingSignCompressor, GlobalQSGDCompressor, GlobalQSGDExpCompressor,

@@ -45,7 +45,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from ..core import costmodel
-from ..core.compressor import Compressor
+from ..core.compressor import Compressor, get
 from ..core.onebit import padded_size
 
 log = logging.getLogger("hvd_quant")
@@ -113,7 +113,6 @@ class AutoCompressor(Compressor):
             raise ValueError(f"auto: link must be a hvd_quant.core.costmodel.LinkModel, got {type(link).__name__}")
         self.family, self.link = family, link
         self.candidates = FAMILIES[family]
-        from ..registry import get  # the registry imports this module
         self._methods = {m: get(m) for m in ("none",) + self.candidates}
         slots = []
         for m in self._methods.values():

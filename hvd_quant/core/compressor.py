@@ -10,8 +10,15 @@ interface where that is possible.
 
 Implementations keep no framework imports and no per-rank globals: everything they touch
 comes from the :class:`ReduceContext`.
+
+Compressors by name (:func:`register`, :func:`get`, :func:`available`): the table lives
+here, at the bottom of the package, and is filled from above (:mod:`hvd_quant.registry`
+registers the built-in methods, users register their own), so that the core (the
+framework adapters' handles, the cost model) can build a compressor from a user's
+``compression="marsit"`` without importing any method's module.
 """
 
+import difflib
 import hashlib
 import json
 
@@ -139,3 +146,43 @@ class Compressor:
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options().items()))
         return f"{type(self).__name__}({opts})"
+
+
+# --- compressors by name ----------------------------------------------------------------------
+_REGISTRY = {}
+
+
+def register(cls):
+    """Add a :class:`Compressor` subclass under ``cls.name``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"a compressor named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available():
+    """Sorted names of every registered compressor."""
+    return sorted(_REGISTRY)
+
+
+def registered(name):
+    """The class registered under ``name``, or ``None``."""
+    return _REGISTRY.get(name) if isinstance(name, str) else None
+
+
+def get(name, **options):
+    """A new compressor instance for ``name``, configured with ``options``.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (the message lists the available ones) or bad options.
+    """
+    if not isinstance(name, str) or name not in _REGISTRY:
+        hint = difflib.get_close_matches(str(name), _REGISTRY, n=1)
+        hint = f" Did you mean {hint[0]!r}?" if hint else ""
+        raise ValueError(f"unknown compressor {name!r}.{hint} Available: {', '.join(available())}")
+    try:
+        return _REGISTRY[name](**options)
+    except TypeError as exc:
+        raise ValueError(f"bad options for compressor {name!r}: {exc}") from None

@@ -34,7 +34,7 @@ import dataclasses
 import itertools
 import weakref
 
-from .. import registry
+from .compressor import available, get
 from .runner import CompressorRunner
 
 #: Owners are numbered in creation order, the same on every rank (same program); the
@@ -79,7 +79,7 @@ class CompressorHandle:
     framework = None
 
     def __init__(self, name, seed=0, **options):
-        self.core = registry.get(name, **options)  # the algorithm: options only, no state
+        self.core = get(name, **options)  # the algorithm: options only, no state
         self.name = name
         self.seed = seed
         self._options = dict(options)
@@ -256,7 +256,7 @@ class CompressionNamespace:
             raise AttributeError(str(exc)) from None
 
     def __dir__(self):
-        return registry.available() + ["get"]
+        return available() + ["get"]
 
     def get(self, name, **options):
         return self._handle_cls(name, **options)
