@@ -27,23 +27,14 @@ import math
 
 import numpy as np
 
-from .segments import compensate_sums_signs, expand_segments, segment_bounds
+# pack_signs lives in segments, beside compensate_sums_signs, which packs the same bits
+# in its pass over the buffer; it is this module's public name as well.
+from .segments import compensate_sums_signs, expand_segments, pack_signs, segment_bounds  # noqa: F401
 
 
 def packed_sign_bytes(numel):
     """Bytes used by :func:`pack_signs` for ``numel`` elements."""
     return (numel + 7) // 8
-
-
-def pack_signs(B, x):
-    """Sign bits of the float tensor ``x`` (1 for ``x >= 0``), packed 8 per byte.
-    Fused primitive ``sign_pack``."""
-    fast = B.kernel("sign_pack", x)
-    if fast is not None:
-        return fast(x)
-    d = B.numel(x)
-    bits = B.cast(B.greater_equal(x, B.zeros(1)), "uint8")
-    return B.packbits(B.pad(bits, (-d) % 8))
 
 
 def sign_pack_residual(B, x, e, scales, counts, out=None):

@@ -2,7 +2,9 @@
 
 A fused buffer concatenates several parameters' gradients (its *segments*); sign
 compressors keep one scale per segment so that layers of different magnitude do not
-share one.
+share one. The scales' sums and the sign bits come from one pass over the buffer
+(:func:`compensate_sums_signs`), so the sign packer is here too (:func:`pack_signs`);
+:mod:`hvd_quant.core.packing` builds on this module and never the other way round.
 """
 
 import numpy as np
@@ -56,9 +58,19 @@ def compensate_sums_signs(B, x, e, counts, squares=False):
     fast = B.kernel("compensate_sums_signs", x, e)
     if fast is not None:
         return fast(x, e, segment_bounds(counts), squares=squares)
-    from .packing import pack_signs  # packing imports this module
-
     return compensate_sums(B, x, e, counts, squares), pack_signs(B, x if e is None else x + e)
+
+
+def pack_signs(B, x):
+    """Sign bits of the float tensor ``x`` (1 for ``x >= 0``), packed 8 per byte, least
+    significant bit first (the layout of :mod:`hvd_quant.core.packing`, which also
+    exports this function). Fused primitive ``sign_pack``."""
+    fast = B.kernel("sign_pack", x)
+    if fast is not None:
+        return fast(x)
+    d = B.numel(x)
+    bits = B.cast(B.greater_equal(x, B.zeros(1)), "uint8")
+    return B.packbits(B.pad(bits, (-d) % 8))
 
 
 def segment_means(B, sums, counts):
