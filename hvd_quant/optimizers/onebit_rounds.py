@@ -11,7 +11,8 @@ over another collective (:mod:`hvd_quant.core.hierarchical`), so it is not one o
 """
 
 from ..core.onebit import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
-from .base import Rule, compressed_counts, full_precision_bytes, tensor_sizes
+from .base import Rule, compressed_counts, full_precision_bytes, full_precision_mean, tensor_sizes
+from .elementwise import adam_descend
 
 
 class OnebitRoundsRule(Rule):
@@ -60,3 +61,27 @@ class OnebitRoundsRule(Rule):
         ctx.state.commit(True, {"worker_error": worker, "server_error": server,
                                 "server_scale": server_scale})
         return out, finite
+
+    def full_precision_round(self, ctx):
+        """The fp32 average of the gradient over ranks (bit-identical on every rank),
+        recorded as a ``"full"`` step: 1-bit Adam's warm-up, 0/1 Adam's variance rounds."""
+        grad = full_precision_mean(ctx.B, ctx.comm, ctx.g, ctx.collective_name("grad"))
+        ctx.state.count("full", self.wire_bytes("full", ctx.counts, ctx.comm.size))
+        return grad
+
+    def count_onebit_round(self, ctx):
+        """Record this step as a 1-bit round, or, with one rank, as a local step (nothing
+        is sent)."""
+        if ctx.comm.size > 1:
+            ctx.state.count("onebit", self.wire_bytes("onebit", ctx.counts, ctx.comm.size))
+        else:
+            ctx.state.count("local", 0.0)
+
+    def adam_update(self, ctx, exp_avg, exp_avg_sq, ok):
+        """DeepSpeed's parameter update of both optimizers, ``x - lr * (exp_avg /
+        (sqrt(exp_avg_sq) + eps) + weight_decay * x)`` (no bias correction), written into
+        the parameters themselves where the adapter allows and the step (verdict ``ok``)
+        is kept."""
+        into = ctx.into_x(ok)
+        return adam_descend(ctx.B, ctx.x, exp_avg, exp_avg_sq, ctx.lr, ctx.hp["eps"], ctx.hp["weight_decay"],
+                            into=into if into is not None else ctx.x_buffer())

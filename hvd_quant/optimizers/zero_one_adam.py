@@ -88,9 +88,8 @@ group['lr']``; the sync divides by it in float32, as torch does with a Python sc
 widens its float32 learning rates exactly before adding them.
 """
 
-from .base import full_precision_mean, keep_if, scales_option, tensor_sizes
-from .elementwise import (adam_descend, ema, precondition, zero_one_sync_input,
-                          zero_one_sync_result)
+from .base import keep_if, scales_option, tensor_sizes
+from .elementwise import adam_descend, ema, precondition, zero_one_sync_input, zero_one_sync_result
 from .onebit_rounds import OnebitRoundsRule
 
 
@@ -176,131 +175,182 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         return slots
 
     def scalars(self):
+        """The group's scalar state, declared here and nowhere else (DeepSpeed's ``state``
+        keys where it has one):
+
+        ``step``: calls of :meth:`step`, the initialisation step included.
+        ``initialized``: 1 once the initialisation step ran.
+        ``frozen``: 1 from the end of the first step past ``var_freeze_step``: the variance
+        is frozen and the steps are Phase B's (DeepSpeed's ``freeze_key``).
+        ``var_interval``: Phase A's gap between full-precision rounds (the steps of the
+        paper's T_v are its multiples).
+        ``var_counter``: full-precision rounds since ``var_interval`` last doubled.
+        ``local_step_interval``: Phase B's gap between syncs (the steps of the paper's T_u
+        are its multiples); at most ``local_step_clipper`` (H).
+        ``local_step_counter``: Phase-B steps since ``local_step_interval`` last doubled.
+        ``lrs``: Γ, the sum of the learning rates since the last sync (float64).
+        """
         return {"step": 0, "initialized": 0, "frozen": 0,
                 "var_interval": 1, "var_counter": 0,
                 "local_step_interval": 1, "local_step_counter": 0, "lrs": 0.0}
 
     def step(self, ctx):
-        B, st, comm = ctx.B, ctx.state, ctx.comm
-        n = comm.size
-        beta1, beta2 = ctx.hp["betas"]
-        eps, wd = ctx.hp["eps"], ctx.hp["weight_decay"]
-        step = st.scalar("step") + 1
+        """One step of the group: the initialisation step, then Phase A's steps until the
+        variance freezes, then Phase B's (module docstring). Each phase is a branch of
+        ``B.cond``, so that TensorFlow traces all three into one graph; the predicates
+        are the same on every rank, so every rank issues the same collectives."""
+        B, state = ctx.B, ctx.state
+        step = state.scalar("step") + 1
 
-        def compress(value, phase, into=None):
-            return self._compress(ctx, value, phase, into)
+        def training_step():
+            return B.cond(state.scalar("frozen") > 0,
+                          lambda: self._phase_b(ctx, step), lambda: self._phase_a(ctx, step))
 
-        def initialisation():
-            u = st.slot("momentum_accumulator")
-            if n > 1:  # the zero accumulator through the compressed allreduce, once
-                u = compress(u, "sync")[0]
-            st.count("init", self.wire_bytes("init", ctx.counts, n))
-            st.commit(True, {"momentum_accumulator": u}, {"step": step, "initialized": 1})
-            return ctx.x
+        return B.cond(state.scalar("initialized") > 0, training_step,
+                      lambda: self._initialisation(ctx, step))
 
-        # --- Phase A: full-precision rounds at exponentially sparser steps, 1-bit between.
-        def phase_a():
-            var_step = step % st.scalar("var_interval") == 0
+    def _initialisation(self, ctx, step):
+        """DeepSpeed's first step: the zero accumulator goes through the compressed
+        allreduce once (it stays zero, so do the error buffers); the gradient is unused
+        and the parameters do not move."""
+        state, world_size = ctx.state, ctx.comm.size
+        accumulator = state.slot("momentum_accumulator")
+        if world_size > 1:
+            accumulator = self._compress(ctx, accumulator, "sync")[0]
+        state.count("init", self.wire_bytes("init", ctx.counts, world_size))
+        state.commit(True, {"momentum_accumulator": accumulator}, {"step": step, "initialized": 1})
+        return ctx.x
 
-            def full_round():
-                g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
-                st.count("full", self.wire_bytes("full", ctx.counts, n))
-                v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True, out=ctx.buffer("v"))
-                # Finite v: g finite and g**2 within float32 (as in 1-bit Adam's warm-up).
-                return g, v, B.all_finite(v)
+    # --- Phase A: full-precision rounds at exponentially sparser steps, 1-bit between.
+    def _phase_a(self, ctx, step):
+        """A step of Phase A: a full-precision round on the steps of T_v (``step %
+        var_interval == 0``), a 1-bit round of the gradient otherwise; then Adam's step
+        with the new momentum, the variance schedule, and the freeze after the first step
+        past ``var_freeze_step``. Returns the new parameters (``ctx.x`` if skipped)."""
+        B, state = ctx.B, ctx.state
+        full_round = step % state.scalar("var_interval") == 0
+        grad, exp_avg_sq, ok = B.cond(full_round, lambda: self._variance_round(ctx),
+                                      lambda: self._gradient_onebit_round(ctx))
+        exp_avg = ema(B, state.slot("exp_avg"), grad, ctx.hp["betas"][0], out=ctx.buffer("m"))
+        x = self.adam_update(ctx, exp_avg, exp_avg_sq, ok)
+        scalars = {"step": step, **self._variance_schedule(B, state, full_round)}
+        state.commit(ok, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, scalars)
+        B.cond(B.logical_and(ok, step > self.var_freeze_step),
+               lambda: self._freeze(ctx, x), lambda: None)
+        return keep_if(B, ok, x, ctx.x)
 
-            def onebit_round():
-                if n > 1:
-                    g, ok = compress(ctx.g, "grad_onebit")
-                    st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
-                else:  # one rank: local Adam (DeepSpeed skips the momentum update here)
-                    g, ok = ctx.g, B.all_finite(ctx.g)
-                    st.count("local", 0.0)
-                return g, st.slot("exp_avg_sq"), ok
+    def _variance_round(self, ctx):
+        """Phase A's full-precision round: the fp32 average of the gradient, which also
+        updates the variance. Returns ``(averaged gradient, new variance, finite)``."""
+        grad = self.full_precision_round(ctx)
+        exp_avg_sq = ema(ctx.B, ctx.state.slot("exp_avg_sq"), grad, ctx.hp["betas"][1], square=True,
+                         out=ctx.buffer("v"))
+        # Finite v: g finite and g**2 within float32 (as in 1-bit Adam's warm-up).
+        return grad, exp_avg_sq, ctx.B.all_finite(exp_avg_sq)
 
-            g, v, ok = B.cond(var_step, full_round, onebit_round)
-            m = ema(B, st.slot("exp_avg"), g, beta1, out=ctx.buffer("m"))
-            # DeepSpeed's step: x - lr * (m / (sqrt(v) + eps) + weight_decay * x)
-            into = ctx.into_x(ok)
-            x = adam_descend(B, ctx.x, m, v, ctx.lr, eps, wd,
-                             into=into if into is not None else ctx.x_buffer())
-            # Variance schedule: kappa full rounds per interval, then the interval doubles.
-            count = B.select(var_step, st.scalar("var_counter") + 1, st.scalar("var_counter"))
-            doubled = count == self.var_update_scaler
-            scalars = {"step": step, "var_counter": B.select(doubled, 0, count),
-                       "var_interval": B.select(doubled, st.scalar("var_interval") * 2,
-                                                st.scalar("var_interval"))}
-            st.commit(ok, {"exp_avg": m, "exp_avg_sq": v}, scalars)
-            # At the end of the first step past var_freeze_step: freeze, and zero both
-            # error buffers once (they will compensate a different quantity).
-            B.cond(B.logical_and(ok, step > self.var_freeze_step), lambda: freeze(x), lambda: None)
-            return keep_if(B, ok, x, ctx.x)
+    def _gradient_onebit_round(self, ctx):
+        """Phase A's 1-bit round: the gradient through the compressed allreduce (and
+        ``exp_avg_mask``); the variance stays. Returns ``(averaged gradient, variance,
+        finite)``. With one rank, the local gradient: DeepSpeed skips the momentum update
+        there, but plain local Adam with the same schedule is what a user expects."""
+        if ctx.comm.size > 1:
+            grad, ok = self._compress(ctx, ctx.g, "grad_onebit")
+        else:
+            grad, ok = ctx.g, ctx.B.all_finite(ctx.g)
+        self.count_onebit_round(ctx)
+        return grad, ctx.state.slot("exp_avg_sq"), ok
 
-        def freeze(x):
-            slots = {name: B.zeros(B.numel(st.slot(name)))
-                     for name in ("worker_error", "server_error", "server_scale")}
-            if self.exact_sync:  # Phase B starts from these (identical) parameters
-                slots["synced_params"] = x
-            st.commit(True, slots, {"frozen": 1})
+    def _variance_schedule(self, B, state, full_round):
+        """The variance schedule after a Phase-A step: ``var_counter`` counts the full
+        rounds; at ``var_update_scaler`` (kappa) of them it restarts and ``var_interval``
+        doubles, so the gaps between full rounds are 1 (kappa times), 2 (kappa times), 4..."""
+        counter = B.select(full_round, state.scalar("var_counter") + 1, state.scalar("var_counter"))
+        doubled = counter == self.var_update_scaler
+        return {"var_counter": B.select(doubled, 0, counter),
+                "var_interval": B.select(doubled, state.scalar("var_interval") * 2,
+                                         state.scalar("var_interval"))}
 
-        # --- Phase B: local steps; every local_step_interval steps, a 1-bit sync.
-        def phase_b():
-            lrs = _plus_lr(B, st.scalar("lrs"), ctx.lr)  # DeepSpeed: state['lrs'] += group['lr']
+    def _freeze(self, ctx, x):
+        """The end of Phase A (at the end of the first step past ``var_freeze_step``): the
+        variance freezes, and both error buffers are zeroed once, since from now on they
+        compensate the accumulator's compression instead of the gradient's."""
+        B, state = ctx.B, ctx.state
+        slots = {name: B.zeros(B.numel(state.slot(name)))
+                 for name in ("worker_error", "server_error", "server_scale")}
+        if self.exact_sync:  # Phase B starts from these (identical) parameters
+            slots["synced_params"] = x
+        state.commit(True, slots, {"frozen": 1})
 
-            def moment_and_step(in_place):
-                """The same step as Phase A's; the accumulator collects it (u -= delta).
-                ``in_place``: a local step that is kept writes m, x and u over the old
-                ones (no 100 MB temporaries), where the adapter allows it."""
-                into = ctx.into_x(in_place)  # None while the verdict is open (several groups)
-                acc = st.slot("momentum_accumulator")
-                if into is not None:
-                    m = ema(B, st.slot("exp_avg"), ctx.g, beta1, in_place=True)
-                    return (m, *adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd,
-                                             acc=acc, into=into, acc_into=acc))
-                m = ema(B, st.slot("exp_avg"), ctx.g, beta1, out=ctx.buffer("m"))
-                return (m, *adam_descend(B, ctx.x, m, st.slot("exp_avg_sq"), ctx.lr, eps, wd, acc=acc,
-                                         into=ctx.buffer("x"), acc_into=ctx.buffer("u")))
-            # Local-step schedule: the interval doubles every local_step_scaler steps, up
-            # to local_step_clipper. It advances on every rank, finite or not, so that all
-            # ranks agree on which step syncs.
-            count = st.scalar("local_step_counter") + 1
-            doubled = count == self.local_step_scaler
-            interval = st.scalar("local_step_interval")
-            schedule = {"local_step_counter": B.select(doubled, 0, count),
-                        "local_step_interval": B.select(
-                            doubled, B.minimum(interval * 2, self.local_step_clipper), interval)}
+    # --- Phase B: local steps; every local_step_interval steps, a 1-bit sync.
+    def _phase_b(self, ctx, step):
+        """A step of Phase B: a sync on the steps of T_u (``step % local_step_interval ==
+        0``), a local step otherwise. Γ and the local-step schedule advance on every rank
+        whatever its gradient, so that all ranks sync on the same steps with the same Γ.
+        Returns the new parameters (``ctx.x`` if skipped)."""
+        B, state = ctx.B, ctx.state
+        lrs = _plus_lr(B, state.scalar("lrs"), ctx.lr)  # DeepSpeed: state['lrs'] += group['lr']
+        interval = state.scalar("local_step_interval")
+        schedule = self._local_step_schedule(B, state, interval)
+        return B.cond(step % interval == 0,
+                      lambda: self._sync_step(ctx, step, lrs, schedule),
+                      lambda: self._local_step(ctx, step, lrs, schedule))
 
-            def local():
-                st.count("local", 0.0)
-                ok = B.all_finite(ctx.g)  # this rank's own: no collective on a local step
-                m, x, u = moment_and_step(ok)
-                # Gamma advances with the schedule on every rank: the sync divides the
-                # ranks' average by it, so all ranks keep the same momentum afterwards (a
-                # skipped local step counts as a zero update from that rank).
-                st.advance(dict(schedule, step=step, lrs=lrs))
-                st.commit(ok, {"exp_avg": m, "momentum_accumulator": u})
-                return keep_if(B, ok, x, ctx.x)
+    def _local_step_schedule(self, B, state, interval):
+        """The local-step schedule after a Phase-B step: ``local_step_counter`` counts the
+        steps; at ``local_step_scaler`` of them it restarts and the ``interval`` between
+        syncs doubles, up to ``local_step_clipper`` (H)."""
+        counter = state.scalar("local_step_counter") + 1
+        doubled = counter == self.local_step_scaler
+        return {"local_step_counter": B.select(doubled, 0, counter),
+                "local_step_interval": B.select(
+                    doubled, B.minimum(interval * 2, self.local_step_clipper), interval)}
 
-            def sync():
-                # The same step as a local one, but only what the sync needs of it: the
-                # last sync's parameters x' - u' and w = u' * (sqrt(v) + eps), in one pass
-                # (the new momentum, x' and u' are not kept: the sync replaces them).
-                base, w = zero_one_sync_input(
-                    B, ctx.x, st.slot("exp_avg"), ctx.g, st.slot("exp_avg_sq"),
-                    st.slot("momentum_accumulator"), beta1, ctx.lr, eps, wd,
-                    out=(ctx.buffer("x"), ctx.buffer("w")))
-                if n > 1:
-                    st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
-                else:
-                    st.count("local", 0.0)
-                return self._sync(ctx, base, None, w, lrs, "sync", dict(schedule, step=step, lrs=0.0))
+    def _local_step(self, ctx, step, lrs, schedule):
+        """Phase B between syncs: Adam's step on this rank's own gradient with the frozen
+        variance, collected in the accumulator; no collective (so the verdict is this
+        rank's own). Γ advances with the schedule on every rank: the sync divides the
+        ranks' average by it, so all ranks keep the same momentum afterwards (a skipped
+        local step counts as a zero update from that rank)."""
+        B, state = ctx.B, ctx.state
+        state.count("local", 0.0)
+        ok = B.all_finite(ctx.g)
+        exp_avg, x, accumulator = self._accumulated_adam_step(ctx, ok)
+        state.advance(dict(schedule, step=step, lrs=lrs))
+        state.commit(ok, {"exp_avg": exp_avg, "momentum_accumulator": accumulator})
+        return keep_if(B, ok, x, ctx.x)
 
-            return B.cond(step % interval == 0, sync, local)
+    def _accumulated_adam_step(self, ctx, in_place):
+        """Phase A's Adam step on the local gradient, also collected in the accumulator
+        (``u -= delta``): ``(momentum, parameters, accumulator)``. ``in_place``: a local
+        step that is kept writes them over the old ones (no 100 MB temporaries), where
+        the adapter allows it."""
+        B, state = ctx.B, ctx.state
+        beta1, eps, weight_decay = ctx.hp["betas"][0], ctx.hp["eps"], ctx.hp["weight_decay"]
+        into = ctx.into_x(in_place)  # None while the verdict is open (several groups)
+        accumulator = state.slot("momentum_accumulator")
+        if into is not None:
+            exp_avg = ema(B, state.slot("exp_avg"), ctx.g, beta1, in_place=True)
+            return (exp_avg, *adam_descend(B, ctx.x, exp_avg, state.slot("exp_avg_sq"), ctx.lr, eps,
+                                           weight_decay, acc=accumulator, into=into, acc_into=accumulator))
+        exp_avg = ema(B, state.slot("exp_avg"), ctx.g, beta1, out=ctx.buffer("m"))
+        return (exp_avg, *adam_descend(B, ctx.x, exp_avg, state.slot("exp_avg_sq"), ctx.lr, eps,
+                                       weight_decay, acc=accumulator, into=ctx.buffer("x"),
+                                       acc_into=ctx.buffer("u")))
 
-        def train_step():
-            return B.cond(st.scalar("frozen") > 0, phase_b, phase_a)
-
-        return B.cond(st.scalar("initialized") > 0, train_step, initialisation)
+    def _sync_step(self, ctx, step, lrs, schedule):
+        """Phase B on the steps of T_u: the local step, then the 1-bit sync of the
+        accumulated updates (:meth:`_sync`), which resets Γ."""
+        state = ctx.state
+        # The same step as a local one, but only what the sync needs of it: the last
+        # sync's parameters x' - u' and u' * (sqrt(v) + eps), in one pass (the new
+        # momentum, x' and u' are not kept: the sync replaces them).
+        last_sync_params, preconditioned = zero_one_sync_input(
+            ctx.B, ctx.x, state.slot("exp_avg"), ctx.g, state.slot("exp_avg_sq"),
+            state.slot("momentum_accumulator"), ctx.hp["betas"][0], ctx.lr, ctx.hp["eps"],
+            ctx.hp["weight_decay"], out=(ctx.buffer("x"), ctx.buffer("w")))
+        self.count_onebit_round(ctx)
+        return self._sync(ctx, last_sync_params, None, preconditioned, lrs, "sync",
+                          dict(schedule, step=step, lrs=0.0))
 
     def _compress(self, ctx, value, phase, into=None):
         """DeepSpeed's ``compressed_allreduce`` of ``value`` with the group's error buffers
@@ -339,41 +389,44 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         -------
         The new flat parameters (float32).
         """
-        B, st = ctx.B, ctx.state
+        B, state = ctx.B, ctx.state
 
         def final():
-            u = st.slot("momentum_accumulator")
-            w = precondition(B, u, st.slot("exp_avg_sq"), ctx.hp["eps"], out=ctx.buffer("w"))
-            return self._sync(ctx, ctx.x, u, w, st.scalar("lrs"), "final_sync", {"lrs": 0.0})
-        return B.cond(self.sync_pending(B, st), final, lambda: ctx.x)
+            accumulator = state.slot("momentum_accumulator")
+            preconditioned = precondition(B, accumulator, state.slot("exp_avg_sq"), ctx.hp["eps"],
+                                          out=ctx.buffer("w"))
+            return self._sync(ctx, ctx.x, accumulator, preconditioned, state.scalar("lrs"), "final_sync",
+                              {"lrs": 0.0})
+        return B.cond(self.sync_pending(B, state), final, lambda: ctx.x)
 
-    def _sync(self, ctx, base, u, w, lrs, phase, scalars):
+    def _sync(self, ctx, params, accumulator, preconditioned, lrs, phase, scalars):
         """A sync (DeepSpeed's ``zoadam.py`` ``step()``, the branch under ``state['step'] %
-        state['local_step_interval'] == 0``) of ``w = u * (sqrt(v) + eps)``, the
-        preconditioned accumulator, which is this step's own temporary: through the
-        compressed allreduce, then back to the parameters of the last sync, ``base - u``
-        (``base`` alone when ``u`` is None), plus the average; the accumulator is reset;
-        ``scalars`` are committed with it. Returns the synced parameters (``ctx.x`` on a
-        non-finite step)."""
-        B, st = ctx.B, ctx.state
-        v, eps = st.slot("exp_avg_sq"), ctx.hp["eps"]
+        state['local_step_interval'] == 0``) of ``preconditioned = u * (sqrt(v) + eps)``,
+        the preconditioned accumulator, which is this step's own temporary: through the
+        compressed allreduce, then back to the parameters of the last sync, ``params -
+        accumulator`` (``params`` alone when ``accumulator`` is None), plus the average;
+        the accumulator is reset; ``scalars`` are committed with it. Returns the synced
+        parameters (``ctx.x`` on a non-finite step)."""
+        B, state = ctx.B, ctx.state
+        exp_avg_sq, eps = state.slot("exp_avg_sq"), ctx.hp["eps"]
         if ctx.comm.size > 1:
-            w, ok = self._compress(ctx, w, phase, into=w)
+            preconditioned, ok = self._compress(ctx, preconditioned, phase, into=preconditioned)
         else:
-            ok = B.all_finite(w)
+            ok = B.all_finite(preconditioned)
         # DeepSpeed's x - u undoes the local steps up to rounding, which differs per rank;
         # exact_sync keeps the last sync's parameters instead, so ranks agree bit for bit.
-        # synced = base + w / (sqrt(v) + eps), new momentum -(w / lrs). A kept step writes
-        # them straight into the parameters and the momentum where the adapter allows it
-        # (its commit then copies nothing), else into kept buffers.
+        # synced = params + average / (sqrt(v) + eps), new momentum -(average / lrs). A
+        # kept step writes them straight into the parameters and the momentum where the
+        # adapter allows it (its commit then copies nothing), else into kept buffers.
         if self.exact_sync:
-            base, u = st.slot("synced_params"), None
+            params, accumulator = state.slot("synced_params"), None
         # (A final sync reads the parameters themselves: the result goes elsewhere.)
-        synced_into = ctx.into_x(ok) if base is not ctx.x else None
+        synced_into = ctx.into_x(ok) if params is not ctx.x else None
         momentum_into = ctx.into_slot("exp_avg", ok)
         out = (ctx.buffer("synced") if synced_into is None else synced_into,
                ctx.buffer("momentum") if momentum_into is None else momentum_into)
-        synced, momentum = zero_one_sync_result(B, base, u, w, v, eps, _divisor(B, lrs), out=out)
+        synced, momentum = zero_one_sync_result(B, params, accumulator, preconditioned, exp_avg_sq, eps,
+                                                _divisor(B, lrs), out=out)
         extra = {"synced_params": synced} if self.exact_sync else {}
-        st.commit(ok, {"exp_avg": momentum, "momentum_accumulator": ctx.zeros(), **extra}, scalars)
+        state.commit(ok, {"exp_avg": momentum, "momentum_accumulator": ctx.zeros(), **extra}, scalars)
         return keep_if(B, ok, synced, ctx.x)
