@@ -56,8 +56,8 @@ Deliberate departures from DeepSpeed, and why:
   rather than the engine's allreduce.
 """
 
-from .base import full_precision_mean, keep_if, scales_option
-from .elementwise import adam_descend, ema
+from .base import keep_if, scales_option
+from .elementwise import ema
 from .onebit_rounds import OnebitRoundsRule
 
 
@@ -90,78 +90,92 @@ class OnebitAdamRule(OnebitRoundsRule):
         self.scales = scales
 
     def scalars(self):
+        """The group's scalar state, declared here and nowhere else: ``step`` (calls of
+        :meth:`step`, the initialisation step included), ``initialized`` (1 once the
+        initialisation step ran) and ``frozen`` (1 from the end of the step at which
+        ``step >= freeze_step``: the variance is frozen and the momentum compressed)."""
         return {"step": 0, "initialized": 0, "frozen": 0}
 
     def step(self, ctx):
-        B, st, comm = ctx.B, ctx.state, ctx.comm
-        n = comm.size
+        """One step of the group: the initialisation step, then the warm-up's steps until
+        the variance freezes, then the compression stage's (module docstring); a
+        ``non_freeze`` group stays in the warm-up. Each stage is a branch of ``B.cond``,
+        so that TensorFlow traces them into one graph; the predicates are the same on
+        every rank, so every rank issues the same collectives."""
+        B, state = ctx.B, ctx.state
+        step = state.scalar("step") + 1
+        initialized = state.scalar("initialized") > 0
+        if ctx.hp.get("non_freeze", False):  # a Python bool (checked by the adapter)
+            return B.cond(initialized, lambda: self._warm_up(ctx, step),
+                          lambda: self._non_freeze_initialisation(ctx, step))
+
+        def training_step():
+            return B.cond(state.scalar("frozen") > 0, lambda: self._compression_stage(ctx, step),
+                          lambda: self._warm_up(ctx, step))
+
+        return B.cond(initialized, training_step, lambda: self._initialisation(ctx, step))
+
+    def _initialisation(self, ctx, step):
+        """DeepSpeed's first step: the zero momentum goes through the compressed
+        allreduce once (it stays zero, so do both error buffers); no update."""
+        state, world_size = ctx.state, ctx.comm.size
+        exp_avg = state.slot("exp_avg")
+        if world_size > 1:
+            exp_avg = self.compressed_mean(ctx, exp_avg, "momentum")[0]
+        state.count("init", self.wire_bytes("init", ctx.counts, world_size))
+        state.commit(True, {"exp_avg": self._masked(ctx, exp_avg)}, {"step": step, "initialized": 1})
+        return ctx.x
+
+    def _non_freeze_initialisation(self, ctx, step):
+        """DeepSpeed's first step takes a ``non_freeze`` group through its fp32 branch:
+        both moments absorb the averaged gradient; no update."""
+        exp_avg, exp_avg_sq, ok = self._full_precision_moments(ctx)
+        ctx.state.commit(ok, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, {"step": step, "initialized": 1})
+        return ctx.x
+
+    def _full_precision_moments(self, ctx):
+        """Both moments from the fp32 average of the gradient: ``(exp_avg, exp_avg_sq,
+        finite)``."""
+        B, state = ctx.B, ctx.state
         beta1, beta2 = ctx.hp["betas"]
-        step = st.scalar("step") + 1
-        non_freeze = ctx.hp.get("non_freeze", False)  # a Python bool (checked by the adapter)
+        grad = self.full_precision_round(ctx)
+        exp_avg = ema(B, state.slot("exp_avg"), grad, beta1, out=ctx.buffer("m"))
+        exp_avg_sq = ema(B, state.slot("exp_avg_sq"), grad, beta2, square=True, out=ctx.buffer("v"))
+        # v is finite iff g is and g**2 did not overflow float32 (|g| > ~1.8e19, where
+        # plain Adam stores an infinite v): either way the step is skipped. v is the same
+        # on every rank (from the bit-identical average), so is the verdict.
+        return exp_avg, exp_avg_sq, B.all_finite(exp_avg_sq)
 
-        def compress(value, into=None):
-            return self.compressed_mean(ctx, value, "momentum", into)
+    def _warm_up(self, ctx, step):
+        """A warm-up step: Adam on the fp32-averaged gradient, both moments updated. Also
+        every step of a ``non_freeze`` group: DeepSpeed's frozen branch gives it an fp32
+        average and keeps its variance updating (no ``exp_avg_mask``). Returns the new
+        parameters (``ctx.x`` if skipped)."""
+        B = ctx.B
+        exp_avg, exp_avg_sq, ok = self._full_precision_moments(ctx)
+        # Compression starts after the step at which step >= freeze_step.
+        ctx.state.commit(ok, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
+                         {"step": step, "frozen": B.select(step >= self.freeze_step, 1, 0)})
+        return keep_if(B, ok, self.adam_update(ctx, exp_avg, exp_avg_sq, ok), ctx.x)
 
-        def masked(m):
-            # Applied with any number of ranks, as DeepSpeed does.
-            return m * ctx.mask if ctx.mask is not None else m
+    def _compression_stage(self, ctx, step):
+        """A step after the warm-up: the momentum of this rank's gradient goes through the
+        compressed allreduce (with one rank, it stays local), then ``exp_avg_mask``, and
+        Adam's step uses it with the frozen variance. Returns the new parameters
+        (``ctx.x`` if skipped)."""
+        B, state = ctx.B, ctx.state
+        exp_avg = ema(B, state.slot("exp_avg"), ctx.g, ctx.hp["betas"][0], out=ctx.buffer("m"))
+        if ctx.comm.size > 1:
+            exp_avg, ok = self.compressed_mean(ctx, exp_avg, "momentum", into=exp_avg)  # the step's own
+        else:
+            ok = B.all_finite(exp_avg)
+        self.count_onebit_round(ctx)
+        exp_avg = self._masked(ctx, exp_avg)
+        state.commit(ok, {"exp_avg": exp_avg}, {"step": step})
+        return keep_if(B, ok, self.adam_update(ctx, exp_avg, state.slot("exp_avg_sq"), ok), ctx.x)
 
-        def initialisation():
-            # DeepSpeed's first step: the zero momentum goes through the compressed
-            # allreduce once (it stays zero, so do both error buffers); no update.
-            m = compress(st.slot("exp_avg"))[0] if n > 1 else st.slot("exp_avg")
-            st.count("init", self.wire_bytes("init", ctx.counts, n))
-            st.commit(True, {"exp_avg": masked(m)}, {"step": step, "initialized": 1})
-            return ctx.x
-
-        def non_freeze_initialisation():
-            # DeepSpeed's first step takes a non_freeze group through its fp32 branch:
-            # both moments absorb the averaged gradient; no update.
-            m, v, ok = full_precision_moments()
-            st.commit(ok, {"exp_avg": m, "exp_avg_sq": v}, {"step": step, "initialized": 1})
-            return ctx.x
-
-        def apply(m, v, ok):
-            # Into the parameters themselves where the adapter allows and the step is kept.
-            into = ctx.into_x(ok)
-            return adam_descend(B, ctx.x, m, v, ctx.lr, ctx.hp["eps"], ctx.hp["weight_decay"],
-                                into=into if into is not None else ctx.x_buffer())
-
-        def full_precision_moments():
-            g = full_precision_mean(B, comm, ctx.g, ctx.collective_name("grad"))
-            st.count("full", self.wire_bytes("full", ctx.counts, n))
-            m = ema(B, st.slot("exp_avg"), g, beta1, out=ctx.buffer("m"))
-            v = ema(B, st.slot("exp_avg_sq"), g, beta2, square=True, out=ctx.buffer("v"))
-            # v is finite iff g is and g**2 did not overflow float32 (|g| > ~1.8e19, where
-            # plain Adam stores an infinite v): either way the step is skipped. v is the
-            # same on every rank (from the bit-identical average), so is the verdict.
-            return m, v, B.all_finite(v)
-
-        def warm_up():
-            # Also every step of a non_freeze group: DeepSpeed's frozen branch gives it
-            # an fp32 average and keeps its variance updating (no exp_avg_mask).
-            m, v, ok = full_precision_moments()
-            # Compression starts after the step at which step >= freeze_step.
-            st.commit(ok, {"exp_avg": m, "exp_avg_sq": v},
-                      {"step": step, "frozen": B.select(step >= self.freeze_step, 1, 0)})
-            return keep_if(B, ok, apply(m, v, ok), ctx.x)
-
-        def compressed():
-            m = ema(B, st.slot("exp_avg"), ctx.g, beta1, out=ctx.buffer("m"))
-            if n > 1:
-                m, ok = compress(m, into=m)  # m is this step's own temporary
-                st.count("onebit", self.wire_bytes("onebit", ctx.counts, n))
-            else:
-                ok = B.all_finite(m)
-                st.count("local", 0.0)
-            m = masked(m)
-            st.commit(ok, {"exp_avg": m}, {"step": step})
-            return keep_if(B, ok, apply(m, st.slot("exp_avg_sq"), ok), ctx.x)
-
-        if non_freeze:
-            return B.cond(st.scalar("initialized") > 0, warm_up, non_freeze_initialisation)
-
-        def train_step():
-            return B.cond(st.scalar("frozen") > 0, compressed, warm_up)
-
-        return B.cond(st.scalar("initialized") > 0, train_step, initialisation)
+    @staticmethod
+    def _masked(ctx, exp_avg):
+        """``exp_avg * exp_avg_mask`` where the group has a mask, with any number of ranks,
+        as DeepSpeed does."""
+        return exp_avg * ctx.mask if ctx.mask is not None else exp_avg
