@@ -141,14 +141,14 @@ def test_cascade_fold_bytes_count_the_combines_the_code_makes(monkeypatch, d, n,
     recorded_compressor("cascading_sign", d, n, k, 2, options)  # two reductions per rank
     elements = [row[0] / 2 for row in counts.values()]
     selections = [row[1] / 2 for row in counts.values()]
-    model = costmodel.cascade_fold_bytes(d, n, k, 2, options)
+    model = marsit.cascade_fold_bytes(d, n, k, 2, options)
     if any(selections):
         assert not any(elements) and selections == [n - 1] * n
         assert model == 4.0 * (n - 1) * packed_sign_bytes(d)
     else:
         # Chunks are whole bytes (and padded to n of them in the direct layout).
         assert np.mean(elements) == pytest.approx(d * (n - 1) / n, rel=2 * n * 8 * n / d)
-        assert model == pytest.approx(costmodel.CASCADE_COMBINE_BYTES * np.mean(elements), rel=2 * n * 8 * n / d)
+        assert model == pytest.approx(marsit.CASCADE_COMBINE_BYTES * np.mean(elements), rel=2 * n * 8 * n / d)
 
 
 def test_predict_charges_the_cascade_folds_of_the_topology_asked_for():

@@ -5,6 +5,7 @@ a float sum over ranks, divided by the number of ranks.
 """
 
 from ..core.compressor import Compressor
+from ..core.costmodel import Collective, ring_memory_bytes
 
 
 class NoCompression(Compressor):
@@ -22,6 +23,12 @@ class NoCompression(Compressor):
     def wire_bytes(self, numel, world_size, segments=1):
         return 2.0 * (world_size - 1) / world_size * 4 * numel
 
+    def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
+        return [Collective("allreduce", 4.0 * numel, world_size)]
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        return ring_memory_bytes(numel, world_size)
+
 
 class FP16Compression(Compressor):
     """fp16 allreduce: 2 bytes per element on the wire, summed in fp16."""
@@ -36,3 +43,10 @@ class FP16Compression(Compressor):
 
     def wire_bytes(self, numel, world_size, segments=1):
         return 2.0 * (world_size - 1) / world_size * 2 * numel
+
+    def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
+        return [Collective("allreduce", 2.0 * numel, world_size)]
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        # the casts (read fp32, write fp16; read fp16, write fp32), half a ring's passes
+        return 3.0 * (4.0 * float(numel)) + ring_memory_bytes(numel, world_size) / 2.0

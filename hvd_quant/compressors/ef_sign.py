@@ -40,6 +40,7 @@ element-wise.
 import numpy as np
 
 from ..core.compressor import Compressor
+from ..core.costmodel import Collective, sign_feedback_memory_bytes
 from ..core.packing import (packed_sign_bytes, sign_pack_residual, split_scales, unpack_scaled_sum,
                             unpack_sum_residual, with_scales)
 from ..core.pipeline import pipelined, start_allgather
@@ -135,4 +136,10 @@ class EFSignCompressor(Compressor):
 
     def wire_bytes(self, numel, world_size, segments=1):
         return float((world_size - 1) * (packed_sign_bytes(numel) + 4 * segments))
+
+    def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
+        return [Collective("allgather", packed_sign_bytes(numel) + 4.0 * segments, world_size)]
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        return sign_feedback_memory_bytes(numel, world_size)
 

@@ -55,6 +55,7 @@ uniform grid (2**-23 or 2**-24) are taken as 0 (bias below that grid times the o
 """
 
 from ..core.compressor import Compressor
+from ..core.costmodel import Collective, level_memory_bytes, ring_hops
 from ..core.hops import HopOperator
 from ..core.ring import DIRECT_FROM, direct_allreduce, direct_padded_numel, gathers, ring_allreduce
 from ..core.rng import draws
@@ -220,3 +221,19 @@ class GlobalQSGDExpCompressor(Compressor):
         if world_size >= DIRECT_FROM:
             numel = direct_padded_numel(numel, world_size)
         return 2.0 * (world_size - 1) / world_size * (4 + numel) if world_size > 1 else 0.0
+
+    def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
+        """The max allreduce, then the codes: gathered (small buffers, one byte each), an
+        alltoall and an allgather (from :data:`~hvd_quant.core.ring.DIRECT_FROM` ranks),
+        or the ring's hops."""
+        d, n = numel, world_size
+        scale = Collective("allreduce", 4.0, n)
+        if gathers(n, d):
+            return [scale, Collective("allgather", float(d), n)]
+        if n >= DIRECT_FROM:
+            per = direct_padded_numel(d, n) // n
+            return [scale, Collective("alltoall", float(n * per), n), Collective("allgather", float(per), n)]
+        return [scale] + ring_hops(d, n, n, rank)
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        return level_memory_bytes(numel, world_size)

@@ -56,6 +56,7 @@ import math
 
 from ..core.comm import identical_sum, rank_order_sum
 from ..core.compressor import Compressor
+from ..core.costmodel import Collective, level_memory_bytes
 from ..core.packing import pack_lanes, packed_lane_words, unpack_lanes
 from ..core.pipeline import pipelined, start_allreduce
 from ..core.ring import gathers
@@ -385,3 +386,15 @@ class GlobalQSGDCompressor(Compressor):
         payload = int_payload_bytes(numel, width, int_dtypes)
         levels = (world_size - 1) * payload if gathers(world_size, payload) else ring * payload
         return levels + scale if world_size > 1 else 0.0
+
+    def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
+        """The scale (:func:`global_scale`), then the levels (:func:`sum_levels`), as
+        lane-packed int32 words (torch's Horovod)."""
+        n = world_size
+        width, _ = self.resolve(n)
+        scale = Collective("allreduce", 4.0, n) if self.norm == "max" else Collective("allgather", 8.0, n)
+        payload = float(int_payload_bytes(numel, width, ("int32", "int64")))
+        return [scale, Collective("allgather" if gathers(n, payload) else "allreduce", payload, n)]
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        return level_memory_bytes(numel, world_size)

@@ -56,11 +56,12 @@ import math
 
 from ..core.comm import all_ranks_finite, rank_order_sum
 from ..core.compressor import Compressor
+from ..core.costmodel import Collective, HostLayout, ring_hops, sign_feedback_memory_bytes
 from ..core.hops import HopOperator
 from ..core.packing import (bytes_float, float_bytes, pack_signs, packed_sign_bytes, sign_pack_residual,
                             split_scales, unpack_scaled_sum, unpack_signs, unpack_sum_residual, with_scales)
 from ..core.pipeline import _Done, start_allgather
-from ..core.ring import (DIRECT_FROM, butterfly_allreduce, direct_allreduce, direct_padded_numel, gathers,
+from ..core.ring import (DIRECT_FROM, butterfly_allreduce, chunk_bounds, direct_allreduce, direct_padded_numel, gathers,
                          is_power_of_two, ring_allreduce, torus_allreduce, tree_fold)
 from ..core.rng import dyadic_bits, select_bits
 from ..core.segments import compensate_sums, compensate_sums_signs, segment_means
@@ -446,6 +447,82 @@ class MarsitCompressor(Compressor):
         return 2.0 * (n - 1) / n * nbytes + scales + flag
 
 
+    # --- the cost model ----------------------------------------------------------------
+    def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
+        """What rank ``rank`` issues in :meth:`buffer_layout`'s layout, with the scales of
+        ``scale="mean_abs"`` (the default of both methods): inside the gather layout's
+        allgather or the direct layout's alltoall, else an allgather started before the
+        hops and waited for after them (``overlapped``)."""
+        d, n, S = numel, world_size, segments
+        layout = self.buffer_layout(HostLayout(n, ranks_per_node), d, S)
+        W = packed_sign_bytes(d)
+        if layout == "gather":  # the scales (and the cascade's tie-breaks) ride with the bits
+            return [Collective("allgather", float(self.gather_row_bytes(d, S)), n)]
+        if layout == "direct":
+            per = direct_padded_numel(W, n) // n
+            return [Collective("alltoall", n * (per + 4.0 * S), n), Collective("allgather", float(per), n)]
+        scales = [Collective("allgather", 4.0 * S, n, overlapped=True)]
+        if layout == "butterfly":
+            return scales + _butterfly_hops(W, n, rank)
+        if layout is None:
+            return scales + ring_hops(W, n, n, rank)
+        return scales + _torus_hops(W, n, layout, rank)
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        return sign_feedback_memory_bytes(numel, world_size)
+
+
+def _butterfly_hops(W, n, rank):
+    """The butterfly's hops of ``W`` bytes from rank ``rank``: recursive halving (send the
+    half given away), then recursive doubling (send what is held, the kept half of the
+    same step, in reverse)."""
+    sent, lo, hi, m = [], 0, W, 1
+    while m < n:
+        mid = chunk_bounds(hi - lo, 2, 1)[0][1] + lo
+        if rank & m == 0:  # keep the lower half, send the upper one
+            sent.append((float(hi - mid), float(mid - lo)))
+            hi = mid
+        else:
+            sent.append((float(mid - lo), float(hi - mid)))
+            lo = mid
+        m *= 2
+    return [Collective("sendrecv", b, n) for b, _ in sent] + \
+        [Collective("sendrecv", held, n) for _, held in reversed(sent)]
+
+
+def _torus_hops(W, n, rows, rank):
+    """The torus's hops of ``W`` bytes from rank ``rank`` on ``rows`` rows: the row ring's
+    reduce-scatter, the column ring over the chunk held, the row ring's allgather."""
+    cols = n // rows
+    row, col = divmod(rank, cols)
+    bounds = chunk_bounds(W, cols)
+    row_hops = ring_hops(W, cols, n, col)
+    held = bounds[(col + 1) % cols]
+    col_hops = ring_hops(held[1] - held[0], rows, n, row) if rows > 1 else []
+    return row_hops[:cols - 1] + col_hops + row_hops[cols - 1:]
+
+
+#: One element of a combine of :class:`CascadingSign`, in bytes of a copy: the time a copy
+#: at the memory bandwidth takes to move this many bytes. Measured, not counted. Its passes
+#: add up to about 62 bytes per element (both chunks decoded to float32, their sum, a
+#: uniform per element for the ties, the re-signing and packing), but the uniform draws and
+#: the table lookups are compute. On one core (issue 42, 2026-11-29), the direct layout's
+#: fold of a 3.7M buffer at 4, 8 and 16 ranks took 8.5-11.6 ns per element combined, 130-250
+#: bytes of a copy at 12-21 GB/s (``bench_quantize.py``'s "cascading-sign fold of 16
+#: chunks": 29-30 ``copy_`` of the buffer, 250 bytes); 200 is their middle. Marsit's bitwise
+#: selection of the same chunks took 1/30 of it.
+CASCADE_COMBINE_BYTES = 200.0
+
+
+def cascade_fold_bytes(numel, world_size, ranks_per_node=None, segments=1, options=None):
+    """What one rank's combines of ``cascading_sign`` (at ``options``' ``topology`` and
+    ``torus_rows``) cost for one buffer, in bytes of a copy
+    (:meth:`CascadingSignCompressor.fold_bytes`)."""
+    options = options or {}
+    comp = CascadingSignCompressor(topology=options.get("topology", "auto"), torus_rows=options.get("torus_rows"))
+    return comp.fold_bytes(numel, world_size, ranks_per_node, segments)
+
+
 class CascadingSignCompressor(MarsitCompressor):
     """Baseline: signSGD on the same ring / torus, re-signing at every hop.
 
@@ -465,3 +542,25 @@ class CascadingSignCompressor(MarsitCompressor):
         opts = super().options()
         del opts["hop"]
         return opts
+
+    def fold_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        """What one rank's combines cost for one buffer, in bytes of a copy.
+
+        Every layout that reduces chunks (ring, torus, butterfly, direct) has each rank
+        combine ``(n - 1) / n`` of the buffer's elements once, through
+        :class:`CascadingSign`'s float32 rule (:data:`CASCADE_COMBINE_BYTES` each); the
+        gather layout folds ``n`` whole rows of packed bits bitwise instead, ``n - 1``
+        selections reading two rows and a mask and writing one (counted; on small buffers
+        their Python overhead is more)."""
+        d, n = int(numel), int(world_size)
+        if n <= 1:
+            return 0.0
+        if self.buffer_layout(HostLayout(n, ranks_per_node), d, segments) == "gather":
+            return 4.0 * (n - 1) * packed_sign_bytes(d)
+        return CASCADE_COMBINE_BYTES * d * (n - 1) / n
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        """The sums and bits of ``g + e``, the ring bits, and the folds
+        (:meth:`fold_bytes`)."""
+        n = int(world_size)
+        return 4.0 * float(numel) * (3.0 + n / 32.0) + self.fold_bytes(numel, n, ranks_per_node, segments)

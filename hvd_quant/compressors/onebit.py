@@ -63,6 +63,7 @@ added (:mod:`hvd_quant.core.onebit`).
 """
 
 from ..core.compressor import Compressor
+from ..core.costmodel import onebit_collectives, onebit_memory_bytes
 from ..core.onebit import (compressed_allreduce_bytes, compressed_allreduce_compensated, gathered_allreduce,
                            gathered_allreduce_bytes, padded_size)
 from ..core.ring import gathers
@@ -154,3 +155,9 @@ class OnebitCompressor(Compressor):
         if self.buffer_layout(numel, world_size) == "gather":
             return float(gathered_allreduce_bytes(numel, world_size))
         return float(compressed_allreduce_bytes(numel, world_size))
+
+    def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
+        return onebit_collectives([numel], world_size, self.buffer_layout(numel, world_size))
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        return onebit_memory_bytes(numel, world_size)

@@ -143,6 +143,22 @@ class Compressor:
         :class:`~hvd_quant.core.comm.WireMeter`)."""
         raise NotImplementedError
 
+    def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
+        """The collectives rank ``rank`` issues to reduce one buffer of ``numel`` elements in
+        ``segments`` tensors at ``world_size > 1`` ranks, ``ranks_per_node`` per host
+        (``None``: unknown or one), in the order it issues them: a list of
+        :class:`~hvd_quant.core.costmodel.Collective` (the cost model's
+        :func:`~hvd_quant.core.costmodel.collectives`; ``tests/test_costmodel.py`` checks
+        it against what :meth:`reduce` issues). ``NotImplementedError`` where the method
+        has no model."""
+        raise NotImplementedError
+
+    def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
+        """Bytes one rank reads and writes in memory to reduce ``numel`` elements: the
+        method's passes over the buffer, lower bounds (the cost model's
+        :func:`~hvd_quant.core.costmodel.memory_bytes`)."""
+        raise NotImplementedError
+
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options().items()))
         return f"{type(self).__name__}({opts})"

@@ -3,7 +3,10 @@
 For each method the model lists the collectives the code issues for one buffer (a bucket
 of the torch optimizer, a tape's fused variables, an optimizer's parameter group), in
 the order the code issues them, with the payload each rank passes in
-(:func:`collectives`). ``tests/test_costmodel.py`` runs every method on a
+(:func:`collectives`). Each compressor states its own, next to its ``wire_bytes``
+(:meth:`~hvd_quant.core.compressor.Compressor.collectives` and ``memory_bytes``); this
+module finds it by name in the table of registered compressors and knows no method but
+Horovod's own allreduce, the optimizers' and torch's PowerSGD. ``tests/test_costmodel.py`` runs every method on a
 :class:`~hvd_quant.core.simulate.ThreadWorld` through a recording communicator and checks
 these lists against what the code really issued, for several world sizes and host
 layouts, so the model cannot drift from the code.
@@ -26,7 +29,8 @@ Time of one step of one buffer, per rank (:func:`predict`)::
   links);
 * memory: the passes of the method over the buffer (:func:`memory_bytes`, lower bounds),
   at a measured copy bandwidth (bytes read plus written per second), and
-  ``cascading_sign``'s folds in bytes of a copy (:func:`cascade_fold_bytes`, measured);
+  ``cascading_sign``'s folds in bytes of a copy
+  (:func:`hvd_quant.compressors.marsit.cascade_fold_bytes`, measured);
 * for torch's PowerSGD only, its matrix products at a rate of floating-point operations
   (:func:`powersgd_flops`).
 
@@ -36,12 +40,14 @@ emulated cluster (``benchmarks/costmodel_calibrate.py``), or assumed for a datac
 (``benchmarks/costmodel_extrapolate.py``).
 """
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
+from .compressor import registered
 from .onebit import padded_size
 from .packing import packed_sign_bytes
-from .ring import DIRECT_FROM, chunk_bounds, direct_padded_numel, gathers
+from .ring import chunk_bounds
 
 KINDS = ("allreduce", "allgather", "alltoall", "sendrecv")
 
@@ -88,48 +94,48 @@ def collectives(method, numel, world_size, ranks_per_node=None, segments=1, opti
     different ranks; the same kinds, and the same bytes over all ranks). A 1-bit
     optimizer's list is one of its 1-bit steps (0/1 Adam: a sync step).
 
-    Options read: ``marsit``/``cascading_sign`` ``topology`` (and ``torus_rows``),
-    ``global_qsgd`` ``norm``, ``onebit`` ``layout``."""
+    A registered compressor states its own list
+    (:meth:`~hvd_quant.core.compressor.Compressor.collectives`), built from the options
+    its constructor takes (others are ignored): e.g. ``marsit``/``cascading_sign``
+    ``topology`` (and ``torus_rows``), ``global_qsgd`` ``norm``, ``onebit`` ``layout``.
+    The rest are listed here: Horovod's own ``horovod_fp32``, the 1-bit optimizers
+    (``tensor_sizes``) and torch's ``ddp_powersgd`` (``shapes``, ``rank``)."""
     n, d, S = int(world_size), int(numel), int(segments)
     options = dict(options or {})
     if n <= 1:
         return []
-    if method in ("none", "horovod_fp32"):
+    compressor = compressor_for(method, options)
+    if compressor is not None:
+        try:
+            return compressor.collectives(d, n, ranks_per_node, S, rank)
+        except NotImplementedError:
+            raise _unknown(method) from None
+    if method == "horovod_fp32":
         return [Collective("allreduce", 4.0 * d, n)]
-    if method == "fp16":
-        return [Collective("allreduce", 2.0 * d, n)]
-    if method == "ef_sign":
-        return [Collective("allgather", packed_sign_bytes(d) + 4.0 * S, n)]
-    if method in ("marsit", "cascading_sign"):
-        return _marsit(method, d, n, ranks_per_node, S, options, rank)
-    if method == "global_qsgd":
-        from ..compressors.global_qsgd import int_payload_bytes, resolve_width_levels
-        norm = options.get("norm", "max")
-        width, _ = resolve_width_levels(norm, n, options.get("bits"), options.get("levels"))
-        scale = Collective("allreduce", 4.0, n) if norm == "max" else Collective("allgather", 8.0, n)
-        payload = float(int_payload_bytes(d, width, ("int32", "int64")))
-        return [scale, Collective("allgather" if gathers(n, payload) else "allreduce", payload, n)]
-    if method == "global_qsgd_exp":
-        if gathers(n, d):  # small buffers: every rank's codes, one byte each
-            return [Collective("allreduce", 4.0, n), Collective("allgather", float(d), n)]
-        if n >= DIRECT_FROM:
-            per = direct_padded_numel(d, n) // n
-            return [Collective("allreduce", 4.0, n), Collective("alltoall", float(n * per), n),
-                    Collective("allgather", float(per), n)]
-        return [Collective("allreduce", 4.0, n)] + _ring_hops(d, n, n, rank)
-    if method == "onebit":
-        from ..compressors.onebit import OnebitCompressor
-        return _onebit([d], n, OnebitCompressor(options.get("layout", "auto")).buffer_layout(d, n))
     if method in ("onebit_adam", "zero_one_adam"):
         # DeepSpeed's per-tensor scales (scales="tensor"): every tensor padded on its own.
         sizes = options.get("tensor_sizes") or _even_sizes(d, S)
-        return _onebit(sizes, n)
+        return onebit_collectives(sizes, n)
     if method == "binsgdm":
         return _binsgdm(d, n, ranks_per_node)
     if method == "ddp_powersgd":
         return powersgd_collectives(options.get("shapes") or [(d,)], n, options.get("rank", 4))
-    raise ValueError(f"the cost model does not know {method!r}; known: "
-                     f"{', '.join(COMPRESSORS + OPTIMIZERS)}")
+    raise _unknown(method)
+
+
+def compressor_for(method, options=None):
+    """The registered compressor named ``method`` (``None`` for any other name), built
+    with those of ``options`` its constructor takes."""
+    cls = registered(method)
+    if cls is None:
+        return None
+    params = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in (options or {}).items() if k in params})
+
+
+def _unknown(method):
+    return ValueError(f"the cost model does not know {method!r}; known: "
+                      f"{', '.join(COMPRESSORS + OPTIMIZERS)}")
 
 
 def powersgd_collectives(shapes, n, rank=4, min_compression_rate=2):
@@ -157,7 +163,7 @@ def _even_sizes(d, S):
     return [base + (1 if i < extra else 0) for i in range(S)]
 
 
-def _ring_hops(nbytes, n, ranks, r=0):
+def ring_hops(nbytes, n, ranks, r=0):
     """A ring allreduce of ``nbytes`` (unit 1) as hops: what ring rank ``r`` sends at each
     of the ``2 (n - 1)`` hops (a chunk each; chunk sizes differ by at most one byte)."""
     sizes = [b - a for a, b in chunk_bounds(int(nbytes), n)]
@@ -166,54 +172,7 @@ def _ring_hops(nbytes, n, ranks, r=0):
     return [Collective("sendrecv", float(b), ranks) for b in rs + ag]
 
 
-def _marsit_compressor(method, options):
-    from ..compressors.marsit import MarsitCompressor
-    comp = MarsitCompressor(topology=options.get("topology", "auto"), torus_rows=options.get("torus_rows"))
-    if method == "cascading_sign":
-        comp = MarsitCompressor(topology=comp.topology, torus_rows=comp.torus_rows, hop="cascade",
-                                compensation=False)
-    return comp
-
-
-def _marsit(method, d, n, k, S, options, rank):
-    comp = _marsit_compressor(method, options)
-    layout = comp.buffer_layout(_Layout(n, k), d, S)
-    W = packed_sign_bytes(d)
-    if layout == "gather":  # the scales (and the cascade's tie-breaks) ride with the bits
-        return [Collective("allgather", float(comp.gather_row_bytes(d, S)), n)]
-    # The scales (scale="mean_abs", both methods' default): inside the direct layout's
-    # alltoall; else an allgather started before the hops and waited for after them.
-    if layout == "direct":
-        per = direct_padded_numel(W, n) // n
-        return [Collective("alltoall", n * (per + 4.0 * S), n), Collective("allgather", float(per), n)]
-    out = [Collective("allgather", 4.0 * S, n, overlapped=True)]
-    if layout == "butterfly":
-        sent, lo, hi, m = [], 0, W, 1
-        while m < n:
-            mid = chunk_bounds(hi - lo, 2, 1)[0][1] + lo
-            if rank & m == 0:  # keep the lower half, send the upper one
-                sent.append((float(hi - mid), float(mid - lo)))
-                hi = mid
-            else:
-                sent.append((float(mid - lo), float(hi - mid)))
-                lo = mid
-            m *= 2
-        # Allgather: each step sends what is held, the kept half of the same step.
-        return out + [Collective("sendrecv", b, n) for b, _ in sent] + \
-            [Collective("sendrecv", held, n) for _, held in reversed(sent)]
-    if layout is None:
-        return out + _ring_hops(W, n, n, rank)
-    rows = layout
-    cols = n // rows
-    row, col = divmod(rank, cols)
-    bounds = chunk_bounds(W, cols)
-    row_hops = _ring_hops(W, cols, n, col)
-    held = bounds[(col + 1) % cols]
-    col_hops = _ring_hops(held[1] - held[0], rows, n, row) if rows > 1 else []
-    return out + row_hops[:cols - 1] + col_hops + row_hops[cols - 1:]
-
-
-class _Layout:
+class HostLayout:
     """A stand-in communicator for :meth:`Compressor.layout`: size and ranks per host."""
 
     def __init__(self, size, k):
@@ -223,7 +182,13 @@ class _Layout:
         return self._k
 
 
-def _onebit(sizes, n, layout="two_stage"):
+_Layout = HostLayout  # its earlier name
+
+
+def onebit_collectives(sizes, n, layout="two_stage"):
+    """The 1-bit compressed allreduce (:mod:`hvd_quant.core.onebit`) of tensors of
+    ``sizes`` elements, each padded on its own: DeepSpeed's two stages (an alltoall, an
+    allgather), or ``layout="gather"``'s one allgather."""
     D = sum(padded_size(int(c), n) for c in sizes)
     width = D // n // 8
     T = len(sizes)
@@ -258,69 +223,56 @@ def fp32_ring_bytes(numel, world_size):
     return 2.0 * (n - 1) / n * 4 * numel if n > 1 else 0.0
 
 
-#: One element of a combine of :class:`~hvd_quant.compressors.marsit.CascadingSign`, in
-#: bytes of a copy: the time a copy at the memory bandwidth takes to move this many bytes.
-#: Measured, not counted. Its passes add up to about 62 bytes per element (both chunks decoded
-#: to float32, their sum, a uniform per element for the ties, the re-signing and packing), but
-#: the uniform draws and the table lookups are compute. On one core (issue 42, 2026-11-29),
-#: the direct layout's fold of a 3.7M buffer at 4, 8 and 16 ranks took 8.5-11.6 ns per element
-#: combined, 130-250 bytes of a copy at 12-21 GB/s (``bench_quantize.py``'s "cascading-sign
-#: fold of 16 chunks": 29-30 ``copy_`` of the buffer, 250 bytes); 200 is their middle.
-#: Marsit's bitwise selection of the same chunks took 1/30 of it.
-CASCADE_COMBINE_BYTES = 200.0
-
-
-def cascade_fold_bytes(numel, world_size, ranks_per_node=None, segments=1, options=None):
-    """What one rank's combines of ``cascading_sign`` cost for one buffer, in bytes of a copy.
-
-    Every layout that reduces chunks (ring, torus, butterfly, direct) has each rank combine
-    ``(n - 1) / n`` of the buffer's elements once, through :class:`CascadingSign`'s float32
-    rule (:data:`CASCADE_COMBINE_BYTES` each); the gather layout folds ``n`` whole rows of
-    packed bits bitwise instead, ``n - 1`` selections reading two rows and a mask and
-    writing one (counted; on small buffers their Python overhead is more)."""
-    d, n = int(numel), int(world_size)
-    if n <= 1:
-        return 0.0
-    comp = _marsit_compressor("cascading_sign", options or {})
-    if comp.buffer_layout(_Layout(n, ranks_per_node), d, segments) == "gather":
-        return 4.0 * (n - 1) * packed_sign_bytes(d)
-    return CASCADE_COMBINE_BYTES * d * (n - 1) / n
-
-
 def memory_bytes(method, numel, world_size, ranks_per_node=None, segments=1, options=None):
     """Bytes one rank reads and writes in memory to reduce ``numel`` elements (lower bounds,
-    passes over the buffer; network copies belong to the link). ``ranks_per_node``,
-    ``segments`` and ``options`` (its topology) choose ``cascading_sign``'s layout, whose
-    folds depend on it."""
-    d, n = float(numel), int(world_size)
-    F = 4.0 * d
-    ring = 4.0 * F * (n - 1) / n
-    if method in ("none", "horovod_fp32"):
-        return ring
-    if method == "fp16":
-        return 3.0 * F + ring / 2.0
-    if method in ("ef_sign", "marsit"):
-        # sums and bits of g + e in one pass (2F), decode + residual in one pass (4F), the
-        # gathered or ring bits
-        return F * (6.0 + (2.0 * n - 1.0) / 32.0)
-    if method == "cascading_sign":
-        return F * (3.0 + n / 32.0) + cascade_fold_bytes(numel, n, ranks_per_node, segments, options)
-    if method in ("global_qsgd", "global_qsgd_exp"):
-        w = 1.0 * d  # one byte per element on the wire
-        return 3.0 * F + 2.0 * w + 4.0 * w * (n - 1) / n
-    D = 4.0 * padded_size(int(numel), n)
-    onebit = 6.0 * D + 2.0 * D / n
-    if method == "onebit":
-        return onebit
+    passes over the buffer; network copies belong to the link). A registered compressor
+    states its own (:meth:`~hvd_quant.core.compressor.Compressor.memory_bytes`, built as in
+    :func:`collectives`: ``ranks_per_node``, ``segments`` and ``options``, its topology,
+    choose ``cascading_sign``'s layout, whose folds depend on it)."""
+    compressor = compressor_for(method, options)
+    if compressor is not None:
+        try:
+            return compressor.memory_bytes(numel, int(world_size), ranks_per_node, segments)
+        except NotImplementedError:
+            raise ValueError(f"the cost model does not know {method!r}") from None
+    F, n = 4.0 * float(numel), int(world_size)
+    if method == "horovod_fp32":
+        return ring_memory_bytes(numel, n)
     if method == "onebit_adam":
-        return 7.0 * F + onebit
+        return 7.0 * F + onebit_memory_bytes(numel, n)
     if method == "zero_one_adam":
-        return 19.0 * F + onebit
+        return 19.0 * F + onebit_memory_bytes(numel, n)
     if method == "binsgdm":
         return F * 11.0 + F * (3.0 + n / 32.0)
     if method == "ddp_powersgd":
         return 8.0 * F
     raise ValueError(f"the cost model does not know {method!r}")
+
+
+def ring_memory_bytes(numel, n):
+    """An fp32 ring allreduce's passes: each of its ``2 (n - 1)`` steps reads and writes
+    ``1 / n`` of the buffer, twice."""
+    return 4.0 * (4.0 * float(numel)) * (n - 1) / n
+
+
+def sign_feedback_memory_bytes(numel, n):
+    """A sign method with error feedback (``ef_sign``, ``marsit``): the sums and bits of
+    ``g + e`` in one pass (``2F``), decode and residual in one pass (``4F``), the gathered
+    or ring bits."""
+    return 4.0 * float(numel) * (6.0 + (2.0 * n - 1.0) / 32.0)
+
+
+def level_memory_bytes(numel, n):
+    """Integer levels on the wire (``global_qsgd``, ``global_qsgd_exp``): quantize and
+    decode (``3F``), one byte per element written and read, and the sum's."""
+    F, w = 4.0 * float(numel), 1.0 * float(numel)
+    return 3.0 * F + 2.0 * w + 4.0 * w * (n - 1) / n
+
+
+def onebit_memory_bytes(numel, n):
+    """The 1-bit compressed allreduce's passes over the padded buffer ``D``."""
+    D = 4.0 * padded_size(int(numel), n)
+    return 6.0 * D + 2.0 * D / n
 
 
 # --- time ---------------------------------------------------------------------------------------
