@@ -60,7 +60,7 @@ from ..core.costmodel import Collective, HostLayout, ring_hops, sign_feedback_me
 from ..core.hops import HopOperator
 from ..core.packing import (bytes_float, float_bytes, pack_signs, packed_sign_bytes, sign_pack_residual,
                             split_scales, unpack_scaled_sum, unpack_signs, unpack_sum_residual, with_scales)
-from ..core.pipeline import _Done, start_allgather
+from ..core.pipeline import start_allgather
 from ..core.ring import (DIRECT_FROM, butterfly_allreduce, chunk_bounds, direct_allreduce, direct_padded_numel, gathers,
                          is_power_of_two, ring_allreduce, torus_allreduce, tree_fold)
 from ..core.rng import dyadic_bits, select_bits
@@ -329,106 +329,139 @@ class MarsitCompressor(Compressor):
         return bits + (4 * segments if self.scale == "mean_abs" else 0)
 
     def reduce(self, x, ctx):
+        """Marsit's step: the scale, the signs, the multi-hop aggregation of the sign bits,
+        the decode and the compensation, each a phase below; the collectives are issued
+        here and in :meth:`_aggregate`.
+
+        With ``scale="mean_abs"`` (the default) the scales ride: their allgather is
+        started before the sign collectives and waited for after them, or they travel
+        inside the direct layout's alltoall or the gather layout's allgather. The default
+        (``mean_abs``, local compensation) also packs the bits in the same pass as the
+        scale sums (fused)."""
         B, comm = ctx.backend, ctx.comm
         d, n = B.numel(x), comm.size
-        segments = ctx.segments or [("", d)]
-        counts = [c for _, c in segments]
+        counts = [c for _, c in (ctx.segments or [("", d)])]
         residual = ctx.state.get("residual") if self.compensation else None
-
-        # Phase 1: the scale alpha per segment, the mean over ranks of mean |x + e| (one
-        # small float allgather, summed identically on every rank). Its values double as
-        # the non-finite flag. A constant alpha sends no float: then the flag costs one
-        # 4-byte allreduce of its own, unless check_finite=False.
-        # The signs of x + e never depend on alpha, so with a measured alpha the sign
-        # collectives need not wait for it: its gather is started here and waited for
-        # after them (phase 4), or the scales ride in the direct layout's alltoall or the
-        # gather layout's allgather (phase 3). The default (mean_abs, local compensation)
-        # also packs the bits in the same pass as the scale sums.
         ride = self.scale == "mean_abs"
         fused = ride and self.compensation == "local"
         layout = self.buffer_layout(comm, d, len(counts))
-        if fused:
-            sums, bits = compensate_sums_signs(B, x, residual, counts)
-            local = segment_means(B, sums, counts)
-        elif ride:
-            local = segment_means(B, compensate_sums(B, x, residual, counts), counts)
-        else:
-            alpha = B.full(len(counts), self.scale)
-            finite = (all_ranks_finite(B, comm, x, ctx.collective_name("finite")) if self.check_finite
-                      else B.all_finite(alpha))
+
+        # Phase 1, the scale: this rank's alpha per segment (with the bits when fused),
+        # or the constant alpha and the agreed finite flag.
+        local, bits, alpha, finite = self._scale_phase(B, comm, ctx, x, residual, counts, fused)
+        scale_handle = None
         if ride and layout not in ("direct", "gather"):
-            alpha_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
+            scale_handle = start_allgather(comm, B.divide(local, float(n)), ctx.collective_name("scale"))
 
-        # Phase 2 (other settings): sign bits of p = x + e; with local compensation the new
-        # residual p - alpha * sign(p) in the same pass, kept only on a finite step.
-        nbytes = packed_sign_bytes(d)
-        if not fused and self.compensation == "local":
-            bits, residual = B.cond(
-                finite, lambda: sign_pack_residual(B, x, residual, alpha, counts, out=residual),
-                lambda: (B.zeros(nbytes, "uint8"), residual))
-            ctx.state.set("residual", residual)
-        elif not fused:
-            p = x if residual is None else x + residual
-            bits = pack_signs(B, p)
+        # Phase 2, the signs (when not fused): the bits of p = x + e, and with local
+        # compensation the new residual.
+        p = None
+        if not fused:
+            bits, residual, p = self._sign_phase(B, ctx, x, residual, alpha, finite, counts)
 
-        # Phase 3: multi-hop allreduce of the sign bits, 1 bit per element on every hop.
-        name = ctx.collective_name("signs")
-        if layout == "gather":
-            # Every rank's row: its bits (with hop="cascade" followed by its tie-breaks) and
-            # its scales. Marsit decodes the n rows with alpha / n each; the cascade folds
-            # them into one, as the direct layout would, the same on every rank.
-            cascade = self.hop == "cascade"
-            width = 2 * nbytes if cascade else nbytes
-            row = B.concat([bits, cascade_tie_mask(B, ctx.rng, nbytes)]) if cascade else bits
-            row = B.reshape(row, (1, width))
-            if ride:
-                row = with_scales(B, row, 1, B.divide(local, float(n)))
-                agg, gathered = split_scales(B, start_allgather(comm, row, f"{name}.gather").wait(), n,
-                                             width, len(counts))
-                alpha_handle = _Done(gathered)
-            else:
-                agg = B.reshape(start_allgather(comm, row, f"{name}.gather").wait(), (-1,))
-            if cascade:
-                agg = fold_gathered_cascade(B, [B.slice(agg, r * width, r * width + nbytes) for r in range(n)],
-                                            [B.slice(agg, r * width + nbytes, (r + 1) * width) for r in range(n)])
-        elif layout == "butterfly":
-            agg = butterfly_allreduce(B, comm, bits, self.op, name, ctx.rng)
-        elif layout == "direct" and ride:
-            agg, gathered = direct_allreduce(B, comm, bits, self.op, name, ctx.rng,
-                                             extra=float_bytes(B, B.divide(local, float(n))))
-            alpha_handle = _Done(bytes_float(B, gathered))
-        elif layout == "direct":
-            agg = direct_allreduce(B, comm, bits, self.op, name, ctx.rng)
-        elif layout is not None:
-            row_comm, col_comm = comm.subgroups(layout)
-            agg = torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng)
-        else:
-            agg = ring_allreduce(B, comm, bits, self.op, name, ctx.rng)
+        # Phase 3, multi-hop aggregation: 1 bit per element on every hop.
+        agg, gathered = self._aggregate(B, comm, ctx, bits, d, layout, B.divide(local, float(n)) if ride else None,
+                                        len(counts))
 
-        # Phase 4: decode alpha * s_hat (into ctx.out where given: it may be x). On the
-        # default path the new residual p - alpha * sign(p) is written in the same pass
-        # (fused primitive unpack_sum_residual), kept only on a finite step: one read of x
-        # and e, where a residual pass beside the ring's hops read them once more, with the
-        # CPU of the backward pass on a rank that has one core (several ranks per host).
+        # Phase 4, decode: alpha (the ranks' scales, summed in rank order), then
+        # alpha * s_hat, and on the fused path the new residual in the same pass.
         if ride:
-            alpha = rank_order_sum(B, alpha_handle.wait(), n)
+            alpha = rank_order_sum(B, gathered if scale_handle is None else scale_handle.wait(), n)
             finite = B.all_finite(alpha)
-        row_scales = (B.concat([B.divide(alpha, float(n))] * n) if layout == "gather" and self.hop == "marsit"
-                      else alpha)
-        if fused:
-            out, residual = B.cond(
-                finite,
-                lambda: unpack_sum_residual(B, agg, row_scales, counts, d, x, residual, alpha, out=ctx.out,
-                                            resid_out=residual),
-                lambda: (B.full(d, float("nan")), residual))
-            ctx.state.set("residual", residual)
-        else:
-            out = B.cond(finite, lambda: unpack_scaled_sum(B, agg, row_scales, counts, d, out=ctx.out),
-                         lambda: B.full(d, float("nan")))
+        out = self._decode_phase(B, ctx, x, residual, agg, alpha, finite, counts, layout, fused)
 
-        # Phase 5: global compensation, against the aggregated result every rank shares.
+        # Phase 5, global compensation: against the aggregated result every rank shares.
         if self.compensation == "global":
             ctx.state.set("residual", B.cond(finite, lambda: p - out, lambda: residual))
+        return out
+
+    def _scale_phase(self, B, comm, ctx, x, residual, counts, fused):
+        """``(local, bits, alpha, finite)``. With ``scale="mean_abs"``: ``local``, the
+        mean ``|x + e|`` per segment (float64 sums; its values double as the non-finite
+        flag once gathered), and when fused the sign bits from the same pass; alpha and
+        finite come with the gathered scales (phase 4). A constant alpha sends no float:
+        the flag costs one 4-byte allreduce of its own, unless ``check_finite=False``."""
+        if fused:
+            sums, bits = compensate_sums_signs(B, x, residual, counts)
+            return segment_means(B, sums, counts), bits, None, None
+        if self.scale == "mean_abs":
+            return segment_means(B, compensate_sums(B, x, residual, counts), counts), None, None, None
+        alpha = B.full(len(counts), self.scale)
+        finite = (all_ranks_finite(B, comm, x, ctx.collective_name("finite")) if self.check_finite
+                  else B.all_finite(alpha))
+        return None, None, alpha, finite
+
+    def _sign_phase(self, B, ctx, x, residual, alpha, finite, counts):
+        """``(bits, residual, p)``: the sign bits of ``p = x + e``; with local compensation
+        the new residual ``p - alpha * sign(p)`` in the same pass (kept only on a finite
+        step, stored at once), else ``p`` for the global compensation."""
+        if self.compensation == "local":
+            bits, residual = B.cond(
+                finite, lambda: sign_pack_residual(B, x, residual, alpha, counts, out=residual),
+                lambda: (B.zeros(packed_sign_bytes(B.numel(x)), "uint8"), residual))
+            ctx.state.set("residual", residual)
+            return bits, residual, None
+        p = x if residual is None else x + residual
+        return pack_signs(B, p), residual, p
+
+    def _aggregate(self, B, comm, ctx, bits, numel, layout, scales, nseg):
+        """The multi-hop allreduce of the sign bits in ``layout``: ``(s_hat's bits, the
+        ranks' scales)``, the scales where they rode in the layout's collective (gather,
+        direct with ``scales``), else ``None``."""
+        name = ctx.collective_name("signs")
+        if layout == "gather":
+            return self._gather_layout(B, comm, ctx, bits, packed_sign_bytes(numel), scales, nseg, name)
+        if layout == "butterfly":
+            return butterfly_allreduce(B, comm, bits, self.op, name, ctx.rng), None
+        if layout == "direct" and scales is not None:
+            agg, gathered = direct_allreduce(B, comm, bits, self.op, name, ctx.rng, extra=float_bytes(B, scales))
+            return agg, bytes_float(B, gathered)
+        if layout == "direct":
+            return direct_allreduce(B, comm, bits, self.op, name, ctx.rng), None
+        if layout is not None:
+            row_comm, col_comm = comm.subgroups(layout)
+            return torus_allreduce(B, row_comm, col_comm, bits, self.op, name, ctx.rng), None
+        return ring_allreduce(B, comm, bits, self.op, name, ctx.rng), None
+
+    def _gather_layout(self, B, comm, ctx, bits, nbytes, scales, nseg, name):
+        """Every rank's row by one allgather: its bits (with ``hop="cascade"`` followed by
+        its tie-breaks) and its scales. Marsit decodes the ``n`` rows with ``alpha / n``
+        each; the cascade folds them into one, as the direct layout would, the same on
+        every rank."""
+        n = comm.size
+        cascade = self.hop == "cascade"
+        width = 2 * nbytes if cascade else nbytes
+        row = B.concat([bits, cascade_tie_mask(B, ctx.rng, nbytes)]) if cascade else bits
+        row = B.reshape(row, (1, width))
+        gathered = None
+        if scales is not None:
+            agg, gathered = split_scales(B, start_allgather(comm, with_scales(B, row, 1, scales),
+                                                            f"{name}.gather").wait(), n, width, nseg)
+        else:
+            agg = B.reshape(start_allgather(comm, row, f"{name}.gather").wait(), (-1,))
+        if cascade:
+            agg = fold_gathered_cascade(B, [B.slice(agg, r * width, r * width + nbytes) for r in range(n)],
+                                        [B.slice(agg, r * width + nbytes, (r + 1) * width) for r in range(n)])
+        return agg, gathered
+
+    def _decode_phase(self, B, ctx, x, residual, agg, alpha, finite, counts, layout, fused):
+        """``alpha * s_hat`` (into ``ctx.out`` where given: it may be ``x``), NaN on a
+        non-finite step. Fused, the new residual ``p - alpha * sign(p)`` is written in the
+        same pass (primitive ``unpack_sum_residual``) and kept only on a finite step: one
+        read of ``x`` and ``e``, where a residual pass beside the hops read them once more
+        with the CPU of the backward pass on a rank that has one core."""
+        d, n = B.numel(x), ctx.comm.size
+        row_scales = (B.concat([B.divide(alpha, float(n))] * n) if layout == "gather" and self.hop == "marsit"
+                      else alpha)
+        if not fused:
+            return B.cond(finite, lambda: unpack_scaled_sum(B, agg, row_scales, counts, d, out=ctx.out),
+                          lambda: B.full(d, float("nan")))
+        out, residual = B.cond(
+            finite,
+            lambda: unpack_sum_residual(B, agg, row_scales, counts, d, x, residual, alpha, out=ctx.out,
+                                        resid_out=residual),
+            lambda: (B.full(d, float("nan")), residual))
+        ctx.state.set("residual", residual)
         return out
 
     def wire_bytes(self, numel, world_size, segments=1, layout=None):
