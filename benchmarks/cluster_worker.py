@@ -27,12 +27,26 @@ Cases
 ``model``
     A full training step (forward, backward, reduction, optimizer update) of a GPT-style
     language model built from ``torch.nn`` (:class:`TinyLM`: 31.7M parameters in 53
-    tensors by default, a 32000-token vocabulary, width 384, 4 layers) on a fixed random
-    batch per rank (4 sequences of 32 tokens), trained with Adam: Horovod's
+    tensors by default, a 32000-token vocabulary, width 384, 4 layers) on real text, 4
+    sequences of 32 tokens per rank and step (see "Data" below), trained with Adam: Horovod's
     ``hvd.DistributedOptimizer(torch.optim.Adam)``, DDP with Adam, hvd_quant's compressors
     in ``hq.DistributedOptimizer(torch.optim.Adam)``, and the 1-bit optimizers in its
     place. Each method trains its own replica, all starting from the same seed. The
     ``local`` row is the same Adam step without any communication: the compute floor.
+
+Data
+----
+Model cases train on word-level tokens of the Python standard library's source
+(``examples/stdlib_text.py``: ``load_word_text``, the vocabulary the model's, 32000 words
+for the LM and 8192 for the scaling model, built from the training files). Every step is a
+new batch: each rank draws from its own stream (``TrainBatches`` seeded by ``(seed,
+rank)``), and every method's replica trains on the same sequence of batches, pre-drawn
+before any timing (the timed call indexes a tensor that is already there). After its
+timed repeats each replica's loss on fixed held-out windows is measured (untimed) and
+recorded with the last training loss, so a row whose optimizer diverged shows it. With
+``--data random`` the old workload returns: one fixed batch of uniform random tokens per
+rank, reused every step (its loss only measures memorisation). The raw JSON's
+``config.data`` records the source and the corpus and vocabulary digests.
 
 Timing
 ------
@@ -102,10 +116,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import horovod.torch as hvd
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hvd_quant from this checkout
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "examples"))
 from common import powersgd_bytes  # noqa: E402  (PowerSGD's byte model, shared with the examples)
+import stdlib_text  # noqa: E402  (the word-level stdlib text the model cases train on)
 
 import hvd_quant  # noqa: E402
 import hvd_quant.torch as hq  # noqa: E402
@@ -135,6 +151,8 @@ class Step:
     skipped : callable returning True when the last call's step was skipped (hvd_quant's
         optimizers skip a step whose values are not finite: such a step does less work,
         so a timed one is counted and reported)
+    feed : model cases: the replica's :class:`Feed` (its batches, its last loss)
+    model : model cases: the replica, for the held-out loss after its repeats
     """
     run: Callable[[], object]
     prepare: Optional[Callable[[], object]] = None
@@ -144,6 +162,8 @@ class Step:
     touched_bytes: float = 0.0
     kind: Optional[Callable[[], str]] = None
     skipped: Optional[Callable[[], bool]] = None
+    feed: Optional["Feed"] = None
+    model: Optional[nn.Module] = None
 
 
 @dataclass
@@ -207,6 +227,22 @@ class TinyLM(nn.Module):
         return nn.functional.cross_entropy(logits.reshape(-1, self.vocab), batch[:, 1:].reshape(-1))
 
 
+class Feed:
+    """The batches one replica trains on, drawn before any timing: ``advance()`` (a step's
+    untimed ``prepare``) moves to the next one, ``current``, which the timed step reads.
+    Every replica gets its own Feed over the same batches, so every method trains on the
+    same text in the same order; past the end it starts again (the pool is sized so that
+    no method gets there, see :func:`pool_size`)."""
+
+    def __init__(self, batches):
+        self.batches, self.index, self.current = batches, -1, None
+        self.last_loss = None  # the last step's training loss (a detached tensor)
+
+    def advance(self):
+        self.index += 1
+        self.current = self.batches[self.index % len(self.batches)]
+
+
 @dataclass
 class Context:
     """What every method's setup sees. ``case`` is ``"buffer"`` or ``"model"``."""
@@ -217,8 +253,11 @@ class Context:
     # buffer case: one shared parameter with a working gradient and its saved value
     weight: Optional[nn.Parameter] = None
     grad0: Optional[torch.Tensor] = None
-    # model case: replicas built from one seed, one fixed batch per rank
-    batch: Optional[torch.Tensor] = None
+    # model case: replicas built from one seed; this rank's batches, (steps, batch, seq + 1)
+    # tokens, and the held-out windows (windows, seq + 1), the same on every rank
+    batches: Optional[torch.Tensor] = None
+    val_batch: Optional[torch.Tensor] = None
+    data: Optional[dict] = None  # the data source, corpus and vocabulary digests (JSON)
     model_numel: int = 0
 
     @property
@@ -233,12 +272,19 @@ class Context:
         torch.manual_seed(self.args.seed)
         return TinyLM(**model_config(self.args))
 
+    def feed(self):
+        """A new replica's :class:`Feed` over this rank's pre-drawn batches."""
+        return Feed(self.batches)
+
     @staticmethod
-    def train_step(model, batch, step):
-        """zero_grad, forward, backward, then ``step()`` (reduction + update)."""
+    def train_step(model, feed, step):
+        """zero_grad, forward on ``feed.current``, backward, then ``step()`` (reduction +
+        update); the loss is kept (detached, not read: no extra work) in ``feed.last_loss``."""
         for p in model.parameters():
             p.grad = None
-        model_loss(model, batch).backward()
+        loss = model_loss(model, feed.current)
+        loss.backward()
+        feed.last_loss = loss.detach()
         step()
 
 
@@ -361,12 +407,14 @@ def optimizer_step(ctx, make_optimizer, warmup=3, touched=touched_sgd_step, buff
         opt = make_optimizer([weight], [("weight", weight)])
         run = getattr(opt, buffer_call)
     else:
-        model = ctx.replica()
+        model, feed = ctx.replica(), ctx.feed()
         opt = make_optimizer(list(model.parameters()), list(model.named_parameters()))
-        run = lambda: ctx.train_step(model, ctx.batch, opt.step)  # noqa: E731
-        prepare = None
+        run = lambda: ctx.train_step(model, feed, opt.step)  # noqa: E731
+        prepare = feed.advance
     kinds = getattr(opt, "step_kinds", None)
+    model_case = ctx.case != "buffer"
     return Step(run=run, prepare=prepare, warmup=warmup, bytes_counter=lambda: opt.bytes_sent,
+                feed=feed if model_case else None, model=model if model_case else None,
                 touched_bytes=touched(ctx.numel, ctx.size),
                 kind=(lambda: kinds[-1] if kinds else "") if kinds is not None else None,
                 skipped=(lambda: bool(opt.last_step_skipped)) if hasattr(opt, "last_step_skipped") else None)
@@ -397,14 +445,17 @@ def horovod_setup(fp16):
                     hvd.allreduce_(g, op=hvd.Average, name=name)
             prepare = ctx.restore_grad
         else:
-            model = ctx.replica()
+            model, feed = ctx.replica(), ctx.feed()
             opt = hvd.DistributedOptimizer(
                 adam(model.parameters(), ctx.args), named_parameters=model.named_parameters(),
                 compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
-            run = lambda: ctx.train_step(model, ctx.batch, opt.step)  # noqa: E731
-            prepare = None
-        return Step(run=run, prepare=prepare, sent_bytes=ring_bytes((2 if fp16 else 4) * d, n),
+            run = lambda: ctx.train_step(model, feed, opt.step)  # noqa: E731
+            prepare = feed.advance
+        step = Step(run=run, prepare=prepare, sent_bytes=ring_bytes((2 if fp16 else 4) * d, n),
                     touched_bytes=(touched_fp16 if fp16 else touched_ring_fp32)(d, n))
+        if ctx.case != "buffer":
+            step.feed, step.model = feed, model
+        return step
     return setup
 
 
@@ -462,8 +513,9 @@ def ddp_setup(hook):
             shapes = [tuple(ctx.weight.shape)]
         else:
             opt = adam(model.parameters(), ctx.args)
-            prepare = None
-            run = lambda: ctx.train_step(model, ctx.batch, opt.step)  # noqa: E731
+            feed = ctx.feed()
+            prepare = feed.advance
+            run = lambda: ctx.train_step(model, feed, opt.step)  # noqa: E731
             shapes = [tuple(p.shape) for p in model.parameters()]
         if hook == "powersgd":
             sent = powersgd_bytes(shapes, ctx.args.powersgd_rank, n)
@@ -472,7 +524,10 @@ def ddp_setup(hook):
             sent, touched = ring_bytes(2 * d, n), touched_fp16(d, n)
         else:
             sent, touched = ring_bytes(4 * d, n), touched_ring_fp32(d, n)
-        return Step(run=run, prepare=prepare, warmup=warmup, sent_bytes=sent, touched_bytes=touched)
+        step = Step(run=run, prepare=prepare, warmup=warmup, sent_bytes=sent, touched_bytes=touched)
+        if ctx.case != "buffer":
+            step.feed, step.model = feed, model.module
+        return step
     return setup
 
 
@@ -567,7 +622,8 @@ register("onebit_allreduce", onebit_allreduce_setup, cases=("buffer",),
 #: warm-up), and Adam's step is then about 20 times the learning rate per element: at 1e-4
 #: the model's loss on the fixed batch grows from step 4 and is no longer finite by step 10
 #: or so, and a non-finite step is skipped, doing less work. At 1e-5 the loss falls steadily
-#: (10.6 to 2.3 in 20 steps at 2 ranks). Every timed step is checked (``Step.skipped``).
+#: (10.6 to 2.3 in 20 steps at 2 ranks). (Measured on the fixed random batch, now
+#: ``--data random``.) Every timed step is checked (``Step.skipped``).
 ONEBIT_ADAM_LR = 1e-5
 
 
@@ -611,9 +667,10 @@ register("binsgdm_flat", binsgdm_flat_setup,
 # --- reference rows -----------------------------------------------------------------------------
 def local_setup(ctx):
     """The model step without communication (plain Adam): the compute floor."""
-    model = ctx.replica()
+    model, feed = ctx.replica(), ctx.feed()
     opt = adam(model.parameters(), ctx.args)
-    return Step(run=lambda: ctx.train_step(model, ctx.batch, opt.step), sent_bytes=0.0, touched_bytes=0.0)
+    return Step(run=lambda: ctx.train_step(model, feed, opt.step), prepare=feed.advance, sent_bytes=0.0,
+                touched_bytes=0.0, feed=feed, model=model)
 
 
 register("local", local_setup, cases=MODEL_CASES, doc="model step with no communication (compute floor)")
@@ -645,7 +702,53 @@ def log(ctx, msg):
         print(f"[bench {ctx.args.label}] {msg}", flush=True)
 
 
-def build_context(args, rank, size):
+def pool_size(names, args):
+    """Batches to pre-draw: the kept methods (baseline, floor) run a warm-up (at most
+    ``MAX_WARMUP`` calls) and then once per repeat with every paired method."""
+    paired = [n for n in names if n not in (BASELINE, "local")]
+    return MAX_WARMUP + args.repeats * max(1, len(paired))
+
+
+#: The longest warm-up of any method (PowerSGD's and the Adam-family 1-bit optimizers': 4).
+MAX_WARMUP = 8
+
+
+def model_data(args, rank, steps):
+    """This rank's ``steps`` training batches ``(steps, batch, seq + 1)``, the held-out
+    windows ``(val_windows, seq + 1)`` and the JSON description of the data.
+
+    ``stdlib``: word ids of the standard library's source (a vocabulary of the model's
+    size), a new batch per step from this rank's stream. ``random``: the earlier workload,
+    one fixed batch of uniform tokens reused every step (and random "held-out" tokens).
+    """
+    if args.data == "random":
+        gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
+        batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        gen = torch.Generator().manual_seed(args.seed + 2000)
+        val = torch.randint(0, args.vocab, (args.val_windows, args.seq + 1), generator=gen)
+        return batch[None], val, {"data": "random", "vocab_size": args.vocab}
+    # The first rank on each host builds the token cache; the others then read it, rather
+    # than every rank encoding the same megabytes at once on a shared machine.
+    first = hvd.local_rank() == 0
+    if first:
+        text = stdlib_text.load_word_text(args.vocab, args.seq, args.batch, max_bytes=args.corpus_bytes)
+    barrier()
+    if not first:
+        text = stdlib_text.load_word_text(args.vocab, args.seq, args.batch, max_bytes=args.corpus_bytes)
+    x, y = stdlib_text.TrainBatches(text.train, args.seq, args.batch, args.seed, rank).take(steps)
+    windows = np.concatenate([x, y[:, -1:]], axis=1).reshape(steps, args.batch, args.seq + 1)
+    vx, vy = stdlib_text.validation_windows(text.val, args.seq, args.val_windows)
+    val = np.concatenate([vx, vy[:, -1:]], axis=1)
+    return torch.from_numpy(windows), torch.from_numpy(val), text.summary()
+
+
+def validation_loss(step, ctx):
+    """The replica's mean loss on the held-out windows (untimed, no gradients)."""
+    with torch.no_grad():
+        return float(step.model.loss(ctx.val_batch))
+
+
+def build_context(args, rank, size, steps=1):
     ctx = Context(case=args.case, rank=rank, size=size, args=args)
     if args.case == "buffer":
         rows, cols = matrix_shape(args.numel)
@@ -655,8 +758,7 @@ def build_context(args, rank, size):
         ctx.grad0 = torch.randn(rows, cols, generator=gen)
         ctx.weight.grad = ctx.grad0.clone()
     else:
-        gen = torch.Generator().manual_seed(args.seed + 1000 + rank)
-        ctx.batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+        ctx.batches, ctx.val_batch, ctx.data = model_data(args, rank, steps)
         torch.manual_seed(args.seed)
         ctx.model_numel = sum(p.numel() for p in TinyLM(**model_config(args)).parameters())
     return ctx
@@ -764,8 +866,8 @@ def measure(args):
         init_torch_distributed(rank, size, args.gloo_timeout)
     threads = args.threads or recommended_torch_threads()
     torch.set_num_threads(threads)
-    ctx = build_context(args, rank, size)
     names, skipped = select_methods(args)
+    ctx = build_context(args, rank, size, steps=pool_size(names, args))
     kept = [BASELINE] + (["local"] if "local" in names else [])
     paired = [n for n in names if n not in kept]
     from hvd_quant.kernels import threads as kernel_threads
@@ -775,6 +877,8 @@ def measure(args):
              f"({'--threads' if args.threads else 'README recommendation: usable cores / ranks on this host'}); "
              f"{kernel_threads.describe()}"
              + (f"; not in this case: {', '.join(skipped)}" if skipped else ""))
+    if ctx.data:
+        log(ctx, "data: " + ", ".join(f"{k} {v}" for k, v in ctx.data.items()))
 
     def build(name):
         t0 = time.perf_counter()
@@ -804,6 +908,12 @@ def measure(args):
     sent = {name: [] for name in names}
     link = {name: [] for name in names}  # the host link's (tx, rx) bytes per timed call
     copy_times = []
+    losses = {name: {} for name in names}  # model cases: last training loss, held-out loss
+
+    def record_losses(name, step):
+        if step.feed is not None and step.feed.last_loss is not None:
+            losses[name] = {"train_loss": float(step.feed.last_loss), "val_loss": validation_loss(step, ctx),
+                            "steps": step.feed.index + 1}
 
     def run(name, step, rep, label):
         before = step.bytes_counter() if step.bytes_counter else 0.0
@@ -831,6 +941,7 @@ def measure(args):
                 elapsed = run(n, steps[n], rep, n if n == name or name is None else f"{n} (with {name})")
                 (times[n] if n == name or name is None else pairs[name][n]).append(elapsed)
         if name is not None:
+            record_losses(name, steps[name])
             del steps[name]  # free its replica and state before the next method is built
             gc.collect()
             return_freed_memory()
@@ -842,6 +953,7 @@ def measure(args):
 
     for k in kept:  # the kept methods' own series: all their paired runs, in order
         times[k] = [t for name in paired for t in pairs[name][k]] or times[k]
+        record_losses(k, steps[k])
     result = {
         "config": {"case": args.case, "ranks": size, "local_size": hvd.local_size(), "numel": ctx.numel,
                    "repeats": args.repeats, "threads": threads, "threads_arg": args.threads,
@@ -855,7 +967,8 @@ def measure(args):
                    "thp": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
                    "shape": list(ctx.weight.shape) if ctx.weight is not None else None,
                    "model": model_config(args) if args.case in MODEL_CASES else None,
-                   "batch": args.batch if args.case in MODEL_CASES else None},
+                   "batch": args.batch if args.case in MODEL_CASES else None,
+                   "data": ctx.data},
         "copy_s": gather(copy_times),
         "copy_bytes": 4 * ctx.numel,
         "methods": {},
@@ -883,6 +996,9 @@ def measure(args):
             "touched_bytes": cost[name]["touched"],
             "kinds": sorted(set(kinds[name])),
             "skipped_steps": skips[name],
+            # model cases: this rank's (rank 0's) last training loss and held-out loss,
+            # with the steps the replica took; {} in the buffer case
+            "loss": losses[name],
             "doc": METHODS[name].doc,
         }
     return ctx, result
@@ -913,6 +1029,13 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=None, help="model size (default: the case's model)")
     p.add_argument("--batch", type=int, default=None,
                    help="model cases: sequences per rank per step (default 4; scaling: 1)")
+    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib",
+                   help="model cases: word tokens of the stdlib's source, a new batch every step "
+                        "(default), or one fixed batch of random tokens reused every step")
+    p.add_argument("--corpus-bytes", type=int, default=stdlib_text.DEFAULT_MAX_BYTES,
+                   help="model cases, --data stdlib: bytes of stdlib source to read")
+    p.add_argument("--val-windows", type=int, default=32,
+                   help="model cases: held-out windows each replica's loss is measured on")
     p.add_argument("--gloo-timeout", type=float, default=600)
     p.add_argument("--label", default="", help="shown in progress lines")
     p.add_argument("--out", default="", help="rank 0 writes the raw results here (JSON)")
