@@ -5,9 +5,20 @@
 
 Every rank trains the language model of the cluster benchmark (``TinyLM`` in
 ``benchmarks/cluster_worker.py``: 31.7M parameters in 53 tensors, a 32000-token vocabulary,
-width 384, 4 layers; 4 sequences of 32 tokens per rank and step, fixed random tokens) on
-``cuda:0``: both ranks share the one GPU, and Horovod's collectives run over Gloo. Rank 0
-writes ``DIR/gpu_train.json`` and ``DIR/gpu_train.md``.
+width 384, 4 layers; 4 sequences of 32 tokens per rank and step) on ``cuda:0``: both
+ranks share the one GPU, and Horovod's collectives run over Gloo. Rank 0 writes
+``DIR/gpu_train.json`` and ``DIR/gpu_train.md``.
+
+Data (``--data stdlib``, the default): word-level tokens of the Python standard library's
+source (``examples/stdlib_text.py``, ``load_word_text``; the vocabulary is the model's,
+32000 words, or 512 for ``--size tiny``). Each rank draws its own stream of windows
+(``TrainBatches`` seeded by ``(seed, rank)``), all of it before phase 1, moved to the device
+once; step ``i`` of every method trains on batch ``i`` of that stream, so every method
+sees the same text in the same order, a new batch each step. After its timed steps each
+method's loss on fixed held-out windows is measured (untimed) and recorded with its last
+training loss. ``--data random``: uniform random tokens (a new batch per step in phase 1,
+one fixed batch reused in phase 2, as before). The JSON's ``config.data`` records the
+source and the corpus and vocabulary digests.
 
 Phase 1, bits (``--bits-steps`` steps per method). Every compressor of
 ``hvd_quant.available()`` in ``hq.DistributedOptimizer(torch.optim.Adam)``, and every
@@ -57,7 +68,9 @@ import torch.distributed as dist
 import horovod.torch as hvd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "examples"))
 from cluster_worker import ONEBIT_ADAM_LR, TinyLM, init_torch_distributed, model_loss  # noqa: E402
+import stdlib_text  # noqa: E402  (the word-level stdlib text the model trains on)
 
 import hvd_quant  # noqa: E402
 import hvd_quant.torch as hq  # noqa: E402
@@ -94,10 +107,51 @@ def replica(args, device):
     return TinyLM(**SIZES[args.size]).to(device)
 
 
-def batch_for(args, rank, step, device):
-    g = torch.Generator().manual_seed(10_000 * rank + step)
-    cfg = SIZES[args.size]
-    return torch.randint(0, cfg["vocab"], (args.batch, cfg["seq"] + 1), generator=g).to(device)
+class Data:
+    """This rank's batches, drawn and moved to the device before anything is timed.
+
+    ``batch(step)``: the batch of step ``step`` (every method's step ``i`` trains on the
+    same one; wraps past the pool's end). ``val``: the held-out windows, the same on every
+    rank. ``info``: what the data is, for the JSON.
+    """
+
+    def __init__(self, args, rank, device, steps):
+        cfg = SIZES[args.size]
+        vocab, seq = cfg["vocab"], cfg["seq"]
+        self.random = args.data == "random"
+        if self.random:
+            self.rank, self.device, self.args = rank, device, args
+            g = torch.Generator().manual_seed(20_000)
+            self.val = torch.randint(0, vocab, (args.val_windows, seq + 1), generator=g).to(device)
+            self.info = {"data": "random", "vocab_size": vocab}
+            return
+        # The first rank on this host builds the token cache, the other then reads it.
+        first = hvd.local_rank() == 0
+        if first:
+            text = stdlib_text.load_word_text(vocab, seq, args.batch, max_bytes=args.corpus_bytes)
+        barrier()
+        if not first:
+            text = stdlib_text.load_word_text(vocab, seq, args.batch, max_bytes=args.corpus_bytes)
+        x, y = stdlib_text.TrainBatches(text.train, seq, args.batch, args.seed, rank).take(steps)
+        windows = np.concatenate([x, y[:, -1:]], axis=1).reshape(steps, args.batch, seq + 1)
+        self.pool = torch.from_numpy(windows).to(device)
+        vx, vy = stdlib_text.validation_windows(text.val, seq, args.val_windows)
+        self.val = torch.from_numpy(np.concatenate([vx, vy[:, -1:]], axis=1)).to(device)
+        self.info = text.summary()
+
+    def batch(self, step):
+        if self.random:  # the earlier workload: a batch per (rank, step) from its own seed
+            g = torch.Generator().manual_seed(10_000 * self.rank + step)
+            cfg = SIZES[self.args.size]
+            return torch.randint(0, cfg["vocab"], (self.args.batch, cfg["seq"] + 1), generator=g).to(self.device)
+        return self.pool[step % len(self.pool)]
+
+
+def pool_steps(args):
+    """Batches each rank pre-draws: the longest walk of one method (phase 1's steps, or
+    phase 2's warm-up, PowerSGD's two extra warm-up steps, the timed steps and the
+    synchronisation count's one)."""
+    return max(args.bits_steps, args.warmup + 2 + args.steps + 1, 1)
 
 
 def make_optimizer(name, model, bits):
@@ -159,7 +213,7 @@ def bits_check(name, args, rank, device):
     compressor = name not in ONEBIT
     steps = []
     for step in range(args.bits_steps):
-        batch = batch_for(args, rank, step, device)
+        batch = args.data_source.batch(step)
         loss = model_loss(model, batch)
         # The twin's gradients first: the device optimizer's buckets are reduced (in place)
         # while backward runs.
@@ -195,26 +249,43 @@ def bits_check(name, args, rank, device):
 
 
 # --- phase 2: timing ------------------------------------------------------------------------------
+class Feed:
+    """The batch a method's next step trains on: ``advance()`` (untimed, before each step)
+    moves to the next of :class:`Data`'s batches; ``last_loss`` keeps the last step's
+    training loss (a detached tensor, read after the timing)."""
+
+    def __init__(self, data, fixed=False):
+        self.data, self.fixed, self.index, self.current, self.last_loss = data, fixed, -1, None, None
+
+    def advance(self):
+        self.index += 1
+        self.current = self.data.batch(0 if self.fixed else self.index)
+
+
 class Timed:
-    """One method's training step: ``run()``, and what it sent (``sent()``: bytes) and
-    staged (``host()``: a HostMeter snapshot or None)."""
+    """One method's training step: ``run()`` (on ``feed.current``), and what it sent
+    (``sent()``: bytes) and staged (``host()``: a HostMeter snapshot or None); ``model``
+    for the held-out loss."""
 
-    def __init__(self, run, sent=None, host=None, buckets=1):
+    def __init__(self, run, sent=None, host=None, buckets=1, model=None, feed=None):
         self.run, self.sent, self.host, self.buckets = run, sent, host, buckets
+        self.model, self.feed = model, feed
 
 
-def train_step(model, batch, step):
+def train_step(model, feed, step):
     for p in model.parameters():
         p.grad = None
-    model_loss(model, batch).backward()
+    loss = model_loss(model, feed.current)
+    loss.backward()
+    feed.last_loss = loss.detach()
     step()
 
 
-def build_timed(name, args, device, batch):
+def build_timed(name, args, device, feed):
     model = replica(args, device)
     if name == "local":
         opt = torch.optim.Adam(model.parameters(), lr=LR)
-        return Timed(lambda: train_step(model, batch, opt.step))
+        return Timed(lambda: train_step(model, feed, opt.step), model=model, feed=feed)
     if name in ("ddp_fp32", "ddp_powersgd"):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -229,11 +300,11 @@ def build_timed(name, args, device, batch):
                                                 warm_start=True, random_seed=0)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         opt = torch.optim.Adam(ddp.parameters(), lr=LR)
-        return Timed(lambda: train_step(ddp, batch, opt.step))
+        return Timed(lambda: train_step(ddp, feed, opt.step), model=model, feed=feed)
     if name == "horovod_fp32":
         opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR),
                                        named_parameters=model.named_parameters())
-        return Timed(lambda: train_step(model, batch, opt.step))
+        return Timed(lambda: train_step(model, feed, opt.step), model=model, feed=feed)
     with staged_if(args):
         opt = make_optimizer(name, model, bits=False)
 
@@ -241,8 +312,8 @@ def build_timed(name, args, device, batch):
         meter = host_meter_of(opt._comm)
         return meter.snapshot() if meter else None
     buckets = len(opt.bucket_groups) if hasattr(opt, "bucket_groups") else len(opt.param_groups)
-    return Timed(lambda: train_step(model, batch, opt.step), sent=lambda: opt.bytes_sent, host=host,
-                 buckets=buckets)
+    return Timed(lambda: train_step(model, feed, opt.step), sent=lambda: opt.bytes_sent, host=host,
+                 buckets=buckets, model=model, feed=feed)
 
 
 def synchronize(device):
@@ -259,6 +330,7 @@ def count_syncs(timed, device):
     staging's event waits in it."""
     if device.type != "cuda":
         return None
+    timed.feed.advance()
     before = timed.host() if timed.host else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -273,22 +345,31 @@ def count_syncs(timed, device):
     return {"torch": torch_syncs, "staging_waits": waits, "total": torch_syncs + waits}
 
 
+def validation_loss(timed, data):
+    """The method's model's mean loss on the held-out windows (untimed, no gradients)."""
+    with torch.no_grad():
+        return float(timed.model.loss(data.val))
+
+
 def time_method(name, args, rank, device):
-    batch = batch_for(args, rank, 0, device)
+    # --data random keeps the earlier phase 2: one fixed batch, reused every step.
+    feed = Feed(args.data_source, fixed=args.data == "random")
     t0 = time.perf_counter()
-    timed = build_timed(name, args, device, batch)
+    timed = build_timed(name, args, device, feed)
     warm = args.warmup + (2 if name == "ddp_powersgd" else 0)  # its first steps are plain allreduces
     for _ in range(warm):
+        feed.advance()
         timed.run()
     synchronize(device)
     setup_s = time.perf_counter() - t0
     times, sent, host = [], [], []
     for _ in range(args.steps):
+        feed.advance()  # the batch is already on the device: this only picks it
         s0 = timed.sent() if timed.sent else 0.0
         h0 = timed.host() if timed.host else None
         synchronize(device)
         barrier()
-        t = time.perf_counter()
+        t = time.perf_counter()  # timed: from here to the synchronize after the step
         timed.run()
         synchronize(device)
         times.append(time.perf_counter() - t)
@@ -297,6 +378,8 @@ def time_method(name, args, rank, device):
         if h0 is not None:
             h1 = timed.host()
             host.append({k: h1[k] - h0[k] for k in h1})
+    loss = {"train_loss": float(feed.last_loss), "val_loss": validation_loss(timed, args.data_source),
+            "steps": feed.index + 1}
     syncs = count_syncs(timed, device)
     buckets = timed.buckets
     del timed
@@ -304,7 +387,7 @@ def time_method(name, args, rank, device):
         torch.cuda.empty_cache()
     return {"times_s": times, "sent_bytes": statistics.median(sent) if sent else None,
             "host": host[-1] if host else None, "syncs": syncs, "setup_s": setup_s,
-            "buckets": buckets}
+            "buckets": buckets, "loss": loss}
 
 
 # --- the job ------------------------------------------------------------------------------------
@@ -363,6 +446,9 @@ def run(args):
     numel = sum(p.numel() for p in replica(args, "cpu").parameters())
     result["config"]["numel"] = numel
     say(f"{size} ranks on {device}, TinyLM {args.size} ({numel:,} parameters), {len(methods)} methods")
+    args.data_source = Data(args, rank, device, pool_steps(args))
+    result["config"]["data"] = args.data_source.info
+    say("data: " + ", ".join(f"{k} {v}" for k, v in args.data_source.info.items()))
 
     if args.bits_steps:
         for name in methods:
@@ -400,9 +486,13 @@ def run(args):
             result["timing"][name] = {"step_s": slowest, "median_s": statistics.median(slowest),
                                       "sent_bytes": mine["sent_bytes"], "host": ranks[0]["host"],
                                       "syncs": ranks[0]["syncs"], "setup_s": max(r["setup_s"] for r in ranks),
-                                      "buckets": mine["buckets"]}
+                                      "buckets": mine["buckets"],
+                                      # the ranks' mean training loss of the last step, held-out loss
+                                      "loss": {k: statistics.fmean(r["loss"][k] for r in ranks)
+                                               for k in ("train_loss", "val_loss")}}
             say(f"time {name:16s} {1e3 * statistics.median(slowest):8.1f} ms/step "
-                f"(set-up {time.perf_counter() - t:.1f} s)")
+                f"(set-up {time.perf_counter() - t:.1f} s); loss {result['timing'][name]['loss']['train_loss']:.3f}, "
+                f"held-out {result['timing'][name]['loss']['val_loss']:.3f}")
     result["elapsed_s"] = time.perf_counter() - started
     if rank == 0:
         out = Path(args.out)
@@ -415,6 +505,14 @@ def run(args):
 
 
 # --- the report ---------------------------------------------------------------------------------
+def data_line(info):
+    if info.get("data") == "stdlib":
+        return (f"Data: word tokens of the Python {info['python_version']} standard library's source "
+                f"(corpus {info['corpus_digest']}, vocabulary {info['vocab_digest']} of {info['vocab_size']}), "
+                "a new batch per step; loss: the last step's, and on held-out files.")
+    return "Data: uniform random tokens (--data random): the loss only measures memorisation."
+
+
 def report(result):
     cfg, env = result["config"], result["environment"] or {}
     lines = [f"# GPU training check ({cfg['date']})", "",
@@ -425,6 +523,7 @@ def report(result):
              f"{'Triton' if env.get('gpu_kernels') else 'none (generic torch path)'}; the device's "
              f"collectives: {env.get('wire_chosen')} (HVD_QUANT_WIRE={env.get('wire')}).",
              f"Model: TinyLM {cfg['size']} ({cfg['numel']:,} parameters), batch {cfg['batch']} per rank.",
+             data_line(cfg.get("data") or {}),
              (f"Each rank in an emulated host of its own, linked at {env['cluster_rate_bps'] / 1e9:g} Gbit/s "
               "(python -m hvd_quant.cluster)." if env.get("cluster_rate_bps") else
               f"Network namespaces (the emulated cluster): {env.get('network_namespaces')}; this run is "
@@ -452,7 +551,7 @@ def report(result):
                   "payload (target: at most 1.1 x the payload plus 4 kB per bucket). Host "
                   "synchronisations of one step: torch's and the staging's event waits.", "",
                   "| method | ms/step | vs DDP fp32 | vs DDP PowerSGD | sent MB | host MB | host / payload "
-                  "| within target | syncs |", "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+                  "| within target | syncs | loss (held-out) |", "|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
         for name, t in timing.items():
             ms = 1e3 * t["median_s"]
             vs = [f"{r['median_s'] / t['median_s']:.2f}x" if r else "" for r in (ddp, psgd)]
@@ -464,7 +563,9 @@ def report(result):
                 within = "yes" if hbytes <= 1.1 * host["payload"] + 4096 * t["buckets"] else "NO"
             sent = f"{t['sent_bytes'] / 1e6:.3f}" if t["sent_bytes"] is not None else ""
             syncs = t["syncs"]["total"] if t["syncs"] else ""
-            lines.append(f"| {name} | {ms:.1f} | {vs[0]} | {vs[1]} | {sent} | {hmb} | {ratio} | {within} | {syncs} |")
+            loss = f"{t['loss']['train_loss']:.3f} ({t['loss']['val_loss']:.3f})" if t.get("loss") else ""
+            lines.append(f"| {name} | {ms:.1f} | {vs[0]} | {vs[1]} | {sent} | {hmb} | {ratio} | {within} | {syncs} "
+                         f"| {loss} |")
         lines.append("")
         if env.get("device", "").startswith("cuda") and not env.get("horovod_cuda_built"):
             lines += ["horovod_fp32: not timed. This Horovod was built without its CUDA parts "
@@ -491,6 +592,12 @@ def main(argv=None):
     p.add_argument("--bits-steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib",
+                   help="word tokens of the stdlib's source, a new batch every step (default), or "
+                        "random tokens (phase 2: one fixed batch reused)")
+    p.add_argument("--corpus-bytes", type=int, default=stdlib_text.DEFAULT_MAX_BYTES,
+                   help="--data stdlib: bytes of stdlib source to read")
+    p.add_argument("--val-windows", type=int, default=32, help="held-out windows for the loss")
     p.add_argument("--gloo-timeout", type=float, default=300)
     return run(p.parse_args(argv))
 
