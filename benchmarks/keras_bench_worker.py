@@ -7,9 +7,20 @@ every method, with the fp32 allreduce and the compute floor measured beside each
 
 The model (:func:`build_model`, 29,334,272 parameters): ``Embedding(32000, 384)``, four
 residual MLP blocks (``384 -> 1536 -> 384``, ReLU) and a 32000-way head on every token,
-trained on a fixed random batch of ``--batch`` sequences of ``--seq`` tokens per rank
-with sparse categorical cross-entropy. The embedding's gradient is a
+trained with sparse categorical cross-entropy to predict the next token, ``--batch``
+sequences of ``--seq`` tokens per rank and step. The embedding's gradient is a
 ``tf.IndexedSlices``, made dense by hvd_quant (``sparse_as_dense``, the default).
+
+Data (``--data stdlib``, the default): word-level tokens of the Python standard library's
+source (``examples/stdlib_text.py``, ``load_word_text``: the vocabulary is the model's, built
+from the training files). Each rank draws its own stream of windows (``TrainBatches``,
+seeded by ``(seed, rank)``), all of it before any timing; every method, the baseline and
+the floor each walk through that same sequence, a new batch every step. After its timed
+rounds each method's loss on fixed held-out windows is measured (untimed) and recorded
+with its last training loss. ``--data random`` is the earlier workload: one fixed set of
+uniform random tokens (inputs and targets independent) reused every call, whose loss only
+measures memorisation. The raw JSON's ``config.data`` records the source and the corpus
+and vocabulary digests.
 
 Methods (all with their users' defaults, apart from the 1-bit optimizers' schedules,
 which are set so that every timed step communicates at 1 bit):
@@ -50,10 +61,13 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hvd_quant from this checkout
 
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "examples"))
+
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
+import stdlib_text  # noqa: E402  (the word-level stdlib text the model trains on)
 from hvd_quant.kernels import threads as kernel_threads  # noqa: E402
 
 VOCAB, DIM, FF, BLOCKS = 32000, 384, 1536, 4
@@ -97,15 +111,19 @@ class BatchTimer:
 
 
 class Method:
-    """One timed configuration: ``run(batches)`` returns that many batch times."""
+    """One timed configuration: ``run(batches)`` returns that many batch times, training
+    on the next ``batches`` batches of the pre-drawn pool (its own cursor, from the start)."""
 
     def __init__(self, label, args, keras, data):
         import hvd_quant.tensorflow as hq
 
         self.label, self.args, self.keras = label, args, keras
         self.x, self.y = data
+        self.cursor = 0  # batches of the pool used so far
+        self.last_loss = None
         self.model = build_model(keras, args.seq, vocab=args.vocab)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.loss_fn = loss
         self.opt, self.tape_fn, self.tape = None, None, None
         self.warmup = 2
         if label.startswith("tape:"):
@@ -146,20 +164,43 @@ class Method:
             return loss
         self.tape_fn = step
 
+    def next_batches(self, batches):
+        """The next ``batches`` batches of the pool (wrapping at its end), as arrays of
+        ``batches * batch`` rows: sliced here, before any timing."""
+        b, pool = self.args.batch, len(self.x) // self.args.batch
+        start = 0 if self.args.data == "random" else self.cursor  # random: the same batches every call
+        rows = (np.arange(start, start + batches) % pool)[:, None] * b + np.arange(b)
+        self.cursor += batches
+        rows = rows.reshape(-1)
+        return self.x[rows], self.y[rows]
+
     def run(self, batches):
         b = self.args.batch
-        x, y = self.x[:batches * b], self.y[:batches * b]
+        x, y = self.next_batches(batches)
         if self.tape_fn is not None:
             times = []
             for i in range(batches):
                 xb, yb = tf.constant(x[i * b:(i + 1) * b]), tf.constant(y[i * b:(i + 1) * b])
-                t = time.perf_counter()
-                self.tape_fn(xb, yb).numpy()
+                t = time.perf_counter()  # timed: the step alone (the batch is on hand already)
+                loss = self.tape_fn(xb, yb).numpy()
                 times.append(time.perf_counter() - t)
+            self.last_loss = float(loss)
             return times
+        # Timed: each batch from Keras' on_train_batch_begin to on_train_batch_end (the
+        # arrays were sliced above; fit's own per-batch slicing happens outside that span).
         timer = BatchTimer(self.keras)
-        self.model.fit(x, y, batch_size=b, epochs=1, verbose=0, shuffle=False, callbacks=[timer.callback])
+        history = self.model.fit(x, y, batch_size=b, epochs=1, verbose=0, shuffle=False,
+                                 callbacks=[timer.callback])
+        self.last_loss = float(history.history["loss"][-1])  # fit's mean over these batches
         return timer.times
+
+    def validation_loss(self, val):
+        """Mean loss on the held-out windows (untimed, no update)."""
+        vx, vy = val
+        return float(self.loss_fn(vy, self.model(vx, training=False)))
+
+    def losses(self, val):
+        return {"train_loss": self.last_loss, "val_loss": self.validation_loss(val), "steps": self.cursor}
 
     def bytes_sent(self):
         if self.tape is not None:  # counted once per trace: bytes per step
@@ -197,6 +238,40 @@ def set_threads():
             "local_ranks": local, "local_ranks_why": local_why}
 
 
+def pool_batches(args):
+    """Batches to pre-draw: the baseline and the floor run 2 warm-up batches and
+    ``--chunk`` per round with every method; a method at most 5 (warm-up and the bytes
+    step) and its rounds. No walk reaches the end of the pool (it would wrap)."""
+    return 8 + max(1, len(args.methods)) * args.repeats * args.chunk
+
+
+def load_data(args, rank):
+    """``((x, y), (val_x, val_y), description)``: this rank's pool of training batches,
+    ``pool_batches(args) * batch`` rows of ``seq`` tokens (targets: the next tokens), the
+    held-out windows, and what the data is (JSON)."""
+    if args.data == "random":
+        # The earlier workload: the same uniform tokens every call, inputs and targets
+        # independent (nothing to learn but the batch itself).
+        rng = np.random.default_rng(1000 + rank)
+        n = args.batch * max(args.chunk, 8)
+        data = (rng.integers(0, args.vocab, (n, args.seq)).astype("int32"),
+                rng.integers(0, args.vocab, (n, args.seq)).astype("int32"))
+        rng = np.random.default_rng(2000)
+        val = tuple(rng.integers(0, args.vocab, (args.val_windows, args.seq)).astype("int32") for _ in "xy")
+        return data, val, {"data": "random", "vocab_size": args.vocab}
+    # The first rank on each host builds the token cache, the others then read it.
+    first = hvd.local_rank() == 0
+    if first:
+        text = stdlib_text.load_word_text(args.vocab, args.seq, args.batch, max_bytes=args.corpus_bytes)
+    barrier()
+    if not first:
+        text = stdlib_text.load_word_text(args.vocab, args.seq, args.batch, max_bytes=args.corpus_bytes)
+    x, y = stdlib_text.TrainBatches(text.train, args.seq, args.batch, args.seed, rank).take(pool_batches(args))
+    vx, vy = stdlib_text.validation_windows(text.val, args.seq, args.val_windows)
+    return ((x.astype("int32"), y.astype("int32")), (vx.astype("int32"), vy.astype("int32")),
+            text.summary())
+
+
 def measure(args):
     threads = set_threads()  # before TensorFlow's runtime starts
     hvd.init()
@@ -209,10 +284,8 @@ def measure(args):
     log(f"{size} ranks; TensorFlow intra-op {threads['tf_intra_op']}, inter-op {threads['tf_inter_op']} "
         f"thread(s) per rank ({threads['cores']} usable cores: {threads['cores_why']}; "
         f"{threads['local_ranks']} rank(s) on this host: {threads['local_ranks_why']}); {threads['kernels']}")
-    rng = np.random.default_rng(1000 + rank)
-    n = args.batch * max(args.chunk, 8)
-    data = (rng.integers(0, args.vocab, (n, args.seq)).astype("int32"),
-            rng.integers(0, args.vocab, (n, args.seq)).astype("int32"))
+    data, val, data_info = load_data(args, rank)
+    log("data: " + ", ".join(f"{k} {v}" for k, v in data_info.items()))
     from hvd_quant.tensorflow.kernels import prepare_kernels
     prepare_kernels()  # kernels loaded, thread policy applied, before any timing
 
@@ -256,7 +329,10 @@ def measure(args):
         if skipped:
             log(f"{label}: {skipped} timed step(s) skipped (values not finite): not comparable")
         results[label] = {"times_s": times[label], "fp32_s": times["fp32"], "floor_s": times["floor"],
-                          "sent_bytes": sent, "kinds": sorted(kinds), "skipped_steps": skipped}
+                          "sent_bytes": sent, "kinds": sorted(kinds), "skipped_steps": skipped,
+                          "loss": method.losses(val)}
+        log(f"{label}: loss {results[label]['loss']['train_loss']:.3f} (last batches), held-out "
+            f"{results[label]['loss']['val_loss']:.3f} after {method.cursor} steps")
         del method
         gc.collect()
         RESULTS.release()
@@ -267,7 +343,8 @@ def measure(args):
               "rate_bps": float(os.environ.get("HVDQ_CLUSTER_RATE_BPS", 0)) or None,
               "batch": args.batch, "seq": args.seq, "chunk": args.chunk, "repeats": args.repeats,
               "parameters": int(reference["fp32"].model.count_params()), "threads": threads,
-              "fp32_sent_bytes": fp32_sent,
+              "fp32_sent_bytes": fp32_sent, "data": data_info,
+              "reference_loss": {name: m.losses(val) for name, m in reference.items()},
               "new_kernel_signatures_while_timing": kernels.loaded_signatures() - signatures}
     return rank, {"config": config, "per_rank": gathered}
 
@@ -282,6 +359,13 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=VOCAB, help="tokens in the embedding and the head "
                                                               "(a smaller model for a quick look)")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib",
+                   help="word tokens of the stdlib's source, a new batch every step (default), or "
+                        "one fixed set of random tokens reused every call")
+    p.add_argument("--corpus-bytes", type=int, default=stdlib_text.DEFAULT_MAX_BYTES,
+                   help="--data stdlib: bytes of stdlib source to read")
+    p.add_argument("--val-windows", type=int, default=32, help="held-out windows for the loss")
+    p.add_argument("--seed", type=int, default=0, help="the batch streams' seed (with the rank)")
     # Their variance is frozen after one or two steps (so that every timed step is a 1-bit
     # one), and Adam's step is then many times the learning rate: with --chunk 3, 15 of 15
     # timed steps were skipped (values not finite) at 1e-4, 9 at 1e-5, none at 1e-7
