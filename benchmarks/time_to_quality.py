@@ -1,0 +1,457 @@
+"""Time to quality: every method trains the same real-text transformer LM on the emulated
+cluster; validation loss against steps and against wall-clock training time.
+
+    sudo .venv/bin/python benchmarks/time_to_quality.py --settings 2x1-1gbit \\
+        --methods horovod_fp32,ef_sign,binsgdm --steps 400           # a few methods
+    sudo .venv/bin/python benchmarks/time_to_quality.py --resume \\
+        --out benchmarks/reference/ttq-2026-12-01                    # the matrix, resumed
+    .venv/bin/python benchmarks/time_to_quality.py --report-only --out DIR  # tables and plots again
+
+A user does not buy steps; a user buys a model of a given quality, sooner. Each run is one
+Horovod job of ``benchmarks/ttq_worker.py`` (one method, one seed, one schedule: see there
+for the model, the data, the methods and what is recorded), on an
+:class:`hvd_quant.cluster.EmulatedCluster` of the setting's hosts and link rate, or on this
+machine's loopback under ``horovodrun`` (settings ``HxS-loopback``: tests, and the loss
+curves alone). Rank 0 writes one JSON file per run, ``DIR/<setting>/<method>_s<seed>_<schedule>.json``.
+
+Settings are ``<hosts>x<ranks per host>-<rate>``; the required ones are ``2x1-1gbit``,
+``2x1-100mbit`` and ``8x1-1gbit`` (rates as ``hvd_quant.cluster`` reads them; also
+``unlimited`` links, and ``loopback``).
+
+The report (``DIR/report.md``, printed too) has one table per (setting, schedule, seed):
+
+* final validation loss at equal steps, against the fp32 twin in % (a compressor's twin, and
+  every baseline's, is Horovod fp32 with Adam; a 1-bit optimizer's is Adam, Horovod fp32's
+  run too, or hvd_quant's own ``none`` where Horovod fp32 did not run);
+* time to reach the twin's final validation loss (training time, the slowest rank's,
+  interpolated linearly between evaluations) and the speed-up: the twin's training time over
+  it;
+* bytes sent per step per rank, communication rounds, time per step, step kinds.
+
+A run that diverged (validation loss not finite, or above twice the initial one) is marked
+so and plotted up to that point; a run that failed or ran out of time is marked so too, and
+the matrix goes on with the next run. ``--resume`` skips every run whose JSON is finished
+(``complete`` or ``diverged``) with the same steps, evaluation interval and learning rate.
+
+Plots: one PNG per (setting, schedule, seed), loss against training time and against steps
+side by side.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from hvd_quant.cluster import ClusterUnavailable, EmulatedCluster, JobTimeout, parse_rate  # noqa: E402
+
+WORKER = HERE / "ttq_worker.py"
+REQUIRED_SETTINGS = ("2x1-1gbit", "2x1-100mbit", "8x1-1gbit")
+#: Every method of the benchmark (ttq_worker.METHODS without the compute floor ``local``),
+#: fp32 first: the others are compared with it.
+ALL_METHODS = ("horovod_fp32", "horovod_fp16", "ddp_fp32", "ddp_powersgd", "none", "fp16", "ef_sign",
+               "marsit", "onebit", "global_qsgd", "global_qsgd_exp", "cascading_sign", "auto",
+               "onebit_adam", "zero_one_adam", "binsgdm")
+ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "binsgdm")
+FAMILIES = {"onebit_adam": "onebit_adam", "zero_one_adam": "zero_one_adam", "binsgdm": "binsgdm"}
+FINISHED = ("complete", "diverged")
+
+
+def family(method):
+    return FAMILIES.get(method, "adam")
+
+
+def parse_setting(text):
+    """``"2x1-1gbit"`` -> ``(hosts, slots, rate)``; rate ``None`` for unlimited links,
+    ``"loopback"`` for horovodrun on this machine."""
+    try:
+        layout, rate = text.split("-", 1)
+        hosts, slots = (int(v) for v in layout.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"setting {text!r}: expected <hosts>x<ranks per host>-<rate>, "
+                                         f"e.g. {', '.join(REQUIRED_SETTINGS)}")
+    if hosts < 1 or slots < 1:
+        raise argparse.ArgumentTypeError(f"setting {text!r}: hosts and ranks per host must be >= 1")
+    if rate == "loopback":
+        return hosts, slots, "loopback"
+    return hosts, slots, parse_rate(None if rate == "unlimited" else rate)
+
+
+def parse_lr(text):
+    """``"adam=1e-3,binsgdm=3e-4"`` -> ``{family: lr}``."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("adam", "onebit_adam", "zero_one_adam", "binsgdm") or not value:
+            raise argparse.ArgumentTypeError(f"--lr {item!r}: expected family=value with family one of "
+                                             "adam, onebit_adam, zero_one_adam, binsgdm")
+        out[key] = float(value)
+    return out
+
+
+def run_path(out, setting, method, seed, schedule):
+    return Path(out) / setting / f"{method}_s{seed}_{schedule}.json"
+
+
+def load(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def finished(path, args, lr):
+    """The earlier result at ``path`` if it is finished for this very run, else None."""
+    data = load(path)
+    if not data or data.get("status") not in FINISHED:
+        return None
+    cfg = data.get("config", {})
+    if cfg.get("steps") != args.steps or cfg.get("eval_every") != args.eval_every or cfg.get("lr") != lr:
+        return None
+    return data
+
+
+def log(msg):
+    print(f"[ttq {datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+class Progress:
+    """Stream for a job's output: rank 0's ``[ttq`` lines and anything that looks like an error."""
+
+    KEEP = ("[ttq", "Error", "Traceback", "Killed")
+
+    def write(self, line):
+        if any(k in line for k in self.KEEP):
+            sys.stdout.write(line if line.endswith("\n") else line + "\n")
+
+    def flush(self):
+        sys.stdout.flush()
+
+
+def loopback_job(cmd, ranks, timeout, env):
+    """``horovodrun --gloo`` on this machine, killed (its whole session) after ``timeout``."""
+    import signal
+
+    launcher = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}",
+                "--gloo"]
+    began = time.monotonic()
+    proc = subprocess.Popen(launcher + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **env}, start_new_session=True)
+    lines = []
+    try:
+        deadline = began + timeout
+        for line in proc.stdout:  # a job that prints nothing for long is caught at the next line or exit
+            lines.append(line)
+            Progress().write(line)
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise JobTimeout(f"loopback job exceeded {timeout:.0f} s and was killed")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, "".join(lines[-40:]), time.monotonic() - began
+
+
+def run_matrix(args):
+    out = Path(args.out)
+    runs = [(s, m, seed, sched) for s in args.settings for sched in args.schedule for seed in args.seeds
+            for m in args.methods]
+    log(f"{len(runs)} runs: settings {','.join(args.settings)}; methods {','.join(args.methods)}; "
+        f"seeds {args.seeds}; schedules {args.schedule}; {args.steps} steps, evaluation every {args.eval_every}; "
+        f"out {out}")
+    began, done = time.monotonic(), 0
+    for setting in args.settings:
+        hosts, slots, rate = parse_setting(setting)
+        todo = []
+        for (s, method, seed, schedule) in runs:
+            if s != setting:
+                continue
+            lr = args.lr.get(family(method))
+            path = run_path(out, setting, method, seed, schedule)
+            if args.resume and finished(path, args, lr if lr is not None else load_lr(path)):
+                done += 1
+                log(f"run {done}/{len(runs)} {setting} {method} seed {seed} {schedule}: finished earlier, skipped")
+                continue
+            todo.append((method, seed, schedule, lr, path))
+        if not todo:
+            continue
+        cluster = None
+        if rate != "loopback":
+            try:
+                cluster = EmulatedCluster(hosts=hosts, slots=slots, rate=rate, log=lambda m: log(f"cluster: {m}"))
+                cluster.start()
+            except ClusterUnavailable as exc:
+                log(f"error: setting {setting}: {exc}")
+                return 3
+        try:
+            for method, seed, schedule, lr, path in todo:
+                done += 1
+                label = f"{setting} {method} s{seed} {schedule}"
+                log(f"run {done}/{len(runs)}: {label} ({(time.monotonic() - began) / 60:.1f} min elapsed)")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                cmd = [sys.executable, str(WORKER), "--method", method, "--steps", str(args.steps),
+                       "--eval-every", str(args.eval_every), "--seed", str(seed), "--schedule", schedule,
+                       "--setting", setting, "--label", label, "--out", str(path),
+                       *(["--lr", repr(lr)] if lr is not None else []), *args.worker_arg]
+                env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "HOROVOD_GLOO_TIMEOUT_SECONDS": "600",
+                       "PYTHONUNBUFFERED": "1",
+                       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+                if path.exists():
+                    path.unlink()  # an unfinished earlier attempt
+                error = None
+                try:
+                    if cluster is None:
+                        code, tail, elapsed = loopback_job(cmd, hosts * slots, args.run_timeout, env)
+                    else:
+                        result = cluster.run_horovod(cmd, timeout=args.run_timeout, env=env, stream=Progress())
+                        code, tail, elapsed = result.returncode, result.tail(40), result.elapsed
+                    if code != 0:
+                        error = f"exit {code}\n{tail}"
+                except JobTimeout as exc:
+                    error, elapsed = f"timeout after {args.run_timeout:.0f} s: {exc}", args.run_timeout
+                data = load(path)
+                if error is not None or data is None or data.get("status") not in FINISHED:
+                    status = "timeout" if error and error.startswith("timeout") else "failed"
+                    data = data or {"config": {"method": method, "seed": seed, "schedule": schedule,
+                                               "setting": setting, "steps": args.steps}, "history": []}
+                    data.update(status=status, error=(error or "no finished result written")[-4000:])
+                    path.write_text(json.dumps(data, indent=1))
+                    log(f"{label}: {status}; going on with the next run\n{(error or '')[-1500:]}")
+                else:
+                    log(f"{label}: {data['status']} in {elapsed:.0f} s, final val {data['final_val_loss']:.4f}, "
+                        f"{1e3 * data['step_time_s']:.1f} ms/step")
+        finally:
+            if cluster is not None:
+                cluster.close()
+    return 0
+
+
+def load_lr(path):
+    data = load(path)
+    return (data or {}).get("config", {}).get("lr")
+
+
+# --- the report ----------------------------------------------------------------------------------
+def load_runs(out):
+    runs = []
+    for path in sorted(Path(out).glob("*/*.json")):
+        data = load(path)
+        if data and "config" in data:
+            data["_path"] = str(path)
+            runs.append(data)
+    return runs
+
+
+def twin_of(method, by_method):
+    """The fp32 run this method is compared with (see the module docstring)."""
+    for name in ("horovod_fp32", "none"):
+        if name in by_method and by_method[name].get("history"):
+            return by_method[name]
+    return None
+
+
+def loss_at(run, step):
+    for row in run.get("history", []):
+        if row["step"] == step:
+            return row["val_loss"]
+    return None
+
+
+def time_to_reach(run, target):
+    """Training time at which the validation loss first reaches ``target`` (linear between
+    evaluations), or None."""
+    prev = None
+    for row in run.get("history", []):
+        loss = row["val_loss"]
+        if loss == loss and loss <= target:
+            if prev is None or prev["val_loss"] == loss:
+                return row["train_time_s"]
+            frac = (prev["val_loss"] - target) / (prev["val_loss"] - loss)
+            return prev["train_time_s"] + frac * (row["train_time_s"] - prev["train_time_s"])
+        prev = row
+    return None
+
+
+def group_runs(runs):
+    groups = {}
+    for r in runs:
+        c = r["config"]
+        key = (c.get("setting", "?"), c.get("schedule", "?"), c.get("seed", 0))
+        groups.setdefault(key, {})[c["method"]] = r
+    return groups
+
+
+def order(names):
+    rank = {m: i for i, m in enumerate(ALL_METHODS)}
+    return sorted(names, key=lambda m: (rank.get(m, len(rank)), m))
+
+
+def table(key, by_method):
+    setting, schedule, seed = key
+    twin = twin_of(None, by_method)
+    lines = [f"### {setting}, {schedule} lr, seed {seed}", ""]
+    if twin is None:
+        lines += ["(no fp32 run: nothing to compare with)", ""]
+    else:
+        tcfg = twin["config"]
+        tsteps = twin["history"][-1]["step"]
+        tloss = twin["history"][-1]["val_loss"]
+        ttime = twin["history"][-1]["train_time_s"]
+        m = tcfg.get("model", {})
+        lines += [f"Model: {m.get('parameters', 0):,} parameters (vocab {m.get('vocab')}, width {m.get('d_model')}, "
+                  f"{m.get('layers')} layers, context {m.get('context')}, {m.get('head', '?')} head); "
+                  f"{tcfg.get('ranks')} ranks x {tcfg.get('batch_per_rank')} windows; lr by family "
+                  f"{tcfg.get('lr_by_family')}. fp32 twin: {tcfg['method']}, final validation loss "
+                  f"{tloss:.4f} at step {tsteps} in {ttime:.1f} s of training.", ""]
+    lines += ["| method | status | val loss at equal steps | vs fp32 | time to fp32's loss | speed-up | "
+              "MB/step/rank | rounds | ms/step | step kinds |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name in order(by_method):
+        r = by_method[name]
+        hist = r.get("history", [])
+        status = r.get("status", "?")
+        if status == "diverged" and hist:
+            status = f"**diverged** at step {hist[-1]['step']}"
+        elif status not in FINISHED:
+            status = f"**{status}**" + (f" at step {hist[-1]['step']}" if hist else "")
+        loss = pct = reach = speed = "–"
+        if twin is not None and hist:
+            at = loss_at(r, tsteps)
+            if at is not None and at == at:
+                loss = f"{at:.4f}"
+                pct = f"{100.0 * (at - tloss) / tloss:+.1f}%"
+            t = time_to_reach(r, tloss)
+            if t is not None:
+                reach, speed = f"{t:.1f} s", (f"{ttime / t:.2f}x" if t > 0 else "–")
+            else:
+                reach = "not reached"
+        steps_done = r.get("steps_done") or (hist[-1]["step"] if hist else 0)
+        last = hist[-1] if hist else {}
+        mb = (last.get("bytes_sent", 0.0) / steps_done / 1e6) if steps_done else float("nan")
+        ms = (1e3 * last.get("train_time_s", 0.0) / steps_done) if steps_done else float("nan")
+        kinds = ", ".join(f"{k} {v}" for k, v in (last.get("step_kinds") or {}).items())
+        lines.append(f"| {name} | {status} | {loss} | {pct} | {reach} | {speed} | {mb:.2f} | "
+                     f"{last.get('comm_rounds', '–')} | {ms:.0f} | {kinds} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(key, by_method, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plots")
+        return None
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    twin = twin_of(None, by_method)
+    for name in order(by_method):
+        hist = [row for row in by_method[name].get("history", []) if math.isfinite(row["val_loss"])]
+        if not hist:
+            continue
+        style = "-" if name not in ONEBIT_OPTIMIZERS else "--"
+        width = 2.5 if by_method[name] is twin else 1.2
+        label = name + (" (diverged)" if by_method[name].get("status") == "diverged" else "")
+        ax_t.plot([r["train_time_s"] for r in hist], [r["val_loss"] for r in hist], style, lw=width, label=label)
+        ax_s.plot([r["step"] for r in hist], [r["val_loss"] for r in hist], style, lw=width, label=label)
+    if twin is not None:
+        for ax in (ax_t, ax_s):
+            ax.axhline(twin["history"][-1]["val_loss"], color="grey", ls=":", lw=1)
+    # The first evaluation (the untrained model) squeezes the interesting part: clip it.
+    finals = [r["history"][-1]["val_loss"] for r in by_method.values()
+              if r.get("history") and math.isfinite(r["history"][-1]["val_loss"])]
+    firsts = [r["history"][1]["val_loss"] for r in by_method.values()
+              if len(r.get("history", [])) > 1 and math.isfinite(r["history"][1]["val_loss"])]
+    if finals and firsts:
+        ax_t.set_ylim(min(finals) - 0.1, max(firsts) + 0.1)
+    ax_t.set_xlabel("training time, slowest rank (s)")
+    ax_s.set_xlabel("step")
+    ax_t.set_ylabel("validation loss (nats per token)")
+    setting, schedule, seed = key
+    fig.suptitle(f"Time to quality, {setting}, {schedule} lr, seed {seed}")
+    ax_s.legend(fontsize=7, ncol=2)
+    for ax in (ax_t, ax_s):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(out):
+    out = Path(out)
+    runs = load_runs(out)
+    if not runs:
+        log(f"no run results under {out}")
+        return 1
+    parts = ["# Time to quality", ""]
+    for key, by_method in sorted(group_runs(runs).items()):
+        parts.append(table(key, by_method))
+        setting, schedule, seed = key
+        png = plot(key, by_method, out / f"ttq-{setting}-{schedule}-s{seed}.png")
+        if png is not None:
+            parts.append(f"![loss against time and steps, {setting}]({png.name})\n")
+    text = "\n".join(parts)
+    (out / "report.md").write_text(text)
+    print(text, flush=True)
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--settings", default="2x1-1gbit",
+                   help=f"comma-separated <hosts>x<ranks per host>-<rate> (required: {','.join(REQUIRED_SETTINGS)}; "
+                        "also -unlimited and -loopback)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated (ttq_worker.py's names)")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--seeds", default="0", help="comma-separated")
+    p.add_argument("--schedule", default="constant", help="constant, warmup, or both comma-separated")
+    p.add_argument("--lr", type=parse_lr, default={},
+                   help="peak lr per family, e.g. adam=1e-3,binsgdm=1e-3 (default: ttq_worker.DEFAULT_LR)")
+    p.add_argument("--out", default="", help="default benchmarks/reference/ttq-<date>")
+    p.add_argument("--resume", action="store_true", help="skip runs whose JSON is finished")
+    p.add_argument("--run-timeout", type=float, default=1800, help="seconds per run (killed past it)")
+    p.add_argument("--report-only", action="store_true", help="rebuild tables and plots from the JSON files")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra argument for ttq_worker.py (repeatable), e.g. --worker-arg=--d-model=64")
+    args = p.parse_args(argv)
+    args.out = args.out or str(HERE / "reference" / f"ttq-{datetime.now():%Y-%m-%d}")
+    if args.report_only:
+        return report(args.out)
+    args.settings = [s for s in args.settings.split(",") if s]
+    for s in args.settings:
+        try:
+            parse_setting(s)
+        except argparse.ArgumentTypeError as exc:
+            p.error(str(exc))
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in args.methods if m not in ALL_METHODS + ("local",)]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; known: {', '.join(ALL_METHODS)} (and local, the compute floor)")
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.schedule = [s for s in args.schedule.split(",") if s]
+    if any(s not in ("constant", "warmup") for s in args.schedule):
+        p.error("--schedule: constant, warmup or both")
+    sys.path.insert(0, str(HERE))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    code = run_matrix(args)
+    report(args.out)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The time-to-quality benchmark (issue 51) runs end to end and records what it claims.
+
+``benchmarks/time_to_quality.py`` drives ``benchmarks/ttq_worker.py``: every method trains
+the same real-text LM, and the report compares validation loss against steps and training
+time. Nothing here is timed (timings on a shared CI machine prove nothing). The
+bookkeeping (time to a target loss, the fp32 twin, the tables) is checked on made-up runs;
+one quick job of two methods at 2 ranks on loopback checks the harness: the JSON's keys,
+finite losses, the same data windows in both runs (digests), and that ``--resume`` skips a
+finished run.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import time_to_quality as ttq  # noqa: E402
+
+
+def made_up_run(method, losses, step_s=1.0, status="complete", every=10):
+    history = [{"step": i * every, "val_loss": loss, "train_time_s": i * every * step_s, "bytes_sent": 100.0 * i * every,
+                "comm_rounds": i * every, "step_kinds": {"full": i * every}} for i, loss in enumerate(losses)]
+    return {"config": {"method": method, "setting": "2x1-1gbit", "schedule": "constant", "seed": 0,
+                       "steps": every * (len(losses) - 1), "model": {"parameters": 10}},
+            "status": status, "history": history, "steps_done": history[-1]["step"]}
+
+
+def test_time_to_reach_interpolates_between_evaluations():
+    run = made_up_run("ef_sign", [8.0, 6.0, 4.0, 3.0], step_s=0.5)
+    assert ttq.time_to_reach(run, 5.0) == pytest.approx(7.5)  # halfway between 5 s and 10 s
+    assert ttq.time_to_reach(run, 3.0) == pytest.approx(15.0)
+    assert ttq.time_to_reach(run, 2.0) is None
+
+
+def test_table_compares_with_the_fp32_twin_and_marks_divergence():
+    runs = {"horovod_fp32": made_up_run("horovod_fp32", [8.0, 6.0, 4.0, 3.0]),
+            "ef_sign": made_up_run("ef_sign", [8.0, 5.0, 3.5, 3.3], step_s=0.25),
+            "onebit_adam": made_up_run("onebit_adam", [8.0, 20.0], status="diverged")}
+    text = ttq.table(("2x1-1gbit", "constant", 0), runs)
+    row = next(line for line in text.splitlines() if line.startswith("| ef_sign"))
+    assert "3.3000" in row and "+10.0%" in row and "not reached" in row
+    assert "**diverged** at step 10" in text
+    runs["ef_sign"]["history"][-1]["val_loss"] = 3.0
+    row = next(line for line in ttq.table(("2x1-1gbit", "constant", 0), runs).splitlines()
+               if line.startswith("| ef_sign"))
+    assert "4.00x" in row  # fp32 needs 30 s to reach 3.0, ef_sign 7.5 s
+
+
+def test_settings_parse():
+    assert ttq.parse_setting("2x1-1gbit") == (2, 1, 1e9)
+    assert ttq.parse_setting("8x1-100mbit") == (8, 1, 1e8)
+    assert ttq.parse_setting("2x1-loopback") == (2, 1, "loopback")
+    with pytest.raises(Exception):
+        ttq.parse_setting("two-hosts")
+
+
+TINY = ["--worker-arg=--d-model=32", "--worker-arg=--heads=2", "--worker-arg=--layers=1",
+        "--worker-arg=--context=32", "--worker-arg=--batch=4", "--worker-arg=--vocab=512",
+        "--worker-arg=--val-windows=16", "--worker-arg=--corpus-bytes=300000"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(170)
+def test_two_methods_at_two_ranks_and_resume(tmp_path):
+    out = tmp_path / "ttq"
+    cmd = [sys.executable, str(BENCH / "time_to_quality.py"), "--settings", "2x1-loopback",
+           "--methods", "none,ef_sign", "--steps", "20", "--eval-every", "10", "--out", str(out),
+           "--run-timeout", "90", *TINY]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=130)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = {m: json.loads((out / "2x1-loopback" / f"{m}_s0_constant.json").read_text()) for m in ("none", "ef_sign")}
+    for method, r in results.items():
+        assert r["status"] == "complete", (method, r.get("error"))
+        assert {"config", "history", "data_digest", "final_val_loss", "train_time_s", "step_time_s",
+                "bytes_per_step", "comm_rounds", "step_kinds", "ranks_agree"} <= set(r)
+        assert [row["step"] for row in r["history"]] == [0, 10, 20]
+        for row in r["history"]:
+            assert {"val_loss", "train_loss", "train_time_s", "bytes_sent", "comm_rounds"} <= set(row)
+            assert row["val_loss"] == row["val_loss"] and row["val_loss"] < 1e3
+        assert r["history"][-1]["val_loss"] < r["history"][0]["val_loss"]  # it learns
+        assert r["config"]["data"]["tokens"] in ("words", "bytes") and r["ranks_agree"]
+    # The same data in both runs: validation windows and each rank's training windows.
+    assert results["none"]["data_digest"] == results["ef_sign"]["data_digest"]
+    assert len(set(results["none"]["data_digest"]["train_by_rank"])) == 2  # ranks differ
+    assert results["none"]["config"]["init_digest"] == results["ef_sign"]["config"]["init_digest"]
+    assert results["ef_sign"]["bytes_per_step"] < results["none"]["bytes_per_step"] / 10
+    assert (out / "report.md").exists()
+
+    mtimes = {p: p.stat().st_mtime_ns for p in out.glob("*/*.json")}
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=30)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert again.stdout.count("finished earlier, skipped") == 2
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/*.json")} == mtimes
