@@ -1,5 +1,6 @@
-"""Byte-level text from the Python standard library's own source: a language-modelling
-workload with no download, plus the settings shared by ``lm_torch.py`` and ``lm_keras.py``.
+"""Text from the Python standard library's own source, as bytes or as word-level tokens:
+a language-modelling workload with no download, plus the settings shared by
+``lm_torch.py`` and ``lm_keras.py``.
 
 The corpus is the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``, so it ships with
 every Python. It depends on the Python version (3.11.7 and 3.12 ship different files):
@@ -370,6 +371,7 @@ def _write_cache(path, corpus, vocab_size, train, val, vocab):
     # Write to a private file, then rename: processes that start together never read half a file.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the entry from other users of the cache
         with os.fdopen(fd, "wb") as f:
             np.savez(f, train=train, val=val, vocab=np.frombuffer(vocab_json, np.uint8),
                      meta=np.frombuffer(meta, np.uint8), check=np.frombuffer(check, np.uint8))
