@@ -13,55 +13,44 @@ from hvd_quant.kernels import threads
 
 
 # --- cgroup CPU quotas, on made-up trees ---------------------------------------------------------
-def write(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+def cgroup_limit(tmp_path, mount, proc_self_cgroup):
+    """``threads.cgroup_cpu_limit`` over a made-up cgroup mount (``mount``: path under it
+    to the file's text) and the given text of ``/proc/self/cgroup``."""
+    root = tmp_path / "cg"
+    for path, text in mount.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    (tmp_path / "cgroup").write_text(proc_self_cgroup)
+    return threads.cgroup_cpu_limit(str(root), str(tmp_path / "cgroup"))
 
 
 def test_cgroup_v2_quota_is_the_smallest_on_the_path(tmp_path):
-    root = tmp_path / "cg"
-    write(root / "cgroup.controllers", "cpu memory")
-    write(root / "kubepods" / "cpu.max", "max 100000")
-    write(root / "kubepods" / "pod1" / "cpu.max", "350000 100000")
-    write(root / "kubepods" / "pod1" / "c1" / "cpu.max", "max 100000")
-    write(tmp_path / "cgroup", "0::/kubepods/pod1/c1\n")
-    assert threads.cgroup_cpu_limit(str(root), str(tmp_path / "cgroup")) == 3.5
+    mount = {"cgroup.controllers": "cpu memory", "kubepods/cpu.max": "max 100000",
+             "kubepods/pod1/cpu.max": "350000 100000", "kubepods/pod1/c1/cpu.max": "max 100000"}
+    assert cgroup_limit(tmp_path, mount, "0::/kubepods/pod1/c1\n") == 3.5
 
 
 def test_cgroup_v2_inside_a_container_reads_the_mount_itself(tmp_path):
     # The path in /proc/self/cgroup names the host's hierarchy, not the container's mount.
-    root = tmp_path / "cg"
-    write(root / "cgroup.controllers", "cpu")
-    write(root / "cpu.max", "150000 100000")
-    write(tmp_path / "cgroup", "0::/docker/0123abcd\n")
-    assert threads.cgroup_cpu_limit(str(root), str(tmp_path / "cgroup")) == 1.5
+    mount = {"cgroup.controllers": "cpu", "cpu.max": "150000 100000"}
+    assert cgroup_limit(tmp_path, mount, "0::/docker/0123abcd\n") == 1.5
 
 
 def test_cgroup_v2_without_a_quota(tmp_path):
-    root = tmp_path / "cg"
-    write(root / "cgroup.controllers", "cpu")
-    write(root / "cpu.max", "max 100000")
-    write(tmp_path / "cgroup", "0::/\n")
-    assert threads.cgroup_cpu_limit(str(root), str(tmp_path / "cgroup")) is None
+    mount = {"cgroup.controllers": "cpu", "cpu.max": "max 100000"}
+    assert cgroup_limit(tmp_path, mount, "0::/\n") is None
 
 
 @pytest.mark.parametrize("controllers", ["cpu,cpuacct", "cpu"])
 def test_cgroup_v1_quota(tmp_path, controllers):
-    root = tmp_path / "cg"
-    write(root / controllers / "job" / "cpu.cfs_quota_us", "200000")
-    write(root / controllers / "job" / "cpu.cfs_period_us", "100000")
-    write(root / controllers / "cpu.cfs_quota_us", "-1")
-    write(root / controllers / "cpu.cfs_period_us", "100000")
-    write(tmp_path / "cgroup", f"4:memory:/job\n3:{controllers}:/job\n0::/job\n")
-    assert threads.cgroup_cpu_limit(str(root), str(tmp_path / "cgroup")) == 2.0
+    mount = {f"{controllers}/job/cpu.cfs_quota_us": "200000", f"{controllers}/job/cpu.cfs_period_us": "100000",
+             f"{controllers}/cpu.cfs_quota_us": "-1", f"{controllers}/cpu.cfs_period_us": "100000"}
+    assert cgroup_limit(tmp_path, mount, f"4:memory:/job\n3:{controllers}:/job\n0::/job\n") == 2.0
 
 
 def test_cgroup_v1_without_a_quota_and_no_cgroups_at_all(tmp_path):
-    root = tmp_path / "cg"
-    write(root / "cpu" / "cpu.cfs_quota_us", "-1")
-    write(root / "cpu" / "cpu.cfs_period_us", "100000")
-    write(tmp_path / "cgroup", "1:cpu:/\n0::/\n")
-    assert threads.cgroup_cpu_limit(str(root), str(tmp_path / "cgroup")) is None
+    mount = {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}
+    assert cgroup_limit(tmp_path, mount, "1:cpu:/\n0::/\n") is None
     assert threads.cgroup_cpu_limit(str(tmp_path / "none"), str(tmp_path / "missing")) is None
 
 
