@@ -62,6 +62,7 @@ def cases(numel):
 
     from hvd_quant import kernels
     from hvd_quant.compressors import global_qsgd as gq
+    from hvd_quant.core.backend import NumpyKernelBackend
     from hvd_quant.core.packing import sign_pack_residual, unpack_scaled_sum
     from hvd_quant.core.rng import CounterRNG
     from hvd_quant.core.segments import compensate_sums_signs
@@ -70,7 +71,7 @@ def cases(numel):
     class _Comm:
         rank, size, allreduce_int_dtypes = 0, 2, ("int32", "int64")
 
-    B = kernels.NumpyKernelBackend()
+    B = NumpyKernelBackend()
     counts = layout(numel)
     rng = np.random.default_rng(0)
     x = rng.standard_normal(numel, dtype=np.float32)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hvd_quant import kernels
-from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
 from hvd_quant.core.hierarchical import hierarchical_bytes, node_layout, sign_mean
 from hvd_quant.core.packing import pack_signs, unpack_signs
 from hvd_quant.core.rng import call_key, stream_key
@@ -132,7 +132,7 @@ def test_binary_randomization_is_unbiased_and_moments_follow_the_rule():
 
 @pytest.mark.skipif(not kernels.enabled(), reason="kernels off")
 def test_binary_randomization_kernel_equals_generic():
-    K = kernels.NumpyKernelBackend()
+    K = NumpyKernelBackend()
     rng = np.random.default_rng(1)
     for d in (0, 1, 9, 1001, 200003):
         g, m, b = (rng.standard_normal(d).astype(np.float32) for _ in range(3))

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import hvd_quant
-from hvd_quant import kernels
-from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
 from hvd_quant.core.pipeline import BucketPipeline, chunk_bounds, chunked_reduce
 from hvd_quant.core.runner import CompressorRunner, RankDisagreement
 from hvd_quant.core.simulate import ThreadWorld
@@ -207,7 +206,7 @@ SEGMENTS = [("a", 13), ("b", 0), ("c", 250), ("d", 1), ("e", 737)]  # 1001 eleme
 CHUNKED = [("ef_sign", {}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"})]
 
 
-@pytest.mark.parametrize("backend", [NumpyBackend(), kernels.NumpyKernelBackend()], ids=["numpy", "kernels"])
+@pytest.mark.parametrize("backend", [NumpyBackend(), NumpyKernelBackend()], ids=["numpy", "kernels"])
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("chunk", [8, 100, 333, 4096])
 @pytest.mark.parametrize("name,opts", CHUNKED, ids=["ef_sign", "gqsgd_max", "gqsgd_l2"])
@@ -245,7 +244,7 @@ def test_chunked_reduce_is_bit_identical_to_unchunked(backend, size, chunk, name
         assert rng_p == rng_c
 
 
-@pytest.mark.parametrize("backend", [NumpyBackend(), kernels.NumpyKernelBackend()], ids=["numpy", "kernels"])
+@pytest.mark.parametrize("backend", [NumpyBackend(), NumpyKernelBackend()], ids=["numpy", "kernels"])
 @pytest.mark.parametrize("name", ["ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd_exp",
                                   "onebit", "none", "fp16"])
 def test_decoding_into_the_input_changes_nothing(backend, name):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import hvd_quant
 from hvd_quant import kernels
-from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
 from hvd_quant.core.onebit import compressed_allreduce, padded_size
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
@@ -125,7 +125,7 @@ def test_one_non_finite_element_on_one_rank(name, opts, n, bad):
 
 #: The oracle's generic arithmetic and, where numba works, the fused CPU kernels that the
 #: torch and eager TensorFlow backends run.
-WIRE_BACKENDS = [B] + ([kernels.NumpyKernelBackend()] if kernels.enabled() else [])
+WIRE_BACKENDS = [B] + ([NumpyKernelBackend()] if kernels.enabled() else [])
 
 
 def spy_on(comm, log, int_dtypes=None):

@@ -17,7 +17,7 @@ from hvd_quant import kernels
 from hvd_quant.compressors import exp_dithering as ed
 from hvd_quant.compressors import global_qsgd as gq
 from hvd_quant.compressors.marsit import MarsitSelect
-from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
 from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, sign_residual,
                                     unpack_lanes, unpack_scaled_sum, unpack_sum_residual,
                                     unpack_sums_signs)
@@ -31,7 +31,7 @@ from hvd_quant.optimizers import elementwise as ew
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason=f"kernels off: {kernels.why_disabled()}")
 
 B = NumpyBackend()
-K = kernels.NumpyKernelBackend()
+K = NumpyKernelBackend()
 SIZES = [0, 1, 7, 8, 9, 1001, 3 * kernels.cpu_module().BLOCK + 5]
 
 

@@ -448,7 +448,8 @@ def test_a_failing_ring_leaves_the_residual_as_it_was(monkeypatch):
     caller and the residual kept from the last step is untouched, on the fused kernels
     and on the oracle."""
     from hvd_quant.compressors import marsit
-    from hvd_quant.kernels import NumpyKernelBackend, enabled
+    from hvd_quant.core.backend import NumpyKernelBackend
+    from hvd_quant.kernels import enabled
 
     x = np.random.default_rng(0).standard_normal(D).astype(np.float32)
     for backend in [B] + ([NumpyKernelBackend()] if enabled() else []):

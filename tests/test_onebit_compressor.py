@@ -17,7 +17,7 @@ import pytest
 import deepspeed_reference as ds
 import hvd_quant
 from hvd_quant import kernels
-from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
 from hvd_quant.core.handle import CompressorHandle
 from hvd_quant.core.onebit import (compressed_allreduce, compressed_allreduce_bytes,
                                    compressed_allreduce_compensated, gathered_allreduce, padded_size,
@@ -27,7 +27,7 @@ from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.core.state import BUFFER_PREFIX, StateStore, buffer_key
 
 B = NumpyBackend()
-BACKENDS = [B] + ([kernels.NumpyKernelBackend()] if kernels.enabled() else [])
+BACKENDS = [B] + ([NumpyKernelBackend()] if kernels.enabled() else [])
 BACKEND_IDS = [b.name for b in BACKENDS]
 STEPS = 4
 
@@ -372,7 +372,7 @@ def test_fused_kernels_give_the_oracles_bits(n, counts):
     worker scale per tensor over its n chunks) every output and state equals the numpy
     oracle's bit for bit, over steps and a non-finite one, with the result written into
     the input itself as the optimizers do (where no tensor needs padding) or not."""
-    fast = kernels.NumpyKernelBackend()
+    fast = NumpyKernelBackend()
     d, k, steps = sum(counts), len(counts), 4
     xs = data(n, d, steps=steps, seed=23)
     xs[0][1][5] = np.nan

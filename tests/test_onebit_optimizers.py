@@ -12,14 +12,14 @@ import pytest
 import deepspeed_reference as ds
 from mp.optim_cases import count_collectives as counting
 from hvd_quant import kernels
-from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
 from hvd_quant.core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size, server_residual
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from hvd_quant.optimizers.base import non_freeze_flag
 from hvd_quant.optimizers.oracle import OracleOptimizer, OracleParamGroups
 
-BACKENDS = [NumpyBackend()] + ([kernels.NumpyKernelBackend()] if kernels.enabled() else [])
+BACKENDS = [NumpyBackend()] + ([NumpyKernelBackend()] if kernels.enabled() else [])
 BACKEND_IDS = [b.name for b in BACKENDS]
 HP = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
@@ -578,7 +578,7 @@ GROUP_POSITION_IDS = [f"{g}groups-bad{b}" for g, b in GROUP_POSITIONS]
 # The oracle as is, and run like the torch optimizer (kept steps written in place by the
 # fused kernels, temporaries in kept buffers): the paths a shared verdict must hold back.
 GROUP_MODES = [(b, False) for b in BACKENDS] + (
-    [(kernels.NumpyKernelBackend(), True)] if kernels.enabled() else [])
+    [(NumpyKernelBackend(), True)] if kernels.enabled() else [])
 GROUP_MODE_IDS = BACKEND_IDS + (["kernels-in-place"] if kernels.enabled() else [])
 
 

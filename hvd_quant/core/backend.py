@@ -3,7 +3,9 @@
 Each quantizer, packer and per-hop operator is written once, in terms of the methods of
 :class:`Backend`, and runs unchanged on numpy arrays, torch tensors or TensorFlow tensors.
 The numpy implementation here is also the test oracle: the multi-process tests compare
-what Horovod produced against the same algorithm run on numpy arrays.
+what Horovod produced against the same algorithm run on numpy arrays;
+:class:`NumpyKernelBackend` runs them through the fused CPU kernels
+(:mod:`hvd_quant.kernels`, the layer below this one) instead.
 
 Only flat (1-D) tensors are used by the algorithms; adapters flatten and restore shapes.
 Dtypes are named by strings (``"float32"``, ``"uint8"``, ``"int8"``, ``"int16"``,
@@ -12,6 +14,7 @@ Dtypes are named by strings (``"float32"``, ``"uint8"``, ``"int8"``, ``"int16"``
 
 import numpy as np
 
+from .. import kernels
 from .rng import CounterRNG, draws
 
 _BIT_WEIGHTS = np.array([1, 2, 4, 8, 16, 32, 64, 128], dtype=np.uint8)
@@ -391,3 +394,17 @@ class NumpyBackend(Backend):
 
     def unpackbits(self, packed):
         return np.unpackbits(np.asarray(packed, dtype=np.uint8), bitorder="little")
+
+
+class NumpyKernelBackend(NumpyBackend):
+    """The numpy backend with the fast CPU kernels (:mod:`hvd_quant.kernels`) switched on.
+
+    The plain :class:`NumpyBackend` is the oracle; this one runs the same algorithms
+    through the kernels, so tests can compare the two on identical inputs and seeds, and
+    benchmarks can time the kernels without a framework.
+    """
+
+    name = "numpy+kernels"
+
+    def kernel(self, name, *tensors):
+        return getattr(kernels.cpu_module(), name) if kernels.enabled() else None

@@ -100,7 +100,7 @@ def _rank():
     """This process's rank for the message: Horovod's, else the launcher's variable
     (``HOROVOD_RANK`` under horovodrun --gloo, ``OMPI_COMM_WORLD_RANK`` under mpirun)."""
     try:
-        from ..kernels.threads import this_rank  # imported late: kernels import core
+        from ..kernels.threads import this_rank  # only when a watchdog fires
         return this_rank()
     except Exception:  # the message matters more than its rank
         return os.environ.get("HOROVOD_RANK", "?")

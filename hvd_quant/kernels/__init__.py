@@ -48,16 +48,20 @@ For CUDA tensors the torch backend uses their Triton twins (:mod:`hvd_quant.kern
 every primitive here but ``add_rows``, the same bits; Triton is imported when CUDA
 tensors first arrive, :func:`gpu_module`). TensorFlow GPU tensors and XLA-compiled
 functions keep the generic path; the numpy backend is the oracle and never uses them
-(:class:`NumpyKernelBackend` does, for tests and benchmarks). Random draws come from the counter-based generator of
-:mod:`hvd_quant.core.rng`, so kernel and oracle draw identical numbers whatever the
-thread count. Set ``HVD_QUANT_KERNELS=0`` to force the generic path everywhere (GPU too).
+(:class:`~hvd_quant.core.backend.NumpyKernelBackend` does, for tests and benchmarks).
+Random draws come from the counter-based generator of :mod:`hvd_quant.core.rng`, so
+kernel and oracle draw identical numbers whatever the thread count. Set
+``HVD_QUANT_KERNELS=0`` to force the generic path everywhere (GPU too).
+
+This package is the ground floor of the layers (kernels, core, methods, adapters): it
+depends on none of the layers above it; the backends that call it (``NumpyKernelBackend``,
+the torch and TensorFlow backends) sit above and reach down to it.
 """
 
 import os
 import threading
 import time
 
-from ..core.backend import NumpyBackend
 from . import threads
 
 #: Every fused primitive with a fast CPU kernel (and a Triton one, :mod:`hvd_quant.kernels.gpu`).
@@ -334,16 +338,3 @@ def loaded_signatures():
         total += sum(len(d.signatures) for twin in pair for d in twin.dispatchers())
     return total
 
-
-class NumpyKernelBackend(NumpyBackend):
-    """The numpy backend with the fast CPU kernels switched on.
-
-    The plain :class:`~hvd_quant.core.backend.NumpyBackend` is the oracle; this one runs
-    the same algorithms through the kernels, so tests can compare the two on identical
-    inputs and seeds, and benchmarks can time the kernels without a framework.
-    """
-
-    name = "numpy+kernels"
-
-    def kernel(self, name, *tensors):
-        return getattr(cpu_module(), name) if enabled() else None
