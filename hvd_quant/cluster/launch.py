@@ -90,54 +90,96 @@ def run_ranks(commands, envs, labels, timeout, stream=None, grace=3.0, poll=0.05
     """
     if timeout is None or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    lock = threading.Lock()
-    combined, per_rank = [], [[] for _ in commands]
-    procs, readers = [], []
+    output = _RankOutput(labels, len(commands), stream)
+    procs = []
     start = time.monotonic()
     failed_rank, timed_out = None, False
-
-    def pump(rank, pipe):
-        for line in iter(pipe.readline, ""):
-            line = line.rstrip("\n")
-            with lock:
-                per_rank[rank].append(line)
-                combined.append(f"[{labels[rank]}] {line}")
-                if stream is not None:
-                    try:
-                        stream.write(f"[{labels[rank]}] {line}\n")
-                        stream.flush()
-                    except (OSError, ValueError):
-                        pass
-        pipe.close()
-
     try:
-        for rank, (cmd, env) in enumerate(zip(commands, envs)):
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, errors="replace",
-                                    start_new_session=True)
-            procs.append(proc)
-            t = threading.Thread(target=pump, args=(rank, proc.stdout), daemon=True)
-            t.start()
-            readers.append(t)
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed_rank = bad[0]
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() - start > timeout:
-                timed_out = True
-                break
-            time.sleep(poll)
+        _start_ranks(commands, envs, procs, output)
+        failed_rank, timed_out = _wait_for_ranks(procs, start, timeout, poll)
     finally:
         # Normal end, failure, timeout or an exception in the launcher (Ctrl-C): every rank
         # still running is stopped, its whole process group included.
         stop_processes(procs, grace=0.0 if timed_out else grace)
-        for t in readers:
-            t.join(timeout=5)
+        output.join(timeout=5)
 
+    result = _job_result(commands, procs, output, failed_rank, timed_out, start)
+    if timed_out:
+        raise JobTimeout(f"job exceeded its time limit of {timeout:g}s and was killed\n"
+                         + result.tail(), result)
+    return result
+
+
+class _RankOutput:
+    """The ranks' output as it arrives: one reader thread per rank appends each line to
+    the rank's own list and, prefixed with the rank's label, to the combined list, and
+    echoes it to ``stream`` when there is one. One lock orders the combined lines."""
+
+    def __init__(self, labels, ranks, stream):
+        self.labels = labels
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.combined = []
+        self.per_rank = [[] for _ in range(ranks)]
+        self.readers = []
+
+    def read(self, rank, pipe):
+        """Start the thread that reads ``pipe`` (rank ``rank``'s stdout) to its end."""
+        reader = threading.Thread(target=self._pump, args=(rank, pipe), daemon=True)
+        reader.start()
+        self.readers.append(reader)
+
+    def _pump(self, rank, pipe):
+        for line in iter(pipe.readline, ""):
+            line = line.rstrip("\n")
+            with self.lock:
+                self.per_rank[rank].append(line)
+                self.combined.append(f"[{self.labels[rank]}] {line}")
+                if self.stream is not None:
+                    try:
+                        self.stream.write(f"[{self.labels[rank]}] {line}\n")
+                        self.stream.flush()
+                    except (OSError, ValueError):  # a closed or broken echo must not stop the job
+                        pass
+        pipe.close()
+
+    def join(self, timeout):
+        for reader in self.readers:
+            reader.join(timeout=timeout)
+
+
+def _start_ranks(commands, envs, procs, output):
+    """Start every rank in a session of its own (so its process group can be signalled),
+    stdout and stderr into one pipe read by ``output``. Each process is appended to
+    ``procs`` as soon as it starts, so the caller stops the ones already running if a
+    later start fails."""
+    for rank, (cmd, env) in enumerate(zip(commands, envs)):
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace",
+                                start_new_session=True)
+        procs.append(proc)
+        output.read(rank, proc.stdout)
+
+
+def _wait_for_ranks(procs, start, timeout, poll):
+    """Poll the ranks every ``poll`` seconds until all succeed, one fails (fail fast: the
+    lowest rank among those found failed in the same poll) or ``timeout`` seconds have
+    passed since ``start``. Returns ``(failed_rank, timed_out)``."""
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return bad[0], False
+        if all(c == 0 for c in codes):
+            return None, False
+        if time.monotonic() - start > timeout:
+            return None, True
+        time.sleep(poll)
+
+
+def _job_result(commands, procs, output, failed_rank, timed_out, start):
+    """The :class:`JobResult` of a finished job: 124 after a timeout, else the failed
+    rank's exit status, else 0."""
     codes = [p.returncode for p in procs]
     if timed_out:
         returncode = 124
@@ -145,14 +187,11 @@ def run_ranks(commands, envs, labels, timeout, stream=None, grace=3.0, poll=0.05
         returncode = codes[failed_rank]
     else:
         returncode = 0
-    with lock:
-        result = JobResult(commands, returncode, "\n".join(combined) + ("\n" if combined else ""),
-                           ["\n".join(lines) for lines in per_rank], codes, failed_rank, timed_out,
-                           time.monotonic() - start)
-    if timed_out:
-        raise JobTimeout(f"job exceeded its time limit of {timeout:g}s and was killed\n"
-                         + result.tail(), result)
-    return result
+    with output.lock:
+        combined = output.combined
+        return JobResult(commands, returncode, "\n".join(combined) + ("\n" if combined else ""),
+                         ["\n".join(lines) for lines in output.per_rank], codes, failed_rank,
+                         timed_out, time.monotonic() - start)
 
 
 def stop_processes(procs, grace=3.0):
