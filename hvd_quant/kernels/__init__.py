@@ -84,21 +84,34 @@ def enabled():
     with ``HVD_QUANT_KERNELS=0``). The first call applies the thread policy
     (:mod:`hvd_quant.kernels.threads`) before numba is imported, and logs a warning with
     the reason once if the kernels cannot be used."""
-    if not _state["checked"]:
-        _state["checked"] = True
-        if os.environ.get("HVD_QUANT_KERNELS", "1") == "0":
-            _state["why"] = "disabled by HVD_QUANT_KERNELS=0"
-        else:
-            try:
-                threads.configure()
-                cpu_module()
-                _state["ok"] = True
-            except ImportError as exc:  # numba missing: the generic path still works
-                _state["why"] = f"numba is not importable ({exc})"
-                threads.log.warning(
-                    "hvd_quant: fused CPU kernels off, %s; the generic path runs instead, several "
-                    "times slower: pip install 'numba>=0.60'", _state["why"])
+    def load():
+        threads.configure()
+        cpu_module()
+        _state["ok"] = True
+
+    _check_once(_state, load, ImportError,  # numba missing: the generic path still works
+                lambda exc: f"numba is not importable ({exc})",
+                "hvd_quant: fused CPU kernels off, %s; the generic path runs instead, several "
+                "times slower: pip install 'numba>=0.60'")
     return _state["ok"]
+
+
+def _check_once(state, load, errors, why, advice):
+    """On the first call for ``state`` (the CPU or the GPU kernels' record): unless
+    ``HVD_QUANT_KERNELS=0`` switches every kernel off, ``load()`` them; if that raises one
+    of ``errors``, record ``why(exc)`` in ``state["why"]`` and log ``advice`` (a format
+    with one ``%s``, the reason) once as a warning. The generic path runs instead."""
+    if state["checked"]:
+        return
+    state["checked"] = True
+    if os.environ.get("HVD_QUANT_KERNELS", "1") == "0":
+        state["why"] = "disabled by HVD_QUANT_KERNELS=0"
+        return
+    try:
+        load()
+    except errors as exc:
+        state["why"] = why(exc)
+        threads.log.warning(advice, state["why"])
 
 
 def why_disabled():
@@ -121,21 +134,16 @@ def gpu_module():
     ``None`` when they cannot be used: ``HVD_QUANT_KERNELS=0``, or Triton missing or
     broken, which is logged once as a warning with the reason (CUDA tensors then take the
     generic path, plain torch operations)."""
+    def load():
+        from . import gpu
+        _gpu["module"] = gpu
+
     with _gpu_lock:
-        if not _gpu["checked"]:
-            _gpu["checked"] = True
-            if os.environ.get("HVD_QUANT_KERNELS", "1") == "0":
-                _gpu["why"] = "disabled by HVD_QUANT_KERNELS=0"
-            else:
-                try:
-                    from . import gpu
-                    _gpu["module"] = gpu
-                except Exception as exc:  # ImportError, or a Triton that fails to load
-                    _gpu["why"] = f"Triton is not usable ({type(exc).__name__}: {exc})"
-                    threads.log.warning(
-                        "hvd_quant: fused GPU kernels off, %s; CUDA tensors take the generic path "
-                        "instead (plain torch operations, several passes per primitive): install "
-                        "the Triton that matches your torch (pip install triton)", _gpu["why"])
+        _check_once(_gpu, load, Exception,  # ImportError, or a Triton that fails to load
+                    lambda exc: f"Triton is not usable ({type(exc).__name__}: {exc})",
+                    "hvd_quant: fused GPU kernels off, %s; CUDA tensors take the generic path "
+                    "instead (plain torch operations, several passes per primitive): install "
+                    "the Triton that matches your torch (pip install triton)")
     return _gpu["module"]
 
 
