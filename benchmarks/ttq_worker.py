@@ -16,9 +16,14 @@ GPT-2's layout (Radford et al., 2019), from ``examples/lm_torch.py``: token plus
 position embeddings, pre-LayerNorm blocks of causal self-attention and a 4x MLP (GELU),
 a final LayerNorm, and an output layer **tied** to the token embedding (as GPT-2's). Its
 parameters mix one large embedding matrix with the blocks' matrices, biases and norms, as
-GPT-2's do. The default size is chosen so that Horovod fp32's step at 1 Gbit/s between two
-emulated hosts is at least half communication on a 2-core machine (see
-``docs/benchmarks/time-to-quality.md`` for the measurement).
+GPT-2's do. The default size (:data:`MODEL`: 7.37M parameters, 4.2M of them the tied
+embedding) is chosen so that Horovod fp32's step at 1 Gbit/s between two emulated hosts is
+at least half communication on a 2-core machine: the slow-link setting these methods exist
+for. Measured 2026-12-01 (20 steps, one thread per rank, a busy machine, load about 9):
+Horovod fp32 1809 ms per step at 1 Gbit/s, 1252 ms on unshaped links, and 714 ms for the
+same step without communication (``--method local``): 61% of the step is communication
+(29.5 MB sent per rank per step; its wire time alone is 248 ms at 95% of 1 Gbit/s). On a
+quiet machine the compute shrinks and the share grows.
 
 Data
 ----
@@ -80,8 +85,8 @@ from cluster_worker import init_torch_distributed, ring_bytes  # noqa: E402
 from common import powersgd_bytes  # noqa: E402
 from lm_torch import ByteTransformer as GPT, evaluate  # noqa: E402  (GPT-2 layout, any vocabulary)
 
-#: The default model: 8192-word vocabulary, width 256, 4 layers, context 64 (see the module
-#: docstring and the docs page for why this size).
+#: The default model: 16384-word vocabulary, width 256, 4 heads, 4 layers, context 64, tied
+#: head: 7,370,240 parameters (see the module docstring for why this size).
 MODEL = dict(vocab=16384, d_model=256, heads=4, layers=4, context=64)
 BATCH = 8
 #: Peak learning rate per method family (one per family, recorded in every output).
