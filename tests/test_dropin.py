@@ -15,7 +15,7 @@ from horovod_launch import HERE, load_rank_results, run_horovod
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-PROGRAMS = ("init_then_broadcast", "gan", "sparse_embedding", "unnamed", "process_set")
+PROGRAMS = ("init_then_broadcast", "gan", "sparse_embedding", "unnamed", "process_set", "resume_on_rank_0")
 NEVER_BROADCAST = ("gan", "sparse_embedding", "unnamed")
 FAILURES = ("strict_values", "shapes_differ", "compressors_differ_stock", "onebit_hyper_differ",
             "torus_that_cannot_be", "zero_grad_mid_round", "strict_values_kept")
@@ -80,6 +80,32 @@ def test_values_that_still_differ_give_one_warning_on_rank_0(ranks, program, pat
         assert "broadcast_parameters" in found[0] and "train different models" in found[0]
     for r, rank in enumerate(ranks[1:], start=1):
         assert _value_warnings(rank, f"{program}/{path}") == [], f"rank {r}"
+
+
+@pytest.mark.parametrize("path", ["horovod", "none", "ef_sign"])
+def test_broadcast_optimizer_state_creates_the_missing_state_without_a_reduction(ranks, path):
+    """Rank 0 resumes from a checkpoint, the others start fresh, and
+    ``hvd.broadcast_optimizer_state`` steps the optimizer on the fresh ranks only: with
+    hvd_quant's optimizer, as with Horovod's, that step reduces nothing (it hung), and
+    every rank ends the broadcast with rank 0's Adam state."""
+    states = [_result(rank, f"resume_on_rank_0/{path}")["state"] for rank in ranks]
+    assert len(states[0]) > 0
+    for r in range(1, len(ranks)):
+        assert states[r] == states[0], f"rank {r}"
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam", "binsgdm"])
+def test_broadcast_optimizer_state_gives_the_1bit_optimizers_rank_0s_state(ranks, name):
+    """The same pattern with the 1-bit optimizers (their state is one flat entry per
+    group, which Horovod's function neither creates without a step nor broadcasts):
+    after ``hvd.broadcast_optimizer_state`` every rank holds the state rank 0 resumed
+    from, error buffers aside, and the ranks then train the same model."""
+    runs = [_result(rank, f"onebit_resume/{name}") for rank in ranks]
+    assert runs[0]["state"] == runs[0]["expected"]
+    for r, run in enumerate(runs[1:], start=1):
+        assert run["state"] == runs[0]["state"], f"rank {r}"
+        assert run["params"] == runs[0]["params"], f"rank {r}"
+        assert run["kinds"] == runs[0]["kinds"], f"rank {r}"
 
 
 @pytest.mark.parametrize("path", ["horovod", "none", "ef_sign"])

@@ -239,6 +239,40 @@ def test_local_sources_keep_their_gradients_on_keras_3(keras_job, config, kind):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("config", ["none", "ef_sign"])
+@pytest.mark.parametrize("kind", ["register", "partial"])
+@pytest.mark.parametrize("where", ["graph", "function"])
+def test_tapes_work_while_a_tf1_graph_is_built(keras_job, config, kind, where):
+    """Horovod's graph_mode: the model-parallel and partial tapes inside
+    ``tf.Graph().as_default()``, directly or in a ``tf.function``, run by a session twice.
+    The local gradient is this rank's own divided by the ranks; the shared one is the
+    same bits on every rank and the bits the same tape gives eagerly, run after run (the
+    second run carries ef_sign's error feedback); equal starting values warn nothing."""
+    runs = [_ok(r["graph_tapes"])[f"{config}/{kind}/{where}"] for r in keras_job["ranks"]]
+    for run in runs:
+        np.testing.assert_array_equal(run["local"], run["local_expected"])
+        assert run["shared"] == run["shared_eager"]
+        assert run["warnings"] == []
+    assert all(run["shared"] == runs[0]["shared"] for run in runs)
+    assert runs[0]["shared"][0] != runs[0]["shared"][1] or config == "none"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", ["graph", "function"])
+def test_values_that_differ_in_a_tf1_graph_warn_or_raise_when_strict(keras_job, where):
+    """The value check in a TF1-style graph keeps eager mode's rule: values that still
+    differ at the second run give one warning on rank 0 (none elsewhere); with
+    ``strict`` the first run fails on every rank with the disagreement's message."""
+    ranks = [_ok(r["graph_tapes"]) for r in keras_job["ranks"]]
+    assert len(ranks[0][f"differ/{where}"]["warnings"]) == 1
+    assert all(r[f"differ/{where}"]["warnings"] == [] for r in ranks[1:])
+    for r in ranks:
+        strict = r[f"strict/{where}"]
+        assert strict["error"] is not None, strict
+        assert "RankDisagreement" in strict["message"] and "parameter values" in strict["message"], strict
+
+
+@pytest.mark.multiprocess
 def test_partial_distributed_optimizer_trains_local_layers_locally(keras_job):
     if keras_job["size"] != 2:
         pytest.skip("checked at 2 ranks")

@@ -5,7 +5,8 @@ Stock ``hvd.DistributedGradientTape`` fails on Keras 3 variables (``'Variable' o
 no attribute 'ref'``, horovod #4290) because it keys variables by ``.ref()``. This tape
 names variables by Keras 3's ``path`` (or ``name``), flattens every gradient into one
 float32 buffer per group, and averages it with the compressor's own algorithm. It works
-eagerly and inside ``tf.function``; compressor state lives in ``tf.Variable`` objects
+eagerly, inside ``tf.function`` and in TF1-style graphs (``tf.Graph().as_default()``, where the
+reduction runs when the graph runs); compressor state lives in ``tf.Variable`` objects
 created on first use.
 
 A tape is rebuilt every step, so it cannot own state itself: the state belongs to the set
@@ -17,6 +18,7 @@ variable's dtype.
 
 
 import logging
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -147,15 +149,17 @@ class DistributedGradientTape:
         out = list(grads)
         if shared:
             self._variables = [variables[i] for i in shared]
-            owned = self._compression.owned(self._variables)
-            if self._strict is not None:
-                owned.runner.values.strict = bool(self._strict)
             shared_grads = [grads[i] for i in shared]
             if not self._sparse_as_dense:
                 note_sparse_reduced_dense(shared_grads, self._variables, "DistributedGradientTape",
                                           self._comm.rank)
-            reduced, _ = reduce_gradients(owned.runner, self._comm, shared_grads,
-                                          self._variables, self._groups, self._op)
+            if building_graph():
+                reduced, _ = reduce_when_the_graph_runs(
+                    self._reduce_eagerly, shared_grads, self._variables, self._groups,
+                    self._sparse_as_dense, "DistributedGradientTape",
+                    owner=(self._compression, tuple(id(v) for v in self._variables)))
+            else:
+                reduced, _ = self._reduce_eagerly(shared_grads, self._variables, self._groups)
             for i, g in zip(shared, reduced):
                 out[i] = g
         if self.scale_local_gradients and len(shared) < len(variables):
@@ -164,6 +168,15 @@ class DistributedGradientTape:
             for i in set(range(len(variables))) - set(shared):
                 out[i] = divide_gradient(grads[i], float(self._comm.size))
         return out
+
+    def _reduce_eagerly(self, grads, variables, groups):
+        """The shared gradients reduced with the state owned by ``self._variables`` (the
+        tape's variables, or, in a TF1-style graph, :class:`_VariableValue` views of them
+        that carry their values when the graph runs)."""
+        owned = self._compression.owned(self._variables)
+        if self._strict is not None:
+            owned.runner.values.strict = bool(self._strict)
+        return reduce_gradients(owned.runner, self._comm, grads, variables, groups, self._op)
 
     # --- checkpoints ------------------------------------------------------------------------
     def compression_state_dict(self):
@@ -260,6 +273,78 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
     all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
     return out, all_finite
 
+
+def building_graph():
+    """True while a TF1-style graph is being built: inside ``tf.Graph().as_default()``,
+    or in a ``tf.function`` traced while such a graph is built (Horovod's ``graph_mode``
+    tests do both). There ``tf.init_scope()`` leads to that graph, not to eager
+    execution, so nothing can be read or checked at build time. Inside a ``tf.function``
+    of an eager program it leads to eager execution, and this is False."""
+    with tf.init_scope():
+        return not tf.executing_eagerly()
+
+
+class _VariableValue:
+    """What the reduction reads of a variable (its name, shape, dtype and, for the
+    agreement check, its value), with the value read when the graph runs."""
+
+    def __init__(self, variable, value):
+        self.path = variable_name(variable)
+        self.shape, self.dtype = variable.shape, variable.dtype
+        self._value = value
+
+    def numpy(self):
+        return self._value.numpy()
+
+
+def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_as_dense, where, owner):
+    """A reduction built into a TF1-style graph (:func:`building_graph`): one
+    ``tf.py_function`` that runs ``reduce_eagerly(grads, views, view_groups)`` (which
+    returns ``(reduced gradients, all_finite)``, as :func:`reduce_gradients`) when the
+    graph runs, so that the code and the bits are eager mode's.
+
+    At build time nothing can run: the first-step agreement check reads the variables'
+    values (``.numpy()``), and the compressor's state variables would be graph variables
+    that the program's initializer, run before, never saw. When the graph runs, the
+    function gets the gradients and the variables' current values (``views``: what the
+    reduction reads of each variable), and the check runs once, as in eager mode (a
+    difference warns, ``strict`` raises: the graph's run then fails with a
+    ``tf.errors.UnknownError`` carrying the :class:`RankDisagreement`'s message). Each
+    run of the graph reduces once more, as each eager call does. Reductions of the same
+    ``owner`` in one graph run in the order they were built, on every rank, through a
+    control dependency (else the executor may run them in either order, a different one
+    on each rank)."""
+    for g, v in zip(grads, variables):
+        if isinstance(g, tf.IndexedSlices) and not sparse_as_dense:
+            raise sparse_gradient_error(v, where)
+    # None is reduced as zeros (flatten_gradients), so zeros in its place give the same bits.
+    dense = [tf.zeros(v.shape, tf.as_dtype(v.dtype)) if g is None else tf.convert_to_tensor(g)
+             for g, v in zip(grads, variables)]
+    values = [tf.convert_to_tensor(v) for v in variables]
+    index_groups = split_groups(variables, groups)
+    count = len(variables)
+
+    def reduce_now(*tensors):
+        views = [_VariableValue(v, value) for v, value in zip(variables, tensors[count:])]
+        out, finite = reduce_eagerly(list(tensors[:count]), views,
+                                     [[views[i] for i in index] for index in index_groups])
+        return list(out) + [finite]
+
+    built = _graph_reductions.setdefault(tf.compat.v1.get_default_graph(), {})
+    previous = built.get(owner)
+    with tf.control_dependencies([previous] if previous is not None else []):
+        results = tf.py_function(reduce_now, dense + values,
+                                 [tf.as_dtype(v.dtype) for v in variables] + [tf.bool],
+                                 name="hvd_quant_reduce")
+    built[owner] = results[-1]
+    for r, v in zip(results, variables):
+        r.set_shape(v.shape)
+    results[-1].set_shape([])
+    return results[:-1], results[-1]
+
+
+# graph -> {owner: the last reduction built for that owner's state in that graph}
+_graph_reductions = weakref.WeakKeyDictionary()
 
 _sparse_noted = [False]  # one note per process
 

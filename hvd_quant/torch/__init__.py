@@ -14,6 +14,13 @@ from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
 from .optimizer import DistributedOptimizer
 from .optimizers import BinSGDM, GradScaler, OnebitAdam, ZeroOneAdam
+from . import functions as _functions
+from .functions import broadcast_optimizer_state
+
+# hvd.broadcast_optimizer_state steps an optimizer whose state is empty, on those ranks
+# only: hvd_quant's 1-bit optimizers broadcast their state without a step instead
+# (hvd_quant.torch.functions says why).
+_functions.install()
 
 __all__ = ["BinSGDM", "Compression", "DistributedOptimizer", "GradScaler", "HorovodTorchComm", "OnebitAdam",
-           "TorchBackend", "TorchCompressor", "ZeroOneAdam"]
+           "TorchBackend", "TorchCompressor", "ZeroOneAdam", "broadcast_optimizer_state"]

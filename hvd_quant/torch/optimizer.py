@@ -121,6 +121,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if pipeline_chunk_mb is not None and not pipeline_chunk_mb > 0:
             raise ValueError(f"pipeline_chunk_mb must be > 0 or None, got {pipeline_chunk_mb!r}")
         self._passes = _check_passes(backward_passes_per_step)
+        # hvd.broadcast_optimizer_state creates missing state with one step, on the ranks
+        # without state only, and skips the reduction for Horovod's own class, which it
+        # recognises by module name (horovod/torch/functions.py). Answering to that check
+        # (on this instance; the class keeps its module) makes it step the wrapped
+        # optimizer instead of reducing on some ranks, which hung.
+        self.__module__ = hvd.DistributedOptimizer.__module__
         self._compression = compression
         compression.prepare()  # Horovod is initialised now: the ranks on this host are known
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]

@@ -469,15 +469,22 @@ class RuleOptimizer(torch.optim.Optimizer):
                     saved["slots"][name] = torch.zeros(sizes[name], dtype=torch.float32,
                                                        device=self._device)
 
-    def elastic_sync(self, root_rank=0):
-        """Make the optimizer state identical to ``root_rank``'s (Horovod Elastic's sync,
-        after :meth:`elastic_reset`; every rank calls it). Hyper-parameters, counters and
-        every slot (moments, accumulators, master weights) are broadcast from the root,
-        as the model is; the world-dependent error buffers stay this rank's own. Ranks
-        that joined get the root's schedule, so every rank takes the same branch."""
+    def broadcast_state(self, root_rank=0):
+        """Make the optimizer state identical to ``root_rank``'s; every rank calls it, and
+        no rank steps. ``hvd.broadcast_optimizer_state(opt, root_rank)`` calls it (see
+        :mod:`hvd_quant.torch.functions`), and so does Horovod Elastic's sync, after
+        :meth:`elastic_reset`. Hyper-parameters, counters and every slot (moments,
+        accumulators, master weights) are broadcast from the root, as the model is; the
+        world-dependent error buffers stay this rank's own. A rank without state (a fresh
+        optimizer, while the root resumed from a checkpoint) creates it first. Ranks get
+        the root's schedule, so every rank takes the same branch, and the root's word on
+        whether the state was restored from a checkpoint, so that the next step's
+        agreement check compares the same things on every rank."""
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        hyper = hvd.broadcast_object(hyper, root_rank, name="hvd_quant.elastic.hyper",
-                                     process_set=self._comm.process_set)
+        hyper, restored = hvd.broadcast_object((hyper, self._restored), root_rank,
+                                               name="hvd_quant.elastic.hyper",
+                                               process_set=self._comm.process_set)
+        self._restored = restored
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
         for gi, group in enumerate(self.param_groups):
@@ -492,6 +499,9 @@ class RuleOptimizer(torch.optim.Optimizer):
                     _broadcast_slot(st.slots[name], root_rank, f"hvd_quant.elastic.g{gi}.{name}",
                                     self._comm.process_set)
         self._checked = False
+
+    #: Horovod Elastic's sync (:class:`hvd_quant.torch.elastic.TorchState`).
+    elastic_sync = broadcast_state
 
     def __repr__(self):
         return f"hvd_quant.torch.{type(self).__name__}({self._rule!r}, lr={self.defaults['lr']})"

@@ -164,9 +164,99 @@ def process_set_of_even_ranks(path):
         hvd.remove_process_set(even)
 
 
+def state_digest(opt):
+    """The optimizer's per-parameter state (Adam's moments and step), as one list."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for name in sorted(opt.state[p]):
+                out.extend(torch.as_tensor(opt.state[p][name]).reshape(-1).float().tolist())
+    return out
+
+
+def resume_on_rank_0(path):
+    """Horovod's resume pattern: rank 0 loads a checkpoint (its model and Adam's state),
+    the other ranks start fresh, then every rank broadcasts the parameters and the
+    optimizer state from rank 0. On the fresh ranks the state is empty, so
+    ``hvd.broadcast_optimizer_state`` steps the optimizer there, and only there, to
+    create it (this hung with hvd_quant's optimizer before)."""
+    per_rank_seed(90)
+    model = mlp()
+    opt = wrap(path, torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=model.named_parameters())
+    if hvd.rank() == 0:  # the checkpoint: an earlier run's model and Adam state
+        # (trained apart: a backward through `model` would start a reduction on rank 0 alone)
+        earlier_model = mlp()
+        earlier = torch.optim.Adam(earlier_model.parameters(), lr=0.01)
+        for x, y in batches(2, seed=9):
+            earlier.zero_grad()
+            torch.nn.functional.cross_entropy(earlier_model(x), y).backward()
+            earlier.step()
+        model.load_state_dict(earlier_model.state_dict())
+        opt.load_state_dict(earlier.state_dict())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    broadcast = state_digest(opt)
+    for batch in batches(3, seed=2):
+        step(model, opt, batch)
+    return {"params": flat(model.parameters()), "grads": grads(model.parameters()), "state": broadcast}
+
+
 PROGRAMS = {"init_then_broadcast": init_then_broadcast, "gan": gan,
             "sparse_embedding": sparse_embedding, "unnamed": unnamed,
-            "process_set": process_set_of_even_ranks}
+            "process_set": process_set_of_even_ranks, "resume_on_rank_0": resume_on_rank_0}
+
+
+# --- the 1-bit optimizers, which own their communication -----------------------------------
+ONEBIT = {"onebit_adam": lambda params, named: hq.OnebitAdam(params, lr=0.01, freeze_step=2,
+                                                             named_parameters=named),
+          "zero_one_adam": lambda params, named: hq.ZeroOneAdam(params, lr=0.01, var_freeze_step=2,
+                                                                exact_sync=True, named_parameters=named),
+          "binsgdm": lambda params, named: hq.BinSGDM(params, lr=0.01, named_parameters=named)}
+
+
+def onebit_flat_state(opt):
+    """Every rank-independent slot and counter of a 1-bit optimizer's state (the error
+    buffers, each rank's own, left out), as one list."""
+    out = []
+    for gi, group in enumerate(opt.param_groups):
+        saved = opt.state[f"hvd_quant.group{gi}"]
+        mine = set(opt._world_slots([p.numel() for p in group["params"]], hvd.size()))
+        for name in sorted(saved["slots"]):
+            if name not in mine:
+                out.extend(saved["slots"][name].reshape(-1).tolist())
+        out.extend(float(v) for _, v in sorted(saved["scalars"].items()))
+    return out
+
+
+def onebit_resume_on_rank_0(name):
+    """The resume pattern with a 1-bit optimizer: every rank trains a few steps (past
+    1-bit Adam's freeze), rank 0 keeps that state as its checkpoint, then a new model and
+    optimizer on every rank, the checkpoint loaded on rank 0 only, and both broadcast
+    from rank 0 with Horovod's functions. The fresh ranks must end with rank 0's state
+    (their own error buffers aside) and train on in step with it."""
+    per_rank_seed(95)
+    model = mlp()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = ONEBIT[name](model.parameters(), model.named_parameters())
+    for batch in batches(4, seed=3):
+        step(model, opt, batch)
+    checkpoint = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+    expected = onebit_flat_state(opt)
+    per_rank_seed(96)
+    model = mlp()
+    opt = ONEBIT[name](model.parameters(), model.named_parameters())
+    if hvd.rank() == 0:
+        model.load_state_dict(checkpoint[0])
+        opt.load_state_dict(checkpoint[1])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    broadcast = onebit_flat_state(opt)
+    for batch in batches(3, seed=4):
+        step(model, opt, batch)
+    if name == "zero_one_adam":  # its ranks' weights differ between syncs, by design (exact_sync: not after)
+        opt.final_sync()
+    return {"state": broadcast, "expected": expected, "params": flat(model.parameters()),
+            "kinds": list(opt.step_kinds)}
 
 
 # --- programs that fail on every rank together -----------------------------------------------
@@ -296,6 +386,8 @@ def main():
     for name, fn in PROGRAMS.items():
         for path in PATHS:
             results[f"{name}/{path}"] = run_program(f"{name}/{path}", fn, path)
+    for name in ONEBIT:
+        results[f"onebit_resume/{name}"] = run_program(f"onebit_resume/{name}", onebit_resume_on_rank_0, name)
     for name, (fn, expected) in FAILURES.items():
         results[f"fail/{name}"] = run_program(f"fail/{name}", fn)
         results[f"fail/{name}"]["expected"] = expected.__name__

@@ -391,6 +391,82 @@ def outside_the_process_set():
 
 
 # --- tf-keras (Keras 2) ------------------------------------------------------------------------
+class Layer(tf.Module):
+    """A layer as PartialDistributedGradientTape reads one (``trainable_weights``), without
+    Keras: its one variable is made in whatever graph is current."""
+
+    def __init__(self, values, name):
+        super().__init__(name=name)
+        self.w = tf.Variable(values.astype(np.float32), name=name)
+
+    @property
+    def trainable_weights(self):
+        return [self.w]
+
+
+def graph_tapes():
+    """The model-parallel and partial tapes while a TF1-style graph is built (Horovod's
+    ``graph_mode`` tests: inside ``tf.Graph().as_default()``, directly and in a
+    ``tf.function``), run by a session twice. Per run: the local gradient against the raw
+    one divided by the ranks, the shared one beside what the same tape gives eagerly (a
+    fresh compression object: the same state from the start); and, with per-rank values,
+    the value check: a warning at the second run, or with ``strict`` an error at the first."""
+    start = np.random.default_rng(90)
+    emb0, dense0 = start.normal(size=(5, 3)), start.normal(size=(3, 2))
+    x = np.random.default_rng(100 + RANK).normal(size=(4, 5)).astype(np.float32)
+
+    def tapes(kind, comp, emb, dense, strict=None):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_sum(tf.matmul(tf.tanh(tf.matmul(x, emb.w)), dense.w) ** 2)
+        raw = tape.gradient(loss, [emb.w, dense.w])
+        if kind == "register":
+            dist = hq.DistributedGradientTape(tape, compression=comp, strict=strict)
+            dist.register_local_source(emb.w)
+        else:
+            dist = hq.PartialDistributedGradientTape(tape, compression=comp, local_layers=[emb],
+                                                     strict=strict)
+        return raw, dist.gradient(loss, [emb.w, dense.w])
+
+    def in_graph(kind, comp, where, dense_init=dense0, strict=None, runs=2):
+        graph = tf.Graph()
+        with graph.as_default():
+            emb, dense = Layer(emb0, "emb"), Layer(dense_init, "dense")
+            build = lambda: tapes(kind, comp, emb, dense, strict)  # noqa: E731
+            raw, reduced = tf.function(build)() if where == "function" else build()
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                return [sess.run([raw, reduced]) for _ in range(runs)]
+
+    def eagerly(kind, comp, runs=2):
+        emb, dense = Layer(emb0, "emb"), Layer(dense0, "dense")
+        return [[[g.numpy() for g in part] for part in tapes(kind, comp, emb, dense)] for _ in range(runs)]
+
+    out = {}
+    for config in ("none", "ef_sign"):
+        for kind in ("register", "partial"):
+            expected = eagerly(kind, compression(config))
+            for where in ("graph", "function"):
+                with captured_warnings() as messages:
+                    runs = in_graph(kind, compression(config), where)
+                out[f"{config}/{kind}/{where}"] = {
+                    "local": [r[1][0].tolist() for r in runs],
+                    "local_expected": [(r[0][0] / np.float32(SIZE)).tolist() for r in runs],
+                    "shared": [digest([r[1][1]]) for r in runs],
+                    "shared_eager": [digest([e[1][1]]) for e in expected],
+                    "warnings": [m for m in messages if "different values" in m]}
+    per_rank = start.normal(size=(3, 2)) + RANK
+    for where in ("graph", "function"):
+        with captured_warnings() as messages:
+            in_graph("register", compression("ef_sign"), where, dense_init=per_rank)
+        out[f"differ/{where}"] = {"warnings": [m for m in messages if "different values" in m]}
+        try:
+            in_graph("partial", compression("ef_sign"), where, dense_init=per_rank, strict=True, runs=1)
+            out[f"strict/{where}"] = {"error": None}
+        except tf.errors.OpError as exc:
+            out[f"strict/{where}"] = {"error": type(exc).__name__, "message": exc.message[-4000:]}
+    return out
+
+
 def legacy_fit():
     """tf-keras model.fit with Horovod's own Keras DistributedOptimizer and our compressors."""
     import horovod.tensorflow.keras as hvdk
@@ -425,8 +501,10 @@ if MODE == "keras3":
     record("partial_fit", partial_optimizer_fit)
     record("process_set", outside_the_process_set)
     record("aggregated", aggregated_passes)
-elif MODE == "keras3_fit":  # 3 ranks: fit only (XLA's split is the same at any rank count)
+    record("graph_tapes", graph_tapes)
+elif MODE == "keras3_fit":  # 3 ranks: fit, and the tapes in TF1-style graphs
     record("fit", fit_every_compressor)
+    record("graph_tapes", graph_tapes)
 elif MODE == "legacy":
     assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     record("legacy_fit", legacy_fit)
