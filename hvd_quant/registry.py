@@ -12,9 +12,10 @@ from .compressors.exp_dithering import GlobalQSGDExpCompressor
 from .compressors.global_qsgd import GlobalQSGDCompressor
 from .compressors.marsit import CascadingSignCompressor, MarsitCompressor
 from .compressors.onebit import OnebitCompressor
+from .compressors.qsgd import QSGDCompressor
 from .core.compressor import available, get, register  # noqa: F401 (the public names)
 
 for _cls in (NoCompression, FP16Compression, EFSignCompressor, MarsitCompressor,
              CascadingSignCompressor, GlobalQSGDCompressor, GlobalQSGDExpCompressor,
-             OnebitCompressor, AutoCompressor):
+             QSGDCompressor, OnebitCompressor, AutoCompressor):
     register(_cls)
