@@ -163,8 +163,8 @@ def test_onebit_adam_equals_deepspeed(backend, n, wd, masked):
     grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
     mask = (np.arange(d) % 7 != 0).astype(np.float32) if masked else None
     hp = dict(HP, weight_decay=wd)
-    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze), n, grads, [1e-2] * steps,
-                        hp, backend, mask)
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze, bias_correction=False), n, grads,
+                        [1e-2] * steps, hp, backend, mask)
     ref = ds.OnebitAdam([x0] * n, 1e-2, freeze, weight_decay=wd, mask=mask)
     for s in range(steps):
         ref.step([grads[r][s] for r in range(n)])
@@ -197,7 +197,8 @@ def test_zero_one_adam_equals_deepspeed(backend, n, wd, masked):
     lrs = [1e-2 * (1.0 - s / (2 * steps)) for s in range(steps)]  # a scheduler: lr changes
     mask = (np.arange(d) % 5 != 0).astype(np.float32) if masked else None
     hp = dict(HP, weight_decay=wd)
-    opts, x0 = run_rule(lambda: ZeroOneAdamRule(**options), n, grads, lrs, hp, backend, mask)
+    opts, x0 = run_rule(lambda: ZeroOneAdamRule(bias_correction=False, **options), n, grads, lrs, hp,
+                        backend, mask)
     ref = ds.ZeroOneAdam([x0] * n, lrs[0], weight_decay=wd, mask=mask, **options)
     for s in range(steps):
         ref.step([grads[r][s] for r in range(n)], lrs[s])
@@ -250,7 +251,8 @@ def test_per_tensor_scales_equal_deepspeed_per_tensor(backend, n, which):
     per_tensor = reference(list(zip(bounds[:-1], bounds[1:])))
     flat = reference([(0, d)])
     for scales, expected in (("tensor", per_tensor), ("group", flat)):
-        opts, _ = run_rule(lambda: Rule(scales=scales, **options), n, grads, lrs, backend=backend,
+        opts, _ = run_rule(lambda: Rule(scales=scales, bias_correction=False, **options), n, grads, lrs,
+                           backend=backend,
                            x0=x0, counts=counts)
         for rank, opt in enumerate(opts):
             np.testing.assert_array_equal(opt.x, expected[rank], err_msg=scales)
@@ -264,7 +266,7 @@ def test_zero_one_adam_one_rank_is_local_adam_with_the_schedule():
     d, steps = 64, 30
     options = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
     grads = [[dyadic(d, s) for s in range(steps)]]
-    opts, x0 = run_rule(lambda: ZeroOneAdamRule(**options), 1, grads, [1e-2] * steps)
+    opts, x0 = run_rule(lambda: ZeroOneAdamRule(bias_correction=False, **options), 1, grads, [1e-2] * steps)
     ref = ds.ZeroOneAdam([x0], 1e-2, one_rank_updates_momentum=True, **options)
     for s in range(steps):
         ref.step([grads[0][s]])
@@ -275,7 +277,7 @@ def test_zero_one_adam_one_rank_is_local_adam_with_the_schedule():
 
 def test_onebit_adam_one_rank_sends_nothing():
     grads = [[dyadic(32, s) for s in range(8)]]
-    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=3), 1, grads, [1e-2] * 8)
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=3, bias_correction=False), 1, grads, [1e-2] * 8)
     ref = ds.OnebitAdam([x0], 1e-2, 3)
     for s in range(8):
         ref.step([grads[0][s]])
@@ -523,7 +525,8 @@ def test_two_param_groups_follow_their_own_lr_schedules(backend, n, which):
     x0 = [dyadic(size, 7 + gi) for gi, size in enumerate(sizes)]
 
     def body(comm):
-        opt = OracleParamGroups(Rule(scales="group", **options), x0, comm, [HP, HP], backend=backend,
+        opt = OracleParamGroups(Rule(scales="group", bias_correction=False, **options), x0, comm, [HP, HP],
+                                backend=backend,
                                 counts=[list(c) for c in counts])
         gammas = [[], []]
         for s in range(steps):
@@ -792,8 +795,8 @@ def test_onebit_adam_non_freeze_group_equals_deepspeed(backend, in_place, n):
     grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
     mask = (np.arange(d) % 7 != 0).astype(np.float32)  # ignored, as by DeepSpeed
     hp = dict(HP, weight_decay=0.01, non_freeze=True)
-    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze), n, grads, [1e-2] * steps, hp,
-                        backend, mask, in_place=in_place)
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze, bias_correction=False), n, grads,
+                        [1e-2] * steps, hp, backend, mask, in_place=in_place)
     ref = ds.OnebitAdam([x0] * n, 1e-2, freeze, non_freeze=True, weight_decay=0.01, mask=mask)
     for s in range(steps):
         ref.step([grads[r][s] for r in range(n)])
@@ -818,7 +821,8 @@ def test_onebit_adam_non_freeze_beside_a_frozen_group(backend, in_place, n):
     steps, freeze = 14, 5
     grads, lrs = group_inputs(2, n, steps)
     hps = [HP, dict(HP, non_freeze=True)]
-    results = run_groups(lambda: OnebitAdamRule(freeze_step=freeze, scales="group"), n, grads, lrs,
+    results = run_groups(lambda: OnebitAdamRule(freeze_step=freeze, scales="group", bias_correction=False),
+                         n, grads, lrs,
                          backend, hps, in_place=in_place)
     x0 = [dyadic(sum(c), 7 + g) for g, c in enumerate(GROUP_COUNTS[2])]
     for g, non_freeze in enumerate([False, True]):
@@ -850,3 +854,136 @@ def test_non_freeze_is_refused_where_deepspeed_has_none():
         non_freeze_flag(BinSGDMRule(), True)
     with pytest.raises(ValueError, match="True or False"):
         non_freeze_flag(OnebitAdamRule(), 1)  # DeepSpeed tests ``is True``: 1 would be ignored there
+
+
+# --- bias_correction (Adam's, Kingma & Ba 2015; DeepSpeed's code has none) ---------------------
+def torch_adam_params(x0, grads, lr, betas=(0.9, 0.999), eps=1e-8):
+    """torch.optim.Adam (no weight decay) from ``x0`` over ``grads``: the parameters after
+    each step."""
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.from_numpy(x0.copy()))
+    opt = torch.optim.Adam([p], lr=lr, betas=betas, eps=eps)
+    out = []
+    for g in grads:
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+        out.append(p.detach().numpy().copy())
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("which", ["onebit_adam", "zero_one_adam"])
+def test_bias_corrected_warm_up_is_torch_adam(backend, which):
+    """With ``bias_correction=True`` (the default) the full-precision stage is Adam: at one
+    rank every warm-up step equals ``torch.optim.Adam``'s on the same gradients, to float
+    rounding (eps outside the square root of the corrected variance in both). Step 1 is
+    DeepSpeed's initialisation step (no update), so Adam's step s is the rule's s + 1. 0/1
+    Adam with a ``var_update_scaler`` past the run has a full round at every step."""
+    d, steps, lr = 257, 20, 1e-2
+    rule = (OnebitAdamRule(freeze_step=1000) if which == "onebit_adam" else
+            ZeroOneAdamRule(var_freeze_step=1000, var_update_scaler=1000))
+    assert rule.bias_correction is True
+    grads = [[dyadic(d, s) * np.float32(0.01 * (s + 1)) for s in range(steps)]]
+    x0 = dyadic(d, 7)
+
+    def body(comm):
+        opt = OracleOptimizer(rule, x0, comm, HP, backend=backend)
+        xs = []
+        for s in range(steps):
+            opt.step(grads[0][s], lr)
+            xs.append(opt.x.copy())
+        return opt, xs
+
+    (opt, xs), = ThreadWorld(1).run(body)
+    adam = torch_adam_params(x0, grads[0][1:], lr)
+    np.testing.assert_array_equal(xs[0], x0)  # the initialisation step
+    for s in range(1, steps):
+        # Each step moves by ~lr: a few float32 ulps of the parameters apart at most.
+        np.testing.assert_allclose(xs[s], adam[s - 1], rtol=0, atol=2e-6, err_msg=f"step {s + 1}")
+    assert set(opt.state.kinds) == {"init", "full"}
+    # DeepSpeed's rule on the same gradients moves much further (v is far from warm).
+    plain, _ = run_rule(lambda: type(rule)(**dict(rule.options(), bias_correction=False)), 1, grads,
+                        [lr] * steps, x0=x0, backend=backend)
+    assert np.abs(plain[0].x - x0).max() > 3 * np.abs(xs[-1] - x0).max()
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("which", ["onebit_adam", "zero_one_adam"])
+def test_frozen_moments_are_bias_corrected(backend, n, which):
+    """Before the freeze the stored moments are the raw averages under either setting (so a
+    checkpoint crosses between them); at the freeze ``bias_correction=True`` stores ``m /
+    (1 - beta1**t)`` and ``v / (1 - beta2**k)``, ``k`` the variance updates so far (the
+    full rounds, for 0/1 Adam: fewer than its steps) and ``t`` the momentum updates; the
+    frozen variance then stays. ``False`` is DeepSpeed's rule (the tests above)."""
+    d, steps = 300, 30
+    if which == "onebit_adam":
+        options, before = dict(freeze_step=9), 8
+    else:
+        options = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=4, local_step_clipper=4)
+        before = 12
+    Rule = OnebitAdamRule if which == "onebit_adam" else ZeroOneAdamRule
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    beta1, beta2 = HP["betas"]
+    runs = {}
+    for correct in (False, True):
+        for length in (before, before + 1, steps):
+            runs[correct, length] = run_rule(lambda: Rule(bias_correction=correct, **options), n, grads,
+                                             [1e-2] * length, backend=backend)[0]
+    # Just before the freeze: raw moments, identical under both settings (the gradients
+    # and averages do not depend on the parameters).
+    for slot in ("exp_avg", "exp_avg_sq"):
+        for rank in range(n):
+            np.testing.assert_array_equal(runs[True, before][rank].state.slots[slot],
+                                          runs[False, before][rank].state.slots[slot])
+    plain, fixed = runs[False, before + 1][0], runs[True, before + 1][0]
+    assert fixed.state.scalars["frozen"] == plain.state.scalars["frozen"] == 1
+    kinds = plain.state.kinds
+    k = kinds.count("full")
+    t = len(kinds) - 1  # every step but the initialisation step updated the momentum
+    assert k == Rule(bias_correction=False, **options).frozen_variance_updates()
+    if which == "zero_one_adam":
+        assert k < t  # the 1-bit rounds update the momentum only
+    v_hat = plain.state.slots["exp_avg_sq"] / (1.0 - beta2 ** k)
+    m_hat = plain.state.slots["exp_avg"] / (1.0 - beta1 ** t)
+    np.testing.assert_allclose(fixed.state.slots["exp_avg_sq"], v_hat, rtol=1e-6)
+    np.testing.assert_allclose(fixed.state.slots["exp_avg"], m_hat, rtol=1e-6, atol=1e-12)
+    end = runs[True, steps]
+    for rank in range(n):
+        np.testing.assert_array_equal(end[rank].state.slots["exp_avg_sq"], fixed.state.slots["exp_avg_sq"])
+    assert end[0].state.kinds == runs[False, steps][0].state.kinds  # the same schedule
+    # The derived count of variance updates is what the schedule did.
+    assert Rule(**options).variance_updates(NumpyBackend(), fixed.state) == k
+
+
+def test_zero_one_adam_variance_count_follows_the_schedule():
+    """``k = var_update_scaler * log2(var_interval) + var_counter`` counts the full rounds
+    (what checkpoints of every version hold), step by step."""
+    rule = ZeroOneAdamRule(var_freeze_step=60, var_update_scaler=3, bias_correction=False)
+    grads = [[dyadic(16, s) for s in range(60)]]
+    opts, _ = run_rule(lambda: rule, 1, grads, [1e-3] * 60)
+    kinds = opts[0].state.kinds
+    assert kinds.count("full") == rule.variance_updates(NumpyBackend(), opts[0].state)
+    assert kinds.count("full") == ZeroOneAdamRule(var_freeze_step=58, var_update_scaler=3).frozen_variance_updates()
+
+
+def test_short_warm_up_warning_for_deepspeeds_rule():
+    """``bias_correction=False`` with a variance frozen far from warm is warned about, with
+    its warmth, the factor on later steps and the settings that avoid it; the default and
+    a long enough warm-up are silent."""
+    from hvd_quant.optimizers.onebit_rounds import short_warm_up_warning
+    betas = HP["betas"]
+    message = short_warm_up_warning(OnebitAdamRule(freeze_step=80, bias_correction=False), betas)
+    assert "7.6% warm" in message and "3.63x Adam's" in message and "bias_correction=True" in message
+    assert "freeze_step" in message and "2000" in message and "diverged" in message
+    message = short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=80, bias_correction=False), betas)
+    assert "after 40 update(s)" in message and "3.9% warm" in message and "5.05x" in message
+    assert "var_freeze_step" in message and "var_update_scaler" in message
+    # DeepSpeed's own 0/1 Adam defaults freeze after 201 variance updates: 18% warm.
+    assert "18.2% warm" in short_warm_up_warning(ZeroOneAdamRule(bias_correction=False), betas)
+    assert short_warm_up_warning(OnebitAdamRule(freeze_step=80), betas) is None
+    assert short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=80), betas) is None
+    assert short_warm_up_warning(OnebitAdamRule(freeze_step=2100, bias_correction=False), betas) is None
+    assert short_warm_up_warning(OnebitAdamRule(freeze_step=80, bias_correction=False), (0.9, 0.95)) is None
+    assert short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=2100, var_update_scaler=4000,
+                                                 bias_correction=False), betas) is None

@@ -16,9 +16,23 @@ Per parameter group, ``step`` counting every call including the first::
         m = beta1 m + (1 - beta1) g_local
         m = compressed_allreduce(m; worker and server error)     (n > 1 only)
         m = m * exp_avg_mask                                      (if given)
-    update = m / (sqrt(v) + eps) + weight_decay * x               (no bias correction)
+    update = m / (sqrt(v) + eps) + weight_decay * x               (bias_correction=False)
+    update = m_hat / (sqrt(v_hat) + eps) + weight_decay * x       (bias_correction=True)
+        in the warm-up, m_hat = m / (1 - beta1**t), v_hat = v / (1 - beta2**t), with
+        t = step - 1 the number of moment updates so far (step 1 updated none)
     x      = x - lr * update
-    frozen = True once step >= freeze_step (checked at the end of the step)
+    frozen = True once step >= freeze_step (checked at the end of the step); with
+        bias_correction=True the moments are stored as m_hat and v_hat at that step, so
+        the variance frozen is the corrected one, and the compression stage is the same
+        code either way
+
+``bias_correction=False`` is DeepSpeed's code exactly (it accepts the argument and never
+reads it); ``True``, the default here, is Adam's correction (Kingma & Ba, ICLR 2015),
+which DeepSpeed leaves out: without it the variance frozen after ``k = freeze_step - 1``
+updates is only ``1 - beta2**k`` warm and every later step is ``1 / sqrt(1 - beta2**k)``
+times Adam's (see :mod:`hvd_quant.optimizers.onebit_rounds`). A ``non_freeze`` group,
+whose moments were also updated on the initialisation step, has ``t = step`` and is
+corrected on every step, as Adam is.
 
 A param group with DeepSpeed's ``non_freeze=True`` never freezes. DeepSpeed's ``step()``
 gives it a branch of its own wherever the others are compressed (``adam_freeze_key``,
@@ -75,19 +89,34 @@ class OnebitAdamRule(OnebitRoundsRule):
         as DeepSpeed's ``step()`` compresses each parameter tensor on its own (all
         tensors still go in one set of collectives). ``"group"``: one per parameter
         group, as under DeepSpeed's fp16 optimizer, which flattens each group.
+    bias_correction : bool
+        ``True`` (default): Adam's bias correction in the warm-up, and the corrected
+        variance frozen. ``False``: DeepSpeed's code, which has none (module docstring).
     """
 
     name = "onebit_adam"
+    warm_up_advice = ""  # freeze_step - 1 updates
     param_slots = ("exp_avg", "exp_avg_sq")
     per_rank_slots = OnebitRoundsRule.error_slots
     non_freeze_refusal = None  # DeepSpeed's OnebitAdam.step reads group['non_freeze']
 
-    def __init__(self, freeze_step=100000, scales="tensor"):
+    def __init__(self, freeze_step=100000, scales="tensor", bias_correction=True):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
             raise ValueError(f"freeze_step must be an int >= 0, got {freeze_step!r}")
-        super().__init__(freeze_step=freeze_step, scales=scales_option(scales))
+        super().__init__(freeze_step=freeze_step, scales=scales_option(scales),
+                         bias_correction=bool(bias_correction))
         self.freeze_step = freeze_step
         self.scales = scales
+        self.bias_correction = bool(bias_correction)
+
+    def variance_updates(self, B, state):
+        """Warm-up steps so far, ``step - 1`` (the initialisation step updates nothing;
+        skipped steps advance no counter): both moments are updated on each."""
+        return state.scalar("step") - 1
+
+    def frozen_variance_updates(self):
+        """The warm-up's steps: the first is step 2, the last ``max(freeze_step, 2)``."""
+        return max(self.freeze_step, 2) - 1
 
     def scalars(self):
         """The group's scalar state, declared here and nowhere else: ``step`` (calls of
@@ -154,9 +183,20 @@ class OnebitAdamRule(OnebitRoundsRule):
         B = ctx.B
         exp_avg, exp_avg_sq, ok = self._full_precision_moments(ctx)
         # Compression starts after the step at which step >= freeze_step.
+        freezing = step >= self.freeze_step
         ctx.state.commit(ok, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
-                         {"step": step, "frozen": B.select(step >= self.freeze_step, 1, 0)})
-        return keep_if(B, ok, self.adam_update(ctx, exp_avg, exp_avg_sq, ok), ctx.x)
+                         {"step": step, "frozen": B.select(freezing, 1, 0)})
+        if not self.bias_correction:
+            return keep_if(B, ok, self.adam_update(ctx, exp_avg, exp_avg_sq, ok), ctx.x)
+        # Moment updates so far, this one included: a non_freeze group's initialisation
+        # step updated them too.
+        non_freeze = ctx.hp.get("non_freeze", False)
+        t = step if non_freeze else step - 1
+        m_hat, v_hat = self.bias_corrected(ctx, exp_avg, exp_avg_sq, t, t)
+        if not non_freeze:  # the freeze keeps the corrected moments (module docstring)
+            B.cond(B.logical_and(ok, freezing),
+                   lambda: ctx.state.commit(True, {"exp_avg": m_hat, "exp_avg_sq": v_hat}), lambda: None)
+        return keep_if(B, ok, self.adam_update(ctx, m_hat, v_hat, ok), ctx.x)
 
     def _compression_stage(self, ctx, step):
         """A step after the warm-up: the momentum of this rank's gradient goes through the

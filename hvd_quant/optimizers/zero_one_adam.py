@@ -16,13 +16,18 @@ Per parameter group, ``step`` counting every call including the first::
             v = beta2 v + (1 - beta2) g_avg**2;  m = beta1 m + (1 - beta1) g_avg
         else:                                   (a 1-bit round: the gradient is compressed)
             m = beta1 m + (1 - beta1) compressed_allreduce(g) [* exp_avg_mask]
-        x -= lr * (m / (sqrt(v) + eps) + weight_decay * x)
+        x -= lr * (m / (sqrt(v) + eps) + weight_decay * x)          (bias_correction=False)
+        x -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * x)  (bias_correction=True)
+            m_hat = m / (1 - beta1**t), t = step - 1 (every Phase-A step updates m);
+            v_hat = v / (1 - beta2**k), k = the full rounds so far (only they update v)
         variance schedule: after a full round var_counter += 1; when it reaches
         var_update_scaler (kappa): var_counter = 0, var_interval *= 2. So the gaps
         between full rounds are 1 (kappa times), 2 (kappa times), 4, ...
 
     at the end of the first step with step > var_freeze_step: frozen, and both error
-    buffers are zeroed once (they now compensate a different quantity).
+    buffers are zeroed once (they now compensate a different quantity); with
+    bias_correction=True m and v are stored as m_hat and v_hat then, so the frozen
+    variance is the corrected one and Phase B is the same code either way.
 
     Phase B (frozen v; no collective except at syncs):
         m = beta1 m + (1 - beta1) g_local;   lrs += lr
@@ -37,7 +42,14 @@ Per parameter group, ``step`` counting every call including the first::
         local_step_scaler: local_step_counter = 0 and
         local_step_interval = min(local_step_clipper, 2 * local_step_interval).
 
-No bias correction; weight decay enters the update as above (so it also enters u).
+``bias_correction=False`` is DeepSpeed's code exactly (no bias correction: it accepts the
+argument and never reads it). ``True``, the default here, is Adam's correction (Kingma &
+Ba, ICLR 2015) in Phase A: without it a variance frozen after ``k`` full rounds is only
+``1 - beta2**k`` warm, and every Phase-B step is ``1 / sqrt(1 - beta2**k)`` times Adam's
+(see :mod:`hvd_quant.optimizers.onebit_rounds`). ``k`` is derived from the variance
+schedule, ``var_update_scaler * log2(var_interval) + var_counter``, so checkpoints of
+earlier versions need no new counter. Weight decay enters the update as above (so it
+also enters u).
 
 A round whose averaged values are not finite on any rank, in any param group (a full
 round's ``v`` included: ``g_avg**2`` overflows float32 for ``|g| > ~1.8e19``), changes
@@ -108,6 +120,15 @@ def _divisor(B, lrs):
     return lrs if isinstance(lrs, (int, float)) else B.cast(lrs, "float32")
 
 
+def _log2(B, power_of_two):
+    """log2 of a power of two: ``var_interval``, a Python int eagerly (exact), else an
+    integer tensor, whose float32 exponent field is the answer (exact up to 2**127)."""
+    if isinstance(power_of_two, int):
+        return power_of_two.bit_length() - 1
+    bits = B.bitcast(B.cast(power_of_two, "float32"), "int32")
+    return B.cast(B.right_shift(bits, 23) - 127, "float64")
+
+
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -141,9 +162,14 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         group, as under DeepSpeed's fp16 optimizer, which flattens each group. In Phase
         A raw gradients are compressed, and with one scale per group the tensors with
         small gradients (LayerNorm, biases) are swamped by the group's scale.
+    bias_correction : bool
+        ``True`` (default): Adam's bias correction in Phase A, and the corrected
+        variance frozen. ``False``: DeepSpeed's code, which has none (module docstring).
     """
 
     name = "zero_one_adam"
+    warm_up_advice = (" (only the full rounds update it: var_update_scaler of them before "
+                      "each doubling of their interval)")
     param_slots = ("exp_avg", "exp_avg_sq", "momentum_accumulator")
     # Momentum and accumulator follow each rank's gradients between syncs.
     per_rank_slots = ("exp_avg", "momentum_accumulator") + OnebitRoundsRule.error_slots
@@ -153,20 +179,46 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         "other; drop the flag, or use OnebitAdam")
 
     def __init__(self, var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
-                 local_step_clipper=16, exact_sync=False, scales="tensor"):
+                 local_step_clipper=16, exact_sync=False, scales="tensor", bias_correction=True):
         if isinstance(var_freeze_step, bool) or not isinstance(var_freeze_step, int) or var_freeze_step < 0:
             raise ValueError(f"var_freeze_step must be an int >= 0, got {var_freeze_step!r}")
         super().__init__(var_freeze_step=var_freeze_step,
                          var_update_scaler=_positive_int("var_update_scaler", var_update_scaler),
                          local_step_scaler=_positive_int("local_step_scaler", local_step_scaler),
                          local_step_clipper=_positive_int("local_step_clipper", local_step_clipper),
-                         exact_sync=bool(exact_sync), scales=scales_option(scales))
+                         exact_sync=bool(exact_sync), scales=scales_option(scales),
+                         bias_correction=bool(bias_correction))
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
         self.exact_sync = bool(exact_sync)
         self.scales = scales
+        self.bias_correction = bool(bias_correction)
+
+    def variance_updates(self, B, state):
+        """Full rounds so far, from the variance schedule: ``var_counter`` restarts
+        after ``var_update_scaler`` of them, each time ``var_interval`` doubles, so ``k =
+        var_update_scaler * log2(var_interval) + var_counter`` (skipped rounds advance
+        neither). Exact, and held by every version's checkpoints."""
+        counter = state.scalar("var_counter")
+        if not isinstance(counter, int):  # a TensorFlow counter: float64, as _log2's
+            counter = B.cast(counter, "float64")
+        return self.var_update_scaler * _log2(B, state.scalar("var_interval")) + counter
+
+    def frozen_variance_updates(self):
+        """The full rounds of steps 2 .. ``var_freeze_step + 1`` (the freeze follows the
+        first step past ``var_freeze_step``), counted on the schedule; the count stops
+        early at ``2**20``, far past any warmth that matters."""
+        interval, counter, k = 1, 0, 0
+        for step in range(2, max(self.var_freeze_step + 1, 2) + 1):
+            if step % interval == 0:
+                k, counter = k + 1, counter + 1
+                if counter == self.var_update_scaler:
+                    counter, interval = 0, interval * 2
+                if k >= 2 ** 20:
+                    break
+        return k
 
     def extra_slots(self, counts, world_size):
         slots = super().extra_slots(counts, world_size)
@@ -232,11 +284,16 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         grad, exp_avg_sq, ok = B.cond(full_round, lambda: self._variance_round(ctx),
                                       lambda: self._gradient_onebit_round(ctx))
         exp_avg = ema(B, state.slot("exp_avg"), grad, ctx.hp["betas"][0], out=ctx.buffer("m"))
-        x = self.adam_update(ctx, exp_avg, exp_avg_sq, ok)
+        m_hat, v_hat = exp_avg, exp_avg_sq
+        if self.bias_correction:  # t = step - 1 momentum updates, k variance updates
+            done = self.variance_updates(B, state)
+            k = B.select(full_round, done + 1, done)
+            m_hat, v_hat = self.bias_corrected(ctx, exp_avg, exp_avg_sq, step - 1, k)
+        x = self.adam_update(ctx, m_hat, v_hat, ok)
         scalars = {"step": step, **self._variance_schedule(B, state, full_round)}
         state.commit(ok, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, scalars)
         B.cond(B.logical_and(ok, step > self.var_freeze_step),
-               lambda: self._freeze(ctx, x), lambda: None)
+               lambda: self._freeze(ctx, x, m_hat, v_hat), lambda: None)
         return keep_if(B, ok, x, ctx.x)
 
     def _variance_round(self, ctx):
@@ -270,13 +327,17 @@ class ZeroOneAdamRule(OnebitRoundsRule):
                 "var_interval": B.select(doubled, state.scalar("var_interval") * 2,
                                          state.scalar("var_interval"))}
 
-    def _freeze(self, ctx, x):
+    def _freeze(self, ctx, x, exp_avg, exp_avg_sq):
         """The end of Phase A (at the end of the first step past ``var_freeze_step``): the
         variance freezes, and both error buffers are zeroed once, since from now on they
-        compensate the accumulator's compression instead of the gradient's."""
+        compensate the accumulator's compression instead of the gradient's. With
+        ``bias_correction`` the moments are stored corrected (``exp_avg``, ``exp_avg_sq``:
+        this step's ``m_hat`` and ``v_hat``)."""
         B, state = ctx.B, ctx.state
         slots = {name: B.zeros(B.numel(state.slot(name)))
                  for name in ("worker_error", "server_error", "server_scale")}
+        if self.bias_correction:
+            slots.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         if self.exact_sync:  # Phase B starts from these (identical) parameters
             slots["synced_params"] = x
         state.commit(True, slots, {"frozen": 1})

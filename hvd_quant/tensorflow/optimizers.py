@@ -63,6 +63,7 @@ from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
 from ..optimizers.binsgdm import single_beta
+from ..optimizers.onebit_rounds import short_warm_up_warning
 from . import kernels
 from .backend import TFBackend
 from .compression import variable_name
@@ -341,15 +342,37 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         return config
 
 
+def _warn_short_warm_up(cls_name, rule, betas):
+    """Warn at construction when DeepSpeed's rule (``bias_correction=False``) will freeze a
+    variance far from warm (:func:`~hvd_quant.optimizers.onebit_rounds.short_warm_up_warning`),
+    as ``hvd_quant.torch`` does."""
+    import warnings
+
+    message = short_warm_up_warning(rule, tuple(betas))
+    if message is not None:
+        warnings.warn(f"hvd_quant.tensorflow.{cls_name}: {message}", UserWarning, stacklevel=3)
+
+
 @keras.saving.register_keras_serializable(package="hvd_quant")
 class OnebitAdam(RuleOptimizer):
     """1-bit Adam (DeepSpeed's ``OnebitAdam``) as a Keras 3 optimizer; see
-    :mod:`hvd_quant.optimizers.onebit_adam` and ``hvd_quant.torch.OnebitAdam``."""
+    :mod:`hvd_quant.optimizers.onebit_adam` and ``hvd_quant.torch.OnebitAdam``.
+
+    ``bias_correction=True`` (default): Adam's bias correction (Kingma & Ba, ICLR 2015)
+    in the warm-up, and the corrected variance frozen. ``False``: DeepSpeed's code, which
+    has none, so a variance frozen after ``k = freeze_step - 1`` updates makes every later
+    step ``1 / sqrt(1 - beta2**k)`` times Adam's (3.6x at step 80, which diverged on a
+    language model where Adam converged); it warns at construction when ``k < 2 / (1 -
+    beta2)``. A configuration saved before this option existed loads with the default:
+    until the freeze the state is the same under both, after it the frozen variance is
+    used as it was saved."""
 
     def __init__(self, learning_rate=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, process_set=None, name="onebit_adam", scales="tensor",
-                 exp_avg_mask=None, sparse_as_dense=True, **kwargs):
-        super().__init__(OnebitAdamRule(freeze_step=freeze_step, scales=scales), learning_rate,
+                 exp_avg_mask=None, sparse_as_dense=True, bias_correction=True, **kwargs):
+        rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction)
+        _warn_short_warm_up("OnebitAdam", rule, betas)
+        super().__init__(rule, learning_rate,
                          adam_hyperparameters(betas, eps, weight_decay), name, process_set,
                          exp_avg_mask, sparse_as_dense, **kwargs)
 
@@ -357,15 +380,20 @@ class OnebitAdam(RuleOptimizer):
 @keras.saving.register_keras_serializable(package="hvd_quant")
 class ZeroOneAdam(RuleOptimizer):
     """0/1 Adam (DeepSpeed's ``ZeroOneAdam``) as a Keras 3 optimizer; see
-    :mod:`hvd_quant.optimizers.zero_one_adam` and ``hvd_quant.torch.ZeroOneAdam``."""
+    :mod:`hvd_quant.optimizers.zero_one_adam` and ``hvd_quant.torch.ZeroOneAdam``.
+
+    ``bias_correction``: as in :class:`OnebitAdam`, for Phase A, whose variance is
+    updated only on its full-precision rounds (40 of them by step 80 with
+    ``var_update_scaler=16``: 5x Adam's steps afterwards without the correction)."""
 
     def __init__(self, learning_rate=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False, process_set=None, name="zero_one_adam",
-                 scales="tensor", exp_avg_mask=None, sparse_as_dense=True, **kwargs):
+                 scales="tensor", exp_avg_mask=None, sparse_as_dense=True, bias_correction=True, **kwargs):
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
-                               exact_sync=exact_sync, scales=scales)
+                               exact_sync=exact_sync, scales=scales, bias_correction=bias_correction)
+        _warn_short_warm_up("ZeroOneAdam", rule, betas)
         super().__init__(rule, learning_rate, adam_hyperparameters(betas, eps, weight_decay), name,
                          process_set, exp_avg_mask, sparse_as_dense, **kwargs)
 

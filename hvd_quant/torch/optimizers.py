@@ -100,6 +100,7 @@ from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
 from ..optimizers.binsgdm import single_beta
+from ..optimizers.onebit_rounds import short_warm_up_warning
 from ..process_sets import includes_this_rank
 from .backend import TorchBackend, prepare_kernels
 from .comm import HorovodTorchComm
@@ -273,6 +274,12 @@ class RuleOptimizer(torch.optim.Optimizer):
                 saved["exp_avg_mask"] = mine["exp_avg_mask"]
             else:
                 saved.pop("exp_avg_mask", None)
+            # bias_correction is this optimizer's (its rule's), whatever the checkpoint's
+            # groups say: earlier versions saved True there and ran DeepSpeed's rule. The
+            # state needs nothing new: before the freeze the moments are raw averages either
+            # way, after it the variance is used as it was frozen.
+            if "bias_correction" in mine:
+                saved["bias_correction"] = mine["bias_correction"]
         super().load_state_dict(dict(state_dict, param_groups=groups))
         self._groups = {}  # rebuilt from the loaded flat tensors on the next step
         # A restored run may hold per-rank parameters legitimately (0/1 Adam between
@@ -515,7 +522,19 @@ class OnebitAdam(RuleOptimizer):
     ``scales="tensor"`` (default) compresses each parameter tensor with its own scale and
     error buffers, as DeepSpeed's ``step()`` does; ``"group"`` flattens each param group
     into one, as DeepSpeed's fp16 optimizer does. Either way a group is one set of
-    collectives."""
+    collectives.
+
+    ``bias_correction=True`` (the default, as DeepSpeed's argument) applies Adam's bias
+    correction (Kingma & Ba, ICLR 2015) during the warm-up and freezes the corrected
+    variance; ``False`` is DeepSpeed's code exactly, which never reads the argument and
+    has no correction. Without it the variance frozen after ``freeze_step - 1`` updates is
+    ``1 - beta2**(freeze_step - 1)`` warm and every later step is ``1/sqrt`` of that times
+    Adam's: frozen at step 80 (``beta2=0.999``), 3.6x, which diverged to NaN on a
+    5.8M-parameter language model where Adam converged (docs/guide/optimizers.md, "Why the
+    default differs from DeepSpeed"). ``False`` with a warm-up shorter than ``2 / (1 -
+    beta2)`` steps warns at construction. The setting applies to every param group (a
+    group's own ``bias_correction`` key is refused if it differs); a checkpoint loaded
+    keeps this optimizer's setting."""
 
     def __init__(self, params, lr=1e-3, named_parameters=None, freeze_step=100000,
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
@@ -526,8 +545,9 @@ class OnebitAdam(RuleOptimizer):
             raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("OnebitAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                                comm_backend_name)
-        super().__init__(params, OnebitAdamRule(freeze_step=freeze_step, scales=scales),
-                         _defaults(lr, betas, eps, weight_decay, bias_correction),
+        rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction)
+        _warn_short_warm_up("OnebitAdam", rule, betas)
+        super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict)
 
 
@@ -549,6 +569,12 @@ class ZeroOneAdam(RuleOptimizer):
     rounding (see :class:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule`). Between
     syncs the ranks' parameters differ by design (local steps): end training with
     :meth:`final_sync` to get one model.
+
+    ``bias_correction``: as in :class:`OnebitAdam`, for Phase A, whose variance is updated
+    only on its full-precision rounds (``k`` of them before the freeze: 40 by step 80 with
+    ``var_update_scaler=16``; 201 by DeepSpeed's default ``var_freeze_step=100000``). With
+    ``False`` (DeepSpeed's code) each Phase-B step is ``1 / sqrt(1 - beta2**k)`` times
+    Adam's: 5x at ``var_freeze_step=80``, which diverged on a 5.8M-parameter language model.
 
     ``scales``: as in :class:`OnebitAdam`. Per tensor (the default) matters most here:
     Phase A compresses raw gradients, whose scale differs by orders of magnitude between
@@ -573,7 +599,8 @@ class ZeroOneAdam(RuleOptimizer):
                                comm_backend_name)
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
-                               exact_sync=exact_sync, scales=scales)
+                               exact_sync=exact_sync, scales=scales, bias_correction=bias_correction)
+        _warn_short_warm_up("ZeroOneAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict)
 
@@ -699,6 +726,17 @@ def _ignore_deepspeed_only(cls_name, *values):
                           UserWarning, stacklevel=3)
 
 
+def _warn_short_warm_up(cls_name, rule, betas):
+    """Warn at construction when DeepSpeed's rule (``bias_correction=False``) will freeze a
+    variance that is far from warm (:func:`~hvd_quant.optimizers.onebit_rounds.
+    short_warm_up_warning`); every rank, as the other construction warnings."""
+    import warnings
+
+    message = short_warm_up_warning(rule, tuple(betas))
+    if message is not None:
+        warnings.warn(f"hvd_quant.torch.{cls_name}: {message}", UserWarning, stacklevel=3)
+
+
 def _group_mask(group, gi, device="cpu"):
     """The group's ``exp_avg_mask`` as a flat float32 tensor on ``device`` (None without one)."""
     mask = group.get("exp_avg_mask")
@@ -717,13 +755,20 @@ def _defaults(lr, betas, eps, weight_decay, bias_correction):
                         "positional argument is its engine, ours is lr: pass lr= by keyword)")
     if not lr >= 0.0:
         raise ValueError(f"invalid learning rate: {lr}")
-    # bias_correction is accepted for DeepSpeed compatibility; neither method uses it.
-    return dict(lr=lr, bias_correction=bias_correction, **adam_hyperparameters(betas, eps, weight_decay))
+    # bias_correction: DeepSpeed's argument, kept in the param groups as there; the rule
+    # holds the value in force (one for all groups, see _hyper).
+    return dict(lr=lr, bias_correction=bool(bias_correction), **adam_hyperparameters(betas, eps, weight_decay))
 
 
 def _hyper(group, rule, gi):
     """The rule's hyper-parameters of param group ``gi``; DeepSpeed's ``non_freeze`` flag
-    is checked against the rule (``ValueError`` where it is not supported)."""
+    is checked against the rule (``ValueError`` where it is not supported), and so is a
+    group's own ``bias_correction``: the rule's applies to every group."""
+    mine = getattr(rule, "bias_correction", None)
+    if mine is not None and bool(group.get("bias_correction", mine)) != mine:
+        raise ValueError(f"param group {gi} sets bias_correction={group['bias_correction']!r}, the "
+                         f"optimizer was made with bias_correction={mine}: it applies to every "
+                         "param group; make one optimizer per setting")
     return {"betas": tuple(group["betas"]), "eps": group.get("eps", 0.0),
             "weight_decay": group.get("weight_decay", 0.0),
             "non_freeze": non_freeze_flag(rule, group.get("non_freeze"), f"param group {gi}")}
