@@ -97,29 +97,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  backward_passes_per_step=1, sparse_as_dense=True, strict=None,
                  gradient_predivide_factor=1.0):
         super(self.__class__, self).__init__(params)
-        compression = Compression.adopt(compression, hvd.Compression)
-        if not isinstance(compression, TorchCompressor):
-            raise TypeError(
-                "hvd_quant.torch.DistributedOptimizer needs an hvd_quant compressor "
-                f"(hvd_quant.torch.Compression.<name>), got {compression!r}. Horovod's "
-                "Compression.none and .fp16 are taken as ours; a Horovod compressor of your own "
-                "works only in Horovod's hvd.DistributedOptimizer (hvd_quant fuses gradients "
-                "into buckets and runs its compressors' own collectives)")
-        if op not in (hvd.Average, hvd.Sum):
-            raise ValueError("hvd_quant.torch.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
-        given_groups = groups not in (None, 0)
-        if bucket_size_mb is None:
-            # The default: buckets reduced during backward, as Horovod and DDP overlap by
-            # default, unless the caller chose the groups or asked for no overlap.
-            bucket_size_mb = 0 if given_groups or overlap is False else DEFAULT_BUCKET_MB
-        elif (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real)
-              or not bucket_size_mb >= 0):
-            raise ValueError(f"bucket_size_mb must be >= 0 (0: no buckets), got {bucket_size_mb!r}")
-        elif bucket_size_mb and given_groups:
-            raise ValueError("bucket_size_mb forms the groups itself (one per bucket); "
-                             "do not also pass num_groups/groups")
-        if pipeline_chunk_mb is not None and not pipeline_chunk_mb > 0:
-            raise ValueError(f"pipeline_chunk_mb must be > 0 or None, got {pipeline_chunk_mb!r}")
+        compression = _adopted_compression(compression)
+        bucket_size_mb = _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb)
         self._passes = _check_passes(backward_passes_per_step)
         # hvd.broadcast_optimizer_state creates missing state with one step, on the ranks
         # without state only, and skips the reduction for Horovod's own class, which it
@@ -142,26 +121,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # optimizer the set of ranks that hold that sub-model).
         self._included = includes_this_rank(process_set)
         self._comm = make_comm(process_set, self._device) if self._included else None
-
-        names = {}
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-            dups = {n for n, _ in named_parameters if sum(1 for m, _ in named_parameters if m == n) > 1}
-            if dups:
-                raise ValueError(f"named_parameters has duplicate names: {sorted(dups)}")
-            names = {p: n for n, p in named_parameters}
-            missing = [i for i, p in enumerate(all_params) if p not in names]
-            if missing:
-                raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) "
-                                 "the optimizer updates; pass model.named_parameters()")
-        param_name = {p: names.get(p, f"param.{i}") for i, p in enumerate(all_params)}
-        self._param_name = param_name
+        self._param_name = _parameter_names(all_params, named_parameters)
         if bucket_size_mb:
             self._groups = _buckets(all_params, bucket_size_mb)
         else:
             self._groups = _split_groups(all_params, groups)
         # (parameter name, numel) per fused buffer: fixed for the optimizer's lifetime.
-        self._segments = [[(param_name[p], p.numel()) for p in group] for group in self._groups]
+        self._segments = [[(self._param_name[p], p.numel()) for p in group] for group in self._groups]
         self._should_sync = True
         self._fused = {}  # group -> kept float32 buffer of its concatenated gradients
         self._sparse_noted = False  # the sparse_as_dense=False warning was given
@@ -170,16 +136,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._streams = None
         if self._overlap and self._included:
-            self._streams = BucketStreams.make(self._device, len(self._groups))
-            self._pipeline = BucketPipeline(len(self._groups), self._reduce_bucket)
-            self._group_of = {p: gi for gi, group in enumerate(self._groups) for p in group}
-            self._hook_lock = threading.Lock()
-            self._reset_counts()
-            hook = self._make_hook()
-            for p in all_params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-                p._hvd_quant_hook_owner = weakref.ref(self)  # see _make_hook
-            weakref.finalize(self, _remove_hooks, self._hooks)
+            self._install_overlap(all_params)
+
+    def _install_overlap(self, all_params):
+        """Buckets reduced during backward (module docstring, "Overlap"): a worker that
+        reduces them in bucket order, and a post-accumulate-grad hook on every parameter
+        that counts its gradients."""
+        self._streams = BucketStreams.make(self._device, len(self._groups))
+        self._pipeline = BucketPipeline(len(self._groups), self._reduce_bucket)
+        self._group_of = {p: gi for gi, group in enumerate(self._groups) for p in group}
+        self._hook_lock = threading.Lock()
+        self._reset_counts()
+        hook = self._make_hook()
+        for p in all_params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+            p._hvd_quant_hook_owner = weakref.ref(self)  # see _make_hook
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     # --- overlap ----------------------------------------------------------------------------
     @property
@@ -430,6 +402,59 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None:
             self._runner.load_state_dict(ours["state"])
             self._runner.load_rng_state(ours.get("rng", {}))
+
+
+def _adopted_compression(compression):
+    """``compression`` as an hvd_quant compressor (Horovod's ``none``/``fp16`` taken as
+    ours), or the ``TypeError`` that says why a Horovod compressor of one's own is not."""
+    compression = Compression.adopt(compression, hvd.Compression)
+    if not isinstance(compression, TorchCompressor):
+        raise TypeError(
+            "hvd_quant.torch.DistributedOptimizer needs an hvd_quant compressor "
+            f"(hvd_quant.torch.Compression.<name>), got {compression!r}. Horovod's "
+            "Compression.none and .fp16 are taken as ours; a Horovod compressor of your own "
+            "works only in Horovod's hvd.DistributedOptimizer (hvd_quant fuses gradients "
+            "into buckets and runs its compressors' own collectives)")
+    return compression
+
+
+def _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb):
+    """The bucket size in MB to use (0: no buckets), after checking the arguments that
+    shape the fused buffers; a ``ValueError`` names a bad one."""
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError("hvd_quant.torch.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+    if pipeline_chunk_mb is not None and not pipeline_chunk_mb > 0:
+        raise ValueError(f"pipeline_chunk_mb must be > 0 or None, got {pipeline_chunk_mb!r}")
+    given_groups = groups not in (None, 0)
+    if bucket_size_mb is None:
+        # The default: buckets reduced during backward, as Horovod and DDP overlap by
+        # default, unless the caller chose the groups or asked for no overlap.
+        return 0 if given_groups or overlap is False else DEFAULT_BUCKET_MB
+    if (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real)
+            or not bucket_size_mb >= 0):
+        raise ValueError(f"bucket_size_mb must be >= 0 (0: no buckets), got {bucket_size_mb!r}")
+    if bucket_size_mb and given_groups:
+        raise ValueError("bucket_size_mb forms the groups itself (one per bucket); "
+                         "do not also pass num_groups/groups")
+    return bucket_size_mb
+
+
+def _parameter_names(all_params, named_parameters):
+    """``{parameter: name}``: the names given (which key the compressor state in
+    checkpoints), else ``param.{i}``; duplicate names, or parameters left unnamed, are a
+    ``ValueError``."""
+    names = {}
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+        dups = {n for n, _ in named_parameters if sum(1 for m, _ in named_parameters if m == n) > 1}
+        if dups:
+            raise ValueError(f"named_parameters has duplicate names: {sorted(dups)}")
+        names = {p: n for n, p in named_parameters}
+        missing = [i for i, p in enumerate(all_params) if p not in names]
+        if missing:
+            raise ValueError(f"named_parameters does not name {len(missing)} parameter(s) "
+                             "the optimizer updates; pass model.named_parameters()")
+    return {p: names.get(p, f"param.{i}") for i, p in enumerate(all_params)}
 
 
 def _check_passes(passes):
