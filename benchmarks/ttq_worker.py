@@ -128,8 +128,12 @@ def register(name, family, build, doc):
     METHODS[name] = Method(name, family, build, doc)
 
 
-def adam(params, lr):
-    """The base optimizer of every fp32, baseline and compressor row."""
+def adam(params, lr, args=None):
+    """The base optimizer of every fp32, baseline and compressor row: Adam, or with
+    ``--base-optimizer sgdm`` SGD with momentum (``--momentum``; a diagnosis of how a
+    compressor interacts with Adam's per-element normalisation, not a benchmark row)."""
+    if args is not None and args.base_optimizer == "sgdm":
+        return torch.optim.SGD(params, lr=lr, momentum=args.momentum)
     return torch.optim.Adam(params, lr=lr, fused=True)
 
 
@@ -139,7 +143,7 @@ def every_step(kind):
 
 def horovod_build(fp16):
     def build(ctx, model, lr):
-        opt = hvd.DistributedOptimizer(adam(model.parameters(), lr), named_parameters=model.named_parameters(),
+        opt = hvd.DistributedOptimizer(adam(model.parameters(), lr, ctx.args), named_parameters=model.named_parameters(),
                                        compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
         per_step = ring_bytes((2 if fp16 else 4) * ctx.numel, ctx.size)
         return Trainer(model, opt, lambda done: per_step * done, lambda done: done,
@@ -155,7 +159,7 @@ def ddp_build(powersgd):
         full = ring_bytes(4 * ctx.numel, ctx.size)
         if not powersgd:
             ddp = nn.parallel.DistributedDataParallel(model)
-            return Trainer(ddp, adam(ddp.parameters(), lr), lambda done: full * done, lambda done: done,
+            return Trainer(ddp, adam(ddp.parameters(), lr, ctx.args), lambda done: full * done, lambda done: done,
                            every_step("full"), {})
         # One bucket: several buckets race over Gloo on CPU (see cluster_worker.ddp_setup).
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=4096)
@@ -174,7 +178,7 @@ def ddp_build(powersgd):
         def kinds(done):
             out = {"full": min(done, start), "powersgd": max(0, done - start)}
             return {k: v for k, v in out.items() if v}
-        return Trainer(ddp, adam(ddp.parameters(), lr), sent, lambda done: done, kinds,
+        return Trainer(ddp, adam(ddp.parameters(), lr, ctx.args), sent, lambda done: done, kinds,
                        {"matrix_approximation_rank": ctx.args.powersgd_rank, "start_powerSGD_iter": start,
                         "bucket_cap_mb": 4096})
     return build
@@ -182,10 +186,18 @@ def ddp_build(powersgd):
 
 def compressor_build(name):
     def build(ctx, model, lr):
-        opt = hq.DistributedOptimizer(adam(model.parameters(), lr), named_parameters=model.named_parameters(),
-                                      compression=hq.Compression.get(name))
+        # --compressor and --compression-options: a registered variant or non-default
+        # options in a method's row (recorded in method_options).
+        chosen = ctx.args.compressor or name
+        options = json.loads(ctx.args.compression_options) if ctx.args.compression_options else {}
+        compression = hq.Compression.get(chosen)
+        if options:
+            compression = compression(**options)
+        opt = hq.DistributedOptimizer(adam(model.parameters(), lr, ctx.args), named_parameters=model.named_parameters(),
+                                      compression=compression)
+        recorded = {**({"compressor": chosen} if chosen != name else {}), **options}
         return Trainer(model, opt, lambda done: float(opt.bytes_sent), lambda done: done,
-                       every_step(name), {})
+                       every_step(name), recorded)
     return build
 
 
@@ -206,7 +218,7 @@ def onebit_optimizer_build(cls_name):
 
 def local_build(ctx, model, lr):
     """No communication: each rank trains on its own data alone (the compute floor)."""
-    return Trainer(model, adam(model.parameters(), lr), lambda done: 0.0, lambda done: 0,
+    return Trainer(model, adam(model.parameters(), lr, ctx.args), lambda done: 0.0, lambda done: 0,
                    every_step("local"), {})
 
 
@@ -322,6 +334,8 @@ def train(args):
                   "embedding_parameters": vocab * args.d_model + args.context * args.d_model},
         "data": {**data_info, "val_windows": args.val_windows},
         "method_options": trainer.options, "init_digest": init_digests[0],
+        "base_optimizer": args.base_optimizer if args.base_optimizer == "adam" else
+        {"sgd_momentum": args.momentum},
         "python": ".".join(map(str, sys.version_info[:3])), "torch": torch.__version__,
     }
     result = {"config": config, "status": "running", "history": [], "data_digest": None}
@@ -423,6 +437,16 @@ def parser():
     p.add_argument("--freeze-step", type=int, default=None,
                    help="1-bit Adam's freeze_step / 0/1 Adam's var_freeze_step (default: the library's)")
     p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--compression-options", default="",
+                   help="compressor rows: options as JSON, e.g. '{\"compensation\": false}' (recorded)")
+    p.add_argument("--compressor", default="",
+                   help="compressor rows: use this registered compressor instead of the method's own "
+                        "(e.g. a variant registered by --import)")
+    p.add_argument("--import", dest="imports", action="append", default=[],
+                   help="import this module first (benchmarks/ is on the path), e.g. one registering variants")
+    p.add_argument("--base-optimizer", choices=("adam", "sgdm"), default="adam",
+                   help="Adam (the benchmark), or SGD with --momentum (a diagnosis)")
+    p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--tokens", choices=("words", "bytes"), default=None,
                    help="default: words where stdlib_text has word_tokens(), else bytes")
     p.add_argument("--vocab", type=int, default=MODEL["vocab"], help="word vocabulary size (--tokens words)")
@@ -449,6 +473,8 @@ def main(argv=None):
     if args.tokens is None:
         args.tokens = "words" if words_available() else "bytes"
     args.lr_given = args.lr is not None
+    for module in args.imports:
+        __import__(module)
     train(args)
     return 0
 
