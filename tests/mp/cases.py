@@ -17,11 +17,14 @@ COMPRESSORS = [
     ("global_qsgd", "global_qsgd", {}),
     ("global_qsgd_l2", "global_qsgd", {"norm": "l2"}),
     ("global_qsgd_exp", "global_qsgd_exp", {}),
+    ("qsgd", "qsgd", {}),  # allgather of per-rank levels and scales, decoded in rank order
     ("onebit", "onebit", {}),
     ("onebit_gather", "onebit", {"layout": "gather"}),   # likewise
 ]
 # cascading_gather draws from each rank's seeded stream, the oracle's too: the same bits.
-DETERMINISTIC = {"none", "fp16", "ef_sign", "onebit", "onebit_gather", "marsit_gather", "cascading_gather"}
+# qsgd likewise: each rank's draws and its own norm, decoded in rank order (no sum by Horovod).
+DETERMINISTIC = {"none", "fp16", "ef_sign", "onebit", "onebit_gather", "marsit_gather", "cascading_gather",
+                 "qsgd"}
 
 
 def rank_input(rank, numel, step):
