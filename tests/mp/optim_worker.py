@@ -11,9 +11,7 @@ and the errors and warnings bad input raised.
 """
 
 import io
-import json
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 import horovod.torch as hvd
 
 import optim_cases as cases
+import worker_common
 import hvd_quant
 import hvd_quant.torch as hq
 
@@ -32,7 +31,8 @@ size_hint = int(__import__("os").environ.get("HOROVOD_SIZE", "1"))
 hvd.init(process_sets=hvd_quant.node_process_sets(RANKS_PER_NODE, size_hint)
          if RANKS_PER_NODE and 1 < RANKS_PER_NODE < size_hint else None)
 RANK, SIZE = hvd.rank(), hvd.size()
-results = {"rank": RANK, "size": SIZE}
+results = worker_common.Results(timing="stored", rank=RANK, size=SIZE)  # what each part costs
+record = results.record
 
 
 def make_params():
@@ -87,15 +87,6 @@ def run(name, steps=cases.STEPS, opt=None, params=None, start=0, drop=None, set_
         opt.step()
         per_step.append(calls[0] - before)
     return params, opt, per_step
-
-
-def record(key, fn):
-    start = time.perf_counter()
-    try:
-        results[key] = fn()
-    except Exception as exc:  # recorded for the test to judge
-        results[key] = {"error": type(exc).__name__, "message": str(exc)}
-    results.setdefault("seconds", {})[key] = round(time.perf_counter() - start, 3)  # what each part costs
 
 
 def train(name):
@@ -366,9 +357,7 @@ if RANKS_PER_NODE is None:
     record("deepspeed_arguments", deepspeed_arguments)
     record("meta_parameters", meta_parameters)
 
-OUT.mkdir(parents=True, exist_ok=True)
-(OUT / f"rank{RANK}.json").write_text(json.dumps(results))
-print(f"rank {RANK}: wrote {OUT / f'rank{RANK}.json'}")
+results.write(OUT, RANK)
 # No rank shuts Horovod down while another may still be in a node process set's
 # collective (see tests/mp/ring_worker.py): leave after a global one.
 hvd.allreduce(torch.zeros(1), name="optim_worker.done")

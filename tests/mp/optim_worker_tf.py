@@ -9,9 +9,7 @@ checkpoint mid-schedule, runs 0/1 Adam under a Keras ``LearningRateSchedule`` an
 ``OUTDIR/rank{r}.json``.
 """
 
-import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +18,14 @@ import keras
 import horovod.tensorflow as hvd
 
 import optim_cases as cases
+import worker_common
 import hvd_quant.tensorflow as hq
 
 OUT = Path(sys.argv[1])
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
-results = {"rank": RANK, "size": SIZE}
+results = worker_common.Results(timing="stored", rank=RANK, size=SIZE)  # what each part costs
+record = results.record
 HP = cases.HP
 
 
@@ -208,15 +208,6 @@ def fit(name):
             "final_synced": final.synced}
 
 
-def record(key, fn):
-    start = time.perf_counter()
-    try:
-        results[key] = fn()
-    except Exception as exc:  # recorded for the test to judge
-        results[key] = {"error": type(exc).__name__, "message": str(exc)}
-    results.setdefault("seconds", {})[key] = round(time.perf_counter() - start, 3)  # what each part costs
-
-
 OUT.mkdir(parents=True, exist_ok=True)
 for name in cases.CONFIGS:
     record(f"train/{name}/eager", lambda: train(name, graph=False))
@@ -235,5 +226,4 @@ record("sparse", sparse_gradients)
 record("sparse_as_dense/eager", lambda: sparse_gradients(sparse_as_dense=True))
 record("sparse_as_dense/fn", lambda: sparse_gradients(sparse_as_dense=True, graph=True, names=("zero_one_adam",)))
 
-(OUT / f"rank{RANK}.json").write_text(json.dumps(results))
-print(f"rank {RANK}: wrote {OUT / f'rank{RANK}.json'}")
+results.write(OUT, RANK)

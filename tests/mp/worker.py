@@ -6,49 +6,22 @@ with each other and with the numpy oracle. Checks that are expected to raise rec
 error message instead, and every rank raises at the same collective, so the job goes on.
 """
 
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import cases  # tests/mp/cases.py: inputs shared with the oracle
-
-FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
-
-if FRAMEWORK == "torch":
-    import torch
-    import horovod.torch as hvd
-    import hvd_quant.torch as hq
-    from hvd_quant.torch.backend import TorchBackend as Backend
-    from hvd_quant.torch.comm import HorovodTorchComm as Comm
-
-    def tensor(a):
-        return torch.from_numpy(np.ascontiguousarray(a))
-else:
-    import tensorflow as tf
-    import horovod.tensorflow as hvd
-    import hvd_quant.tensorflow as hq
-    from hvd_quant.tensorflow.backend import TFBackend as Backend
-    from hvd_quant.tensorflow.comm import HorovodTFComm as Comm
-
-    def tensor(a):
-        return tf.constant(a)
+import worker_common
 
 from hvd_quant.core import ring
 from hvd_quant.core.runner import CompressorRunner
 
-hvd.init()
+FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
+torch, tf, hvd, hq, B, Comm, tensor = worker_common.framework(FRAMEWORK)
 RANK, SIZE = hvd.rank(), hvd.size()
-B = Backend()
-results = {"rank": RANK, "size": SIZE}
-
-
-def record(key, fn):
-    try:
-        results[key] = fn()
-    except Exception as exc:  # recorded for the test to judge
-        results[key] = {"error": type(exc).__name__, "message": str(exc)}
+results = worker_common.Results(rank=RANK, size=SIZE)
+record = results.record
 
 
 GRAPH_SIZE = cases.SIZES[-1]
@@ -203,6 +176,4 @@ record("params_differ", train.params_differ)
 if FRAMEWORK != "torch":
     record("stock_multi_hop", train.stock_refuses_multi_hop)
 
-OUT.mkdir(parents=True, exist_ok=True)
-(OUT / f"rank{RANK}.json").write_text(json.dumps(results))
-print(f"rank {RANK}: wrote {OUT / f'rank{RANK}.json'}")
+results.write(OUT, RANK)
