@@ -250,7 +250,8 @@ def test_tapes_work_while_a_tf1_graph_is_built(keras_job, config, kind, where):
     second run carries ef_sign's error feedback); equal starting values warn nothing."""
     runs = [_ok(r["graph_tapes"])[f"{config}/{kind}/{where}"] for r in keras_job["ranks"]]
     for run in runs:
-        np.testing.assert_array_equal(run["local"], run["local_expected"])
+        # TF's division by 3 may round one ulp away from numpy's (by 2 it is exact)
+        np.testing.assert_allclose(run["local"], run["local_expected"], rtol=2e-7 * (len(runs) - 2), atol=0)
         assert run["shared"] == run["shared_eager"]
         assert run["warnings"] == []
     assert all(run["shared"] == runs[0]["shared"] for run in runs)
