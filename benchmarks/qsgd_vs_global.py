@@ -188,14 +188,14 @@ def measure(grads, seeds):
 
 def table(rows, numel):
     by = {(r["ranks"], r["method"]): r for r in rows}
-    lines = ["| ranks | method | bits | levels s | bytes per rank (torch) | (TF) | vs fp32 allreduce | "
+    lines = ["| ranks | method | bits | levels s | bytes per rank (torch) | (TF) | fp32 allreduce's bytes ÷ these | "
              "E‖ĝ−g‖²/‖g‖² | variance ÷ qsgd's (same bits) |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         q = by[(r["ranks"], "qsgd" if r["bits"] == 8 else "qsgd_16")]
         lines.append(f"| {r['ranks']} | `{r['method']}` | {r['bits']} | {r['levels']} | "
                      f"{r['bytes_per_rank_torch']:,.0f} | {r['bytes_per_rank_tf']:,.0f} | "
-                     f"{r['fp32_allreduce_bytes'] / r['bytes_per_rank_torch']:.1f}x less | "
+                     f"{r['fp32_allreduce_bytes'] / r['bytes_per_rank_torch']:.2f} | "
                      f"{r['rel_var']:.4g} ± {r['rel_var_stderr']:.1g} | {r['rel_var'] / q['rel_var']:.3g} |")
     return "\n".join(lines)
 
