@@ -197,6 +197,21 @@ def load_rank_results(directory, np_):
     return out
 
 
+def rank_results_fixture(worker, mode, np_=2, timeout=600, env=None):
+    """A module-scoped pytest fixture (assign it to the fixture's name in the test module):
+    one job of ``worker`` run as ``worker MODE OUTDIR`` on ``np_`` ranks (``env`` added to
+    its environment), and its :func:`load_rank_results`. The job runs in the fixture's
+    set-up, which pytest-timeout counts against the first test using it."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def job(tmp_path_factory):
+        out = tmp_path_factory.mktemp(f"{Path(worker).stem}-{mode}")
+        run_horovod(worker, np_, [mode, out], timeout=timeout, env=env)
+        return load_rank_results(out, np_)
+    return job
+
+
 # --- the MPI jobs: one per framework and rank count, shared by two test modules -------------
 MPI_WORKER = HERE / "mp" / "mpi_worker.py"
 #: How each framework's MPI job is launched: both ways users launch under MPI are covered.

@@ -20,7 +20,7 @@ from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.core.state import StateStore
 
-from horovod_launch import HERE, load_rank_results, run_horovod
+from horovod_launch import HERE, rank_results_fixture
 
 B = NumpyBackend()
 SEGMENTS = [("w", 5), ("b", 3)]
@@ -219,31 +219,36 @@ def _ok(value):
     return value
 
 
-def _job(tmp_path_factory, mode, env=None):
-    out = tmp_path_factory.mktemp(f"own-{mode}")
-    run_horovod(WORKER, 2, [mode, out], timeout=600, env=env)
-    return load_rank_results(out, 2)
+torch_job = rank_results_fixture(WORKER, "torch")
+tf_job = rank_results_fixture(WORKER, "tf")
+legacy_job = rank_results_fixture(WORKER, "legacy", env={"TF_USE_LEGACY_KERAS": "1"})
 
 
-@pytest.fixture(scope="module")
-def torch_job(tmp_path_factory):
-    return _job(tmp_path_factory, "torch")
-
-
-@pytest.fixture(scope="module")
-def tf_job(tmp_path_factory):
-    return _job(tmp_path_factory, "tf")
-
-
-@pytest.fixture(scope="module")
-def legacy_job(tmp_path_factory):
-    return _job(tmp_path_factory, "legacy", {"TF_USE_LEGACY_KERAS": "1"})
-
-
-def check_shared_equals_separate(result, models_key, states_key):
+def check_shared_equals_separate(result, models_key, states_key, stateful=False, label=None):
+    """Training with one shared compression object equals training with one per owner;
+    ``stateful``: and each owner of the shared object has its own state."""
     shared, separate = result["shared"], result["separate"]
     assert shared[models_key] == separate[models_key], "training differs with a shared object"
     assert shared[states_key] == separate[states_key], "state differs with a shared object"
+    if stateful:
+        assert shared[states_key][0] != shared[states_key][1], label
+
+
+def check_rebuilt_starts_fresh(job, key):
+    """A model rebuilt with the same compression object trains as with a fresh one."""
+    for rank in job:
+        r = _ok(rank[key])
+        assert r["first"] == r["again"] == r["fresh"]
+
+
+def check_two_model_tapes(job, key, stateful):
+    """Every rank's ``job[r][key]`` (tests/mp/ownership_worker.py's ``two_model_tape`` per
+    compressor): two models with identical variable names, one compression object shared
+    or one each; ``stateful(name)``: whether compressor ``name`` keeps state per owner."""
+    for rank in job:
+        for name, result in _ok(rank[key]).items():
+            assert result["shared"]["names"][0] == result["shared"]["names"][1], "identical names"
+            check_shared_equals_separate(result, "models", "states", stateful(name), name)
 
 
 @pytest.mark.multiprocess
@@ -263,9 +268,7 @@ def test_torch_gan_with_one_object_trains_like_two(torch_job):
 
 @pytest.mark.multiprocess
 def test_torch_model_rebuilt_with_the_same_object_starts_fresh(torch_job):
-    for rank in torch_job:
-        r = _ok(rank["rebuilt"])
-        assert r["first"] == r["again"] == r["fresh"]
+    check_rebuilt_starts_fresh(torch_job, "rebuilt")
 
 
 @pytest.mark.multiprocess
@@ -281,37 +284,22 @@ def test_torch_stock_optimizer_state_checkpoints_per_optimizer(torch_job):
 
 @pytest.mark.multiprocess
 def test_tf_tapes_sharing_one_object_in_one_graph(tf_job):
-    for rank in tf_job:
-        for name, result in _ok(rank["tape"]).items():
-            assert result["shared"]["names"][0] == result["shared"]["names"][1], "identical names"
-            check_shared_equals_separate(result, "models", "states")
-            if name != "global_qsgd":
-                states = result["shared"]["states"]
-                assert states[0] != states[1], name
+    check_two_model_tapes(tf_job, "tape", stateful=lambda name: name != "global_qsgd")
     assert tf_job[0]["tape"]["marsit"]["shared"]["models"] == tf_job[1]["tape"]["marsit"]["shared"]["models"]
 
 
 @pytest.mark.multiprocess
 def test_tf_model_rebuilt_with_the_same_object_starts_fresh(tf_job):
-    for rank in tf_job:
-        r = _ok(rank["tape_rebuilt"])
-        assert r["first"] == r["again"] == r["fresh"]
+    check_rebuilt_starts_fresh(tf_job, "tape_rebuilt")
 
 
 @pytest.mark.multiprocess
 def test_keras_optimizers_sharing_one_object(tf_job):
     for rank in tf_job:
         for name, result in _ok(rank["keras"]).items():
-            check_shared_equals_separate(result, "models", "states")
-            if name == "ef_sign":
-                assert result["shared"]["states"][0] != result["shared"]["states"][1]
+            check_shared_equals_separate(result, "models", "states", stateful=name == "ef_sign")
 
 
 @pytest.mark.multiprocess
 def test_stock_tf_tape_sharing_one_object(legacy_job):
-    for rank in legacy_job:
-        for name, result in _ok(rank["stock_tape"]).items():
-            assert result["shared"]["names"][0] == result["shared"]["names"][1], "identical names"
-            check_shared_equals_separate(result, "models", "states")
-            if name == "ef_sign":
-                assert result["shared"]["states"][0] != result["shared"]["states"][1]
+    check_two_model_tapes(legacy_job, "stock_tape", stateful=lambda name: name == "ef_sign")

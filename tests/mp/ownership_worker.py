@@ -8,31 +8,17 @@ tape and our Keras optimizer, two models with identical layer names reduced in o
 ``tf.function``) or ``legacy`` (tf-keras: Horovod's stock tape).
 """
 
-import hashlib
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+import worker_common
+from worker_common import digest
+
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
-results = {}
-
-
-def record(key, fn):
-    try:
-        results[key] = fn()
-    except Exception as exc:  # recorded for the test to judge
-        import traceback
-        results[key] = {"error": type(exc).__name__, "message": str(exc)[:2000],
-                        "trace": traceback.format_exc()[-3000:]}
-
-
-def digest(arrays):
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(np.ascontiguousarray(np.asarray(a)).tobytes())
-    return h.hexdigest()[:16]
+results = worker_common.Results(message_chars=2000, trace_chars=3000)
+record = results.record
 
 
 def state_digest(state):
@@ -171,16 +157,6 @@ def torch_mode():
 
 
 # --- TensorFlow ----------------------------------------------------------------------------------
-def tf_setup():
-    import tensorflow as tf
-    import horovod.tensorflow as hvd
-
-    hvd.init()
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    return tf, hvd
-
-
 def tf_model(keras, seed):
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden"),
@@ -221,7 +197,7 @@ def two_model_tape(tf, keras, wrap, name, shared, rank):
 
 
 def tf_mode():
-    tf, hvd = tf_setup()
+    tf, hvd = worker_common.tf_setup()
     import keras
     import hvd_quant.tensorflow as hq
 
@@ -286,7 +262,7 @@ def tf_mode():
 
 
 def legacy_mode():
-    tf, hvd = tf_setup()
+    tf, hvd = worker_common.tf_setup()
     keras = tf.keras
     rank = hvd.rank()
 
@@ -300,6 +276,4 @@ def legacy_mode():
 
 
 rank = {"torch": torch_mode, "tf": tf_mode, "legacy": legacy_mode}[MODE]()
-OUT.mkdir(parents=True, exist_ok=True)
-(OUT / f"rank{rank}.json").write_text(json.dumps(results))
-print(f"rank {rank}: wrote {OUT / f'rank{rank}.json'}")
+results.write(OUT, rank)
