@@ -38,6 +38,16 @@ def _sign(x):
     return np.where(x >= 0, F32(1), F32(-1)).astype(F32)
 
 
+def _compress(buf, error):
+    """One compression of compressed_allreduce, on the worker or the server side: the scale
+    ``norm(buf) / sqrt(numel)`` and the signs of ``buf`` (already compensated with the
+    error buffer), and the new error ``buf - scale * sign`` written into ``error``."""
+    scale = F32(_norm(buf) / F32(math.sqrt(buf.size)))
+    sign = _sign(buf)
+    error[:] = buf - scale * sign
+    return scale, sign
+
+
 def compressed_allreduce(buffers, worker_errors, server_errors):
     """NcclBackend.compressed_allreduce on every rank; errors are updated in place (lists).
     Returns the per-rank outputs."""
@@ -49,10 +59,7 @@ def compressed_allreduce(buffers, worker_errors, server_errors):
     for r in range(n):
         buf = np.zeros(total, F32)
         buf[:size] = buffers[r]
-        buf = buf + worker_errors[r]
-        scale = F32(_norm(buf) / F32(math.sqrt(total)))
-        sign = _sign(buf)
-        worker_errors[r][:] = buf - scale * sign
+        scale, sign = _compress(buf + worker_errors[r], worker_errors[r])
         signs.append(sign)
         scales.append(scale)
     server_scales, server_signs = [], []
@@ -61,10 +68,7 @@ def compressed_allreduce(buffers, worker_errors, server_errors):
         for r in range(n):  # .mul_(stack(scales).mul_(1 / size)).sum(0): rows in rank order
             part = signs[r][j * chunk:(j + 1) * chunk] * (scales[r] * F32(1.0 / n))
             compensated = part if compensated is None else compensated + part
-        compensated = compensated + server_errors[j]
-        scale = F32(_norm(compensated) / F32(math.sqrt(chunk)))
-        sign = _sign(compensated)
-        server_errors[j][:] = compensated - scale * sign
+        scale, sign = _compress(compensated + server_errors[j], server_errors[j])
         server_scales.append(scale)
         server_signs.append(sign)
     out = np.concatenate([server_signs[j] * server_scales[j] for j in range(n)])[:size]
