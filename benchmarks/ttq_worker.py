@@ -134,6 +134,9 @@ def adam(params, lr, args=None):
     compressor interacts with Adam's per-element normalisation, not a benchmark row)."""
     if args is not None and args.base_optimizer == "sgdm":
         return torch.optim.SGD(params, lr=lr, momentum=args.momentum)
+    if args is not None and ":" in args.base_optimizer:  # module:factory(params, lr), a diagnosis
+        module, _, factory = args.base_optimizer.partition(":")
+        return getattr(__import__(module), factory)(params, lr)
     return torch.optim.Adam(params, lr=lr, fused=True)
 
 
@@ -334,8 +337,8 @@ def train(args):
                   "embedding_parameters": vocab * args.d_model + args.context * args.d_model},
         "data": {**data_info, "val_windows": args.val_windows},
         "method_options": trainer.options, "init_digest": init_digests[0],
-        "base_optimizer": args.base_optimizer if args.base_optimizer == "adam" else
-        {"sgd_momentum": args.momentum},
+        "base_optimizer": {"sgd_momentum": args.momentum} if args.base_optimizer == "sgdm" else
+        args.base_optimizer,
         "python": ".".join(map(str, sys.version_info[:3])), "torch": torch.__version__,
     }
     result = {"config": config, "status": "running", "history": [], "data_digest": None}
@@ -444,8 +447,9 @@ def parser():
                         "(e.g. a variant registered by --import)")
     p.add_argument("--import", dest="imports", action="append", default=[],
                    help="import this module first (benchmarks/ is on the path), e.g. one registering variants")
-    p.add_argument("--base-optimizer", choices=("adam", "sgdm"), default="adam",
-                   help="Adam (the benchmark), or SGD with --momentum (a diagnosis)")
+    p.add_argument("--base-optimizer", default="adam",
+                   help="adam (the benchmark), sgdm (SGD with --momentum) or module:factory, "
+                        "factory(params, lr) -> optimizer (diagnoses)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--tokens", choices=("words", "bytes"), default=None,
                    help="default: words where stdlib_text has word_tokens(), else bytes")
