@@ -118,6 +118,39 @@ def _worker(outdir):
                 got, _, _ = probe_run(method, variant, STEPS)
             results["probe"][(method, variant)] = got
 
+    # The state pickles (as PowerSGD's does) without its process group, and keeps its bits.
+    _, _, st = probe_run("global_qsgd", "plain", 1)
+    buf = io.BytesIO()
+    torch.save(st, buf)
+    again = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    a, b = st.state_dict(), again.state_dict()
+    results["pickled"] = (a["rng"] == b["rng"] and a["state"].keys() == b["state"].keys()
+                          and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+                          and again.process_group is None and bool(a["rng"]))
+
+    results["collectives"] = _collectives(rank, n)
+
+    # A process group other than the world: ranks 0 and the last (not contiguous, so the
+    # point-to-point hops must map group ranks to world ranks), with find_unused_parameters.
+    pair = [0, n - 1]
+    group = dist.new_group(pair)
+    results["group"] = {}
+    if rank in pair:
+        grank = dist.get_rank(group)
+        for method, options in GROUP_METHODS:
+            model = DDP(Probe(), process_group=group, find_unused_parameters=True)
+            st, hook = hqddp.comm_hook(getattr(Compression, method)(**options), process_group=group,
+                                       model=model)
+            model.register_comm_hook(st, hook)
+            out = []
+            for step in range(STEPS):
+                model.zero_grad(set_to_none=True)
+                cs = [torch.from_numpy(probe_grad(grank, step, 0, i)) for i in range(len(PROBE_SHAPES))]
+                model(cs).backward()
+                out.append(torch.cat([getattr(model.module, nm).grad.reshape(-1)
+                                      for nm in reversed(probe_names())]).clone())
+            results["group"][method] = (grank, out)
+
     # A NaN on the last rank: the reduced buffer is non-finite on every rank.
     model = DDP(Probe())
     st, hook = hqddp.comm_hook(Compression.ef_sign, model=model)
@@ -134,24 +167,75 @@ def _worker(outdir):
         net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8),
                                   torch.nn.Tanh(), torch.nn.Linear(8, 1))
         model = DDP(net, bucket_cap_mb=0.0003)
-        hqddp.register(model, getattr(Compression, method))
+        st = hqddp.register(model, getattr(Compression, method))
         g = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(64, 6, generator=g)
         y = x @ torch.linspace(-1, 1, 6).reshape(6, 1) + 0.1
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         losses = []
-        for _ in range(10):
+        for _ in range(8):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
             losses.append(float(loss))
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-        results["train"][method] = (losses, flat)
+        # (buffers seen, buffers in use): DDP rebuilt its buckets after the first step.
+        results["train"][method] = (losses, flat, (len(st._layouts), len(st._live)))
 
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _collectives(rank, n):
+    """Every collective of DistComm against what it must give, and its meter's bytes
+    against the cost model's (the same as Horovod's: core.comm.WireMeter)."""
+    import torch
+    import torch.distributed as dist
+    from hvd_quant.torch.dist_comm import DistComm
+
+    c = DistComm()
+    ok = {}
+    ok["rank"] = (c.rank, c.size) == (rank, n)
+    x = torch.arange(6, dtype=torch.int32) + rank
+    ok["sum_int"] = torch.equal(c.allreduce(x, "sum", "a"),
+                                sum(torch.arange(6, dtype=torch.int32) + r for r in range(n)))
+    ok["unchanged"] = torch.equal(x, torch.arange(6, dtype=torch.int32) + rank)
+    f = torch.tensor([float(rank), -float(rank)])
+    ok["max"] = torch.equal(c.allreduce(f, "max", "m"), torch.tensor([float(n - 1), 0.0]))
+    ok["allgather"] = torch.equal(c.allgather(torch.full((3,), rank, dtype=torch.uint8), "g"),
+                                  torch.arange(n, dtype=torch.uint8).repeat_interleave(3))
+    chunks = torch.arange(2 * n, dtype=torch.float32) + 100 * rank  # chunk j -> rank j
+    want = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 100 * r
+                      for r in range(n)])
+    ok["alltoall"] = torch.equal(c.alltoall(chunks, "t"), want)
+    ok["alltoall_async"] = torch.equal(c.alltoall_async(chunks, "t").wait(), want)
+    ok["allgather_async"] = torch.equal(c.allgather_async(torch.tensor([rank]), "g").wait(),
+                                        torch.arange(n))
+    ok["allreduce_async"] = torch.equal(c.allreduce_async(torch.tensor([1.0]), "sum", "s").wait(),
+                                        torch.tensor([float(n)]))
+    ring = c.sendrecv(torch.full((4,), rank, dtype=torch.int64), (rank + 1) % n, (rank - 1) % n,
+                      "hop", recv_numel=4)
+    ok["sendrecv"] = torch.equal(ring, torch.full((4,), (rank - 1) % n, dtype=torch.int64))
+    sizes = {"allreduce": 24 + 8 + 4, "allgather": 3 + 8, "alltoall": 2 * 8 * n, "sendrecv": 32}
+    want_bytes = {"allreduce": 2.0 * (n - 1) / n * sizes["allreduce"],
+                  "allgather": float((n - 1) * sizes["allgather"]),
+                  "alltoall": (n - 1) / n * sizes["alltoall"], "sendrecv": 32.0}
+    ok["meter"] = c.meter.by_kind == pytest.approx(want_bytes)
+    ok["ranks_per_node"] = c.ranks_per_node() is None  # one host
+    # A sub-group of two ranks that are not neighbours in the world.
+    pair = [0, n - 1]
+    group = dist.new_group(pair)
+    if rank in pair:
+        g = DistComm(group)
+        hop = g.sendrecv(torch.tensor([rank]), 1 - g.rank, 1 - g.rank, "pair")
+        ok["group"] = (g.size == 2 and g.rank == pair.index(rank)
+                       and hop.item() == pair[1 - g.rank] and g.ranks_per_node() is None)
+    return ok
+
+
+GROUP_METHODS = [("ef_sign", {}), ("marsit", {"topology": "ring"})]
 
 
 # --- the launcher ----------------------------------------------------------------------------
@@ -202,7 +286,7 @@ def run_ranks(n, outdir, timeout):
     return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(n)]
 
 
-def oracle(method, n, variant):
+def oracle(method, n, variant, options=None):
     """Every rank's averaged probe gradients at each step, from the numpy oracle."""
     from hvd_quant.core.backend import NumpyBackend
     from hvd_quant.core.runner import CompressorRunner
@@ -210,6 +294,7 @@ def oracle(method, n, variant):
     from hvd_quant.torch.compression import Compression
 
     comp = getattr(Compression, method)
+    comp = comp(**options) if options else comp
     order = list(reversed(range(len(PROBE_SHAPES))))
     segments = [(probe_names()[i], int(np.prod(PROBE_SHAPES[i]))) for i in order]
     micros = 2 if variant == "nosync" else 1
@@ -291,6 +376,40 @@ def test_bytes_follow_the_cost_model(job):
         assert sent[method] < 0.25 * sent["none"], (method, sent)
 
 
+def test_collectives(job):
+    n, results = job
+    for r in range(n):
+        bad = [k for k, v in results[r]["collectives"].items() if not v]
+        assert not bad, (r, bad)
+        assert ("group" in results[r]["collectives"]) == (r in (0, n - 1))
+
+
+def test_process_group_other_than_the_world(job):
+    n, results = job
+    for method, options in GROUP_METHODS:
+        want = oracle(method, 2, "plain", options)
+        for r in (0, n - 1):
+            grank, got = results[r]["group"][method]
+            for step in range(STEPS):
+                np.testing.assert_array_equal(got[step].numpy(), want[grank][step])
+
+
+def test_state_pickles_without_its_group(job):
+    n, results = job
+    assert all(results[r]["pickled"] for r in range(n))
+
+
+def test_ranks_per_node_from_host_names():
+    from hvd_quant.torch.dist_comm import ranks_per_node_from_hosts as rpn
+
+    assert rpn(["a", "a", "b", "b"]) == 2
+    assert rpn(["a", "a", "a"]) is None          # one host
+    assert rpn(["a", "b", "c"]) is None          # one rank per host
+    assert rpn(["a", "b", "a", "b"]) is None     # not host by host
+    assert rpn(["a", "a", "b", "b", "a", "a"]) is None  # a host twice
+    assert rpn(["a", "a", "b", "b", "b"]) is None  # uneven
+
+
 def test_nan_on_one_rank_is_nonfinite_everywhere(job):
     n, results = job
     assert all(results[r]["nan"] for r in range(n))
@@ -302,7 +421,8 @@ def test_every_compressor_trains(job, method):
     if method not in results[0]["train"]:
         pytest.skip("trained at 2 ranks only")
     for r in range(n):
-        losses, flat = results[r]["train"][method]
+        losses, flat, (seen, live) = results[r]["train"][method]
+        assert seen > live > 1, (method, seen, live)  # several buckets, rebuilt after step 1
         assert losses[-1] < 0.9 * losses[0], (method, r, losses)
         assert np.array_equal(flat.numpy(), results[0]["train"][method][1].numpy()), (method, r)
 

@@ -24,3 +24,4 @@ _functions.install()
 
 __all__ = ["BinSGDM", "Compression", "DistributedOptimizer", "GradScaler", "HorovodTorchComm", "OnebitAdam",
            "TorchBackend", "TorchCompressor", "ZeroOneAdam", "broadcast_optimizer_state"]
+from . import ddp  # noqa: E402  DDP communication hooks over torch.distributed (hq.ddp.comm_hook)

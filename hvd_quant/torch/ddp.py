@@ -159,6 +159,12 @@ class CompressorHookState:
             return
         self.comm = DistComm(self.process_group)
         self.runner = self.compression.make_runner(strict=self.strict, device=device)
+        # The runner's scope numbers owners in creation order, to keep collective names
+        # apart in a TensorFlow graph. torch.distributed matches collectives by order, not
+        # name, and ranks may make different numbers of hook states (a model on a sub-group
+        # exists on its members only): an empty scope keeps the first-step check comparing
+        # the model, not how many hook states each process made before.
+        self.runner.scope = ""
         if self._pending is not None:
             self._apply(self._pending)
             self._pending = None
