@@ -6,10 +6,7 @@ judges: the output's digest (ranks must agree), shape, finiteness, the bounds th
 test checks, and whether the compressor's state survived a non-finite step unchanged.
 """
 
-import hashlib
-import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,52 +14,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_fault_sweep import COMPRESSORS, HP, OPTIMIZER_FAULTS, RULES, SIZES, inputs  # noqa: E402
 
-FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
-if FRAMEWORK == "torch":
-    import torch
-    import horovod.torch as hvd
-    import hvd_quant.torch as hq
-    from hvd_quant.torch.backend import TorchBackend as Backend
-    from hvd_quant.torch.comm import HorovodTorchComm as Comm
-
-    def tensor(a):
-        return torch.from_numpy(np.ascontiguousarray(a))
-else:
-    import tensorflow as tf
-    import horovod.tensorflow as hvd
-    import hvd_quant.tensorflow as hq
-    from hvd_quant.tensorflow.backend import TFBackend as Backend
-    from hvd_quant.tensorflow.comm import HorovodTFComm as Comm
-
-    def tensor(a):
-        return tf.constant(a)
-
 import hvd_quant  # noqa: E402
+import worker_common  # noqa: E402
 from hvd_quant.core.runner import CompressorRunner  # noqa: E402
 
-hvd.init()
+FRAMEWORK, OUT = sys.argv[1], Path(sys.argv[2])
+torch, tf, hvd, hq, B, Comm, tensor = worker_common.framework(FRAMEWORK)
 RANK, SIZE = hvd.rank(), hvd.size()
-B = Backend()
-results = {"rank": RANK, "size": SIZE}
-
-
-def record(key, fn):
-    start = time.monotonic()
-    try:
-        results[key] = fn()
-    except Exception as exc:  # recorded for the test to judge
-        import traceback
-        results[key] = {"error": type(exc).__name__, "message": str(exc)[:1500],
-                        "trace": traceback.format_exc()[-2500:]}
-    # Seconds per part, printed in the job's output: what each part adds to CI time.
-    print(f"rank {RANK}: {key} took {time.monotonic() - start:.1f} s", flush=True)
+# Seconds per part, printed in the job's output: what each part adds to CI time.
+results = worker_common.Results(message_chars=1500, trace_chars=2500, timing="printed", rank=RANK, size=SIZE)
+record = results.record
 
 
 def digest(arrays):
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(np.ascontiguousarray(np.asarray(a, np.float32)).tobytes())
-    return h.hexdigest()[:16]
+    return worker_common.digest(arrays, np.float32)
 
 
 def label(name, opts):
@@ -280,18 +245,31 @@ def optimizer_non_finite_sweep():
     return out
 
 
+def none_gradient_cases(reducer):
+    """The None-gradient checks' cases: ``(key, name, options)`` per compressor through
+    ``reducer`` (the framework's optimizer or tape), and ``(key, name, None)`` per 1-bit
+    optimizer."""
+    return [(f"{reducer}/" + label(n, o), n, o) for n, o in COMPRESSORS] + \
+        [(f"optimizer/{n}", n, None) for n in ("onebit_adam", "zero_one_adam", "binsgdm")]
+
+
+def none_gradient_optimizer(name, *args, **kwargs):
+    """1-bit optimizer ``name`` of this framework (``args``, ``kwargs``: its parameters and
+    learning rate) whose 1-bit rounds start after step 2, among the None gradients."""
+    cls = {"onebit_adam": hq.OnebitAdam, "zero_one_adam": hq.ZeroOneAdam, "binsgdm": hq.BinSGDM}[name]
+    extra = {"onebit_adam": dict(freeze_step=2), "zero_one_adam": dict(var_freeze_step=2)}.get(name, {})
+    return cls(*args, **kwargs, **extra)
+
+
 def torch_none_gradient():
     """A parameter with no gradient on one rank only is reduced as zeros there."""
     out = {}
-    configs = [("distributed/" + label(n, o), n, o) for n, o in COMPRESSORS] + \
-        [(f"optimizer/{n}", n, None) for n in ("onebit_adam", "zero_one_adam", "binsgdm")]
-    for key, name, opts in configs:
+    for key, name, opts in none_gradient_cases("distributed"):
         torch.manual_seed(0)
         model = torch.nn.ModuleDict({"a": torch.nn.Linear(6, 4), "b": torch.nn.Linear(6, 4)})
         if opts is None:
-            cls = {"onebit_adam": hq.OnebitAdam, "zero_one_adam": hq.ZeroOneAdam, "binsgdm": hq.BinSGDM}[name]
-            extra = {"onebit_adam": dict(freeze_step=2), "zero_one_adam": dict(var_freeze_step=2)}.get(name, {})
-            opt = cls(model.parameters(), lr=1e-2, named_parameters=model.named_parameters(), **extra)
+            opt = none_gradient_optimizer(name, model.parameters(), lr=1e-2,
+                                          named_parameters=model.named_parameters())
         else:
             opt = hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                           named_parameters=model.named_parameters(),
@@ -314,18 +292,14 @@ def tf_none_gradient():
     """The same with our tape and our Keras optimizers (a None gradient on one rank)."""
     import keras
     out = {}
-    configs = [("tape/" + label(n, o), n, o) for n, o in COMPRESSORS] + \
-        [(f"optimizer/{n}", n, None) for n in ("onebit_adam", "zero_one_adam", "binsgdm")]
-    for key, name, opts in configs:
+    for key, name, opts in none_gradient_cases("tape"):
         keras.utils.set_random_seed(0)
         a, b = keras.layers.Dense(4, name="a"), keras.layers.Dense(4, name="b")
         a.build((None, 6))
         b.build((None, 6))
         variables = a.trainable_variables + b.trainable_variables
         if opts is None:
-            cls = {"onebit_adam": hq.OnebitAdam, "zero_one_adam": hq.ZeroOneAdam, "binsgdm": hq.BinSGDM}[name]
-            extra = {"onebit_adam": dict(freeze_step=2), "zero_one_adam": dict(var_freeze_step=2)}.get(name, {})
-            opt = cls(learning_rate=1e-2, **extra)
+            opt = none_gradient_optimizer(name, learning_rate=1e-2)
         else:
             opt = keras.optimizers.SGD(0.1)
             compression = hq.Compression.get(name, **opts)
@@ -352,6 +326,4 @@ record("non_finite", non_finite_sweep)
 record("rules", optimizer_rules_sweep)
 record("optimizer_non_finite", optimizer_non_finite_sweep)
 record("none_gradient", torch_none_gradient if FRAMEWORK == "torch" else tf_none_gradient)
-OUT.mkdir(parents=True, exist_ok=True)
-(OUT / f"rank{RANK}.json").write_text(json.dumps(results))
-print(f"rank {RANK}: wrote {OUT / f'rank{RANK}.json'}")
+results.write(OUT, RANK)
