@@ -20,7 +20,7 @@ policy). So, by default, each rank gets
 * **ranks on this host**: ``hvd.local_size()`` once Horovod is initialised (torch or
   TensorFlow), else what the launcher exported (``HOROVOD_LOCAL_SIZE`` from
   ``horovodrun``, Open MPI's ``OMPI_COMM_WORLD_LOCAL_SIZE``, MPICH's ``MPI_LOCALNRANKS``,
-  MVAPICH's ``MV2_COMM_WORLD_LOCAL_SIZE``), else 1. A rank that reduces over a process set
+  MVAPICH's ``MV2_COMM_WORLD_LOCAL_SIZE``, ``torchrun``'s ``LOCAL_WORLD_SIZE``), else 1. A rank that reduces over a process set
   still shares the host with every other local rank, so it is the host's count that counts.
 
 **One thread means serial kernels.** With one thread per rank, the kernels run compiled
@@ -55,9 +55,9 @@ log = logging.getLogger("hvd_quant")
 
 #: Launchers' variables for the number of ranks on this host, in the order they are tried.
 LOCAL_SIZE_VARS = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                   "MV2_COMM_WORLD_LOCAL_SIZE")
+                   "MV2_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
 #: Launchers' variables for this process's global rank (for the log level only).
-RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "RANK")
 
 #: Set next to NUMBA_NUM_THREADS whenever this module sets it: the value it set. Child
 #: processes inherit the environment (a launcher script that imported hvd_quant, pytest, a
