@@ -70,10 +70,10 @@ import copy
 
 import horovod.torch as hvd
 from horovod.torch.elastic.state import OptimizerStateHandler, TorchState as _HorovodTorchState
-from horovod.torch.functions import broadcast_optimizer_state
 
 from ..process_sets import forget_stale_sets
 from .compression import TorchCompressor
+from .functions import broadcast_optimizer_state
 from .optimizers import RuleOptimizer
 
 __all__ = ["TorchState", "reset_for_new_world"]
@@ -137,16 +137,14 @@ class _QuantOptimizerHandler(OptimizerStateHandler):
             self.value._compression.load_state_dict(self._saved_compression, self.value)
 
     def sync(self):
-        opt = self.value
+        # Horovod's sync is broadcast_optimizer_state, which steps an optimizer without
+        # state: hq.DistributedOptimizer takes Horovod's own path there (the wrapped
+        # optimizer's step, no reduction), and the 1-bit optimizers broadcast their state
+        # without a step (hvd_quant.torch.functions).
         if self._kind == "rule":
-            opt.elastic_sync(root_rank=0)
-        elif self._kind == "ours":
-            # Horovod's broadcast steps an optimizer without state once to create it; that
-            # step must not reduce (and feed the error feedback) zero gradients.
-            with opt.skip_synchronize():
-                broadcast_optimizer_state(opt, root_rank=0)
+            self.value.broadcast_state(root_rank=0)
         else:
-            super().sync()
+            broadcast_optimizer_state(self.value, root_rank=0)
 
     def reset(self):
         reset_for_new_world(self.value)

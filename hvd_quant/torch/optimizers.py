@@ -455,7 +455,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         ``ranks_per_node`` is recomputed), restarts from zero the error buffers whose size
         or chunk depends on the world when this rank's ``(rank, size)`` changed, and makes
         the first-step agreement check run again. Every other slot and counter is kept
-        (:meth:`elastic_sync` then makes them identical from the root)."""
+        (:meth:`broadcast_state` then makes them identical from the root)."""
         old = (self._comm.rank, self._comm.size)
         self._comm.refresh()
         new = (self._comm.rank, self._comm.size)
@@ -506,9 +506,6 @@ class RuleOptimizer(torch.optim.Optimizer):
                     _broadcast_slot(st.slots[name], root_rank, f"hvd_quant.elastic.g{gi}.{name}",
                                     self._comm.process_set)
         self._checked = False
-
-    #: Horovod Elastic's sync (:class:`hvd_quant.torch.elastic.TorchState`).
-    elastic_sync = broadcast_state
 
     def __repr__(self):
         return f"hvd_quant.torch.{type(self).__name__}({self._rule!r}, lr={self.defaults['lr']})"
