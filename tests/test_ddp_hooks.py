@@ -16,7 +16,14 @@ world size runs every case, to pay the start-up of torch once per rank:
 * ``nan``: a NaN on one rank makes the reduced buffer non-finite on every rank;
 * ``train``: every compressor trains a small MLP over several buckets (DDP rebuilds them
   after the first step; the state follows the parameters): every rank's loss goes down and
-  every rank holds the same parameters.
+  every rank holds the same parameters;
+* ``collectives``: every collective of :class:`~hvd_quant.torch.dist_comm.DistComm` (and
+  its asynchronous twins) gives what it must, and its meter counts Horovod's cost model;
+* ``group``: DDP on a process group of two ranks that are not neighbours in the world,
+  with ``find_unused_parameters=True``, bit for bit with the 2-rank oracle (Marsit's ring
+  hops map group ranks to world ranks);
+* the hook state pickles without its process group, as PowerSGD's does;
+* a rank that hangs ends the job under the collective deadline (a job of its own).
 """
 
 import io
@@ -245,9 +252,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(n, outdir, timeout):
-    """Start ``n`` ranks of this file's worker; kill them all and fail past ``timeout`` s,
-    or as soon as one rank fails."""
+def launch(n, outdir, timeout, mode="cases", extra_env=None):
+    """Start ``n`` ranks of this file's worker (``mode``); kill them all past ``timeout``
+    s, or as soon as one rank fails. Returns ``(exit codes, seconds, problem or None)``."""
     port = _free_port()
     procs = []
     for r in range(n):
@@ -256,10 +263,11 @@ def run_ranks(n, outdir, timeout):
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", HVD_QUANT_THREADS="1",
                    HVD_QUANT_COLLECTIVE_TIMEOUT="60", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.update(extra_env or {})
         log = open(os.path.join(outdir, f"log{r}.txt"), "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE), outdir], env=env, stdout=log,
+        procs.append((subprocess.Popen([sys.executable, str(HERE), outdir, mode], env=env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True), log))
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
     failed = None
     try:
         while any(p.poll() is None for p, _ in procs):
@@ -267,7 +275,7 @@ def run_ranks(n, outdir, timeout):
             if bad:
                 failed = f"a rank exited with {bad[0]}"
                 break
-            if time.monotonic() > deadline:
+            if time.monotonic() - start > timeout:
                 failed = f"ranks still running after {timeout} s"
                 break
             time.sleep(0.2)
@@ -277,13 +285,37 @@ def run_ranks(n, outdir, timeout):
                 os.killpg(p.pid, 9)
                 p.wait()
             log.close()
-    if failed is None and any(p.returncode for p, _ in procs):
-        failed = f"exit codes {[p.returncode for p, _ in procs]}"
+    codes = [p.returncode for p, _ in procs]
+    if failed is None and any(codes):
+        failed = f"exit codes {codes}"
+    return codes, time.monotonic() - start, failed
+
+
+def logs(outdir, n):
+    return "\n".join(Path(outdir, f"log{r}.txt").read_text()[-3000:] for r in range(n))
+
+
+def run_ranks(n, outdir, timeout):
+    """The results of the ``cases`` worker on ``n`` ranks; the test fails if a rank fails or
+    the job outlives ``timeout`` seconds (every rank is killed then)."""
+    _, _, failed = launch(n, outdir, timeout)
     if failed:
-        logs = "\n".join(Path(outdir, f"log{r}.txt").read_text()[-3000:] for r in range(n))
-        pytest.fail(f"{failed}\n{logs}")
+        pytest.fail(f"{failed}\n{logs(outdir, n)}")
     import torch
     return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(n)]
+
+
+def test_a_hung_rank_ends_the_job(tmp_path):
+    """Rank 1 stops before a collective: rank 0's wait ends under the collective deadline
+    (hvd_quant.core.watchdog, exit code 124, the collective named), well before the
+    process group's own timeout, and the job ends."""
+    outdir = str(tmp_path)
+    codes, seconds, failed = launch(2, outdir, timeout=90, mode="hang",
+                                    extra_env={"HVD_QUANT_COLLECTIVE_TIMEOUT": "5"})
+    text = logs(outdir, 2)
+    assert failed and codes[0] == 124, (codes, failed, text)
+    assert "'stuck' did not complete within 5 s" in text, text
+    assert seconds < 80, seconds
 
 
 def oracle(method, n, variant, options=None):
@@ -427,5 +459,23 @@ def test_every_compressor_trains(job, method):
         assert np.array_equal(flat.numpy(), results[0]["train"][method][1].numpy()), (method, r)
 
 
+def _hang_worker():
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    from hvd_quant.torch.dist_comm import DistComm
+
+    comm = DistComm()
+    comm.allreduce(torch.ones(1), "sum", "warm")
+    if comm.rank == 1:
+        time.sleep(300)  # hung: never joins the next collective
+    comm.allreduce(torch.ones(1), "sum", "stuck")
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    if sys.argv[2:] == ["hang"]:
+        _hang_worker()
+    else:
+        _worker(sys.argv[1])
