@@ -13,7 +13,7 @@ steps can be put down to that one thing.
   ``ef_sign``'s: only the segments its scales are taken over change (4 more bytes on the
   wire per block).
 * ``ef_sign_noef``: the scaled sign of ``g`` alone, the residual dropped every step (what
-  error feedback's delay costs or buys).
+  error feedback's delay costs or buys); ``ef_sign_noef_block256``: both changes.
 """
 
 from hvd_quant.compressors.ef_sign import EFSignCompressor
@@ -63,6 +63,20 @@ class EFSignNoFeedback(EFSignCompressor):
 
 
 register(EFSignNoFeedback)
+
+
+class EFSignNoFeedbackBlock256(_Blocked):
+    """Both: no error feedback and one scale per 256 elements."""
+
+    name = "ef_sign_noef_block256"
+    block = 256
+
+    def reduce(self, x, ctx):
+        ctx.state.set("residual", ctx.state.get("residual") * 0)
+        return super().reduce(x, ctx)
+
+
+register(EFSignNoFeedbackBlock256)
 
 
 # --- a diagnostic base optimizer -----------------------------------------------------------------
