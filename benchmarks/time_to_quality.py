@@ -58,7 +58,7 @@ REQUIRED_SETTINGS = ("2x1-1gbit", "2x1-100mbit", "8x1-1gbit")
 #: Every method of the benchmark (ttq_worker.METHODS without the compute floor ``local``),
 #: fp32 first: the others are compared with it.
 ALL_METHODS = ("horovod_fp32", "horovod_fp16", "ddp_fp32", "ddp_powersgd", "none", "fp16", "ef_sign",
-               "marsit", "onebit", "global_qsgd", "global_qsgd_exp", "cascading_sign", "auto",
+               "marsit", "onebit", "global_qsgd", "global_qsgd_exp", "cascading_sign", "auto", "qsgd",
                "onebit_adam", "zero_one_adam", "binsgdm")
 ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "binsgdm")
 FAMILIES = {"onebit_adam": "onebit_adam", "zero_one_adam": "zero_one_adam", "binsgdm": "binsgdm"}

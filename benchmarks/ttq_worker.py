@@ -230,7 +230,7 @@ register("horovod_fp16", "adam", horovod_build(True), "hvd.DistributedOptimizer(
 register("ddp_fp32", "adam", ddp_build(False), "torch DDP over Gloo with Adam, fp32 allreduce")
 register("ddp_powersgd", "adam", ddp_build(True), "torch DDP with powerSGD_hook (rank 4, error feedback)")
 for _name in ("none", "fp16", "ef_sign", "marsit", "onebit", "global_qsgd", "global_qsgd_exp",
-              "cascading_sign", "auto"):
+              "cascading_sign", "auto", "qsgd"):
     register(_name, "adam", compressor_build(_name),
              f"hq.DistributedOptimizer(Adam, compression=hq.Compression.get({_name!r}))")
 register("onebit_adam", "onebit_adam", onebit_optimizer_build("OnebitAdam"), "hq.OnebitAdam")
