@@ -66,6 +66,16 @@ def run_elastic(tmp_path, timeout=240, worker=WORKER, args=(STEPS, KILL_STEP), e
     return load_rank_results(out, 2), time.monotonic() - start, log
 
 
+def check_two_survivors_reset_once(tmp_path, ranks):
+    """The job ended at 2 ranks, each of which finished every step on the first host after
+    one reset: after the failure, at the commit of the step before the kill."""
+    assert not (tmp_path / "out" / "rank2.json").exists()
+    for r in ranks:
+        assert r["size"] == 2 and r["steps"] == STEPS and r["host"] == "localhost"
+        assert len(r["resets"]) == 1, r["resets"]
+        assert r["resets"][0]["size"] == 2 and r["resets"][0]["step"] == KILL_STEP
+
+
 @pytest.mark.multiprocess
 def test_elastic_torch_survivors_continue(tmp_path):
     import hvd_quant
@@ -73,13 +83,9 @@ def test_elastic_torch_survivors_continue(tmp_path):
 
     ranks, elapsed, log = run_elastic(tmp_path)
     print(f"elastic job took {elapsed:.1f}s")
-    assert not (tmp_path / "out" / "rank2.json").exists()
+    check_two_survivors_reset_once(tmp_path, ranks)
     for r in ranks:
-        assert r["size"] == 2 and r["steps"] == STEPS and r["host"] == "localhost"
-        # One reset, after the failure, at the commit of the step before the kill.
-        assert len(r["resets"]) == 1, r["resets"]
         reset = r["resets"][0]
-        assert reset["size"] == 2 and reset["step"] == KILL_STEP
         # Survivors keep their error feedback (as of the last commit)...
         assert reset["ef_residual_abs"] > 0 and reset["stock_residual_abs"] > 0
         # ...the world-dependent padded buffers of 0/1 Adam restart from zero at the new size...
@@ -121,12 +127,10 @@ def test_elastic_tensorflow_custom_loop_survivors_continue(tmp_path):
 
     ranks, elapsed, log = run_elastic(tmp_path, timeout=400, worker=TF_WORKER)
     print(f"elastic TF job took {elapsed:.1f}s")
-    assert not (tmp_path / "out" / "rank2.json").exists()
+    check_two_survivors_reset_once(tmp_path, ranks)
     for r in ranks:
-        assert r["size"] == 2 and r["steps"] == STEPS and r["host"] == "localhost"
-        assert len(r["resets"]) == 1, r["resets"]
         reset = r["resets"][0]
-        assert reset["size"] == 2 and reset["step"] == KILL_STEP and reset["generation"] >= 1
+        assert reset["generation"] >= 1
         # Survivors keep their error feedback (as of the last commit)...
         assert reset["ef_residual_abs"] > 0
         # ...the world-dependent buffers restart from zero, sized for 2 ranks: dropped from
@@ -278,18 +282,27 @@ def test_forget_stale_sets(monkeypatch):
     assert stale.process_set_id is None and live.process_set_id == 2
 
 
-def test_torch_reset_in_one_process(monkeypatch):
-    """One rank: the reset adapts the world-dependent state and re-arms the checks; the
-    state handles sync/save/restore for every kind of hvd_quant optimizer."""
-    if "horovod.tensorflow" in sys.modules and not os.environ.get("HVDQ_ISOLATED"):
-        # Horovod's torch and TF libraries share one process-set table in Python: once the
-        # TF one is loaded (by earlier tests), torch's global process set reads as empty and
-        # Horovod's optimizer registers no hooks. Run this test in a fresh interpreter.
+def _in_fresh_interpreter(name, other="horovod.torch"):
+    """Run test ``name`` of this file in a new interpreter when the ``other`` framework's
+    Horovod is loaded (the two Horovod libraries share one process-set table in Python),
+    and say whether it did: the caller then returns."""
+    if other in sys.modules and not os.environ.get("HVDQ_ISOLATED"):
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 f"{__file__}::test_torch_reset_in_one_process"],
+                                 f"{__file__}::{name}"],
                                 env=dict(os.environ, HVDQ_ISOLATED="1"), capture_output=True,
                                 text=True, timeout=240, cwd=os.path.dirname(__file__))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+        return True
+    return False
+
+
+def test_torch_reset_in_one_process(monkeypatch):
+    """One rank: the reset adapts the world-dependent state and re-arms the checks; the
+    state handles sync/save/restore for every kind of hvd_quant optimizer."""
+    # Horovod's torch and TF libraries share one process-set table in Python: once the TF
+    # one is loaded (by earlier tests), torch's global process set reads as empty and
+    # Horovod's optimizer registers no hooks.
+    if _in_fresh_interpreter("test_torch_reset_in_one_process", other="horovod.tensorflow"):
         return
     torch = pytest.importorskip("torch")
     import horovod.torch as hvd
@@ -380,19 +393,6 @@ def test_store_adapt_world_resizes_only_buffer_slots():
 
 
 # --- TensorFlow / Keras 3, one process ------------------------------------------------------
-def _in_fresh_interpreter(name):
-    """Run test ``name`` of this file in a new interpreter when horovod.torch is loaded
-    (the two Horovod libraries share one process-set table in Python; see below)."""
-    if "horovod.torch" in sys.modules and not os.environ.get("HVDQ_ISOLATED"):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 f"{__file__}::{name}"],
-                                env=dict(os.environ, HVDQ_ISOLATED="1"), capture_output=True,
-                                text=True, timeout=240, cwd=os.path.dirname(__file__))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-        return True
-    return False
-
-
 def _tf_world():
     pytest.importorskip("tensorflow")
     import keras

@@ -31,6 +31,7 @@ import horovod.torch as hvd
 
 import hvd_quant.torch as hq
 from hvd_quant.torch.elastic import TorchState
+from worker_common import kill_second_host_at
 
 OUT, STEPS, KILL_STEP, MARKER = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 HOST = os.environ.get("HOROVOD_HOSTNAME", "")
@@ -110,9 +111,7 @@ state.register_reset_callbacks([on_reset])
 @hvd.elastic.run
 def train(state):
     while state.step < STEPS:
-        if HOST == "127.0.0.1" and state.step == KILL_STEP:
-            Path(MARKER).write_text("dead")
-            os._exit(1)
+        kill_second_host_at(state.step, KILL_STEP, MARKER)
         print(f"[{time.time():.1f}] rank {hvd.rank()}/{hvd.size()} step {state.step}", flush=True)
         x, y = batch(state.step)
         for k, model in models.items():

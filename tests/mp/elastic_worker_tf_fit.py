@@ -28,6 +28,7 @@ import horovod.tensorflow as hvd
 
 import hvd_quant.tensorflow as hq
 from hvd_quant.tensorflow import elastic
+from worker_common import kill_second_host_at
 
 OUT, EPOCHS, KILL_EPOCH, MARKER = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 METHOD = sys.argv[5]
@@ -73,9 +74,7 @@ state.register_reset_callbacks([on_reset])
 class Die(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         epochs_run.append((epoch, hvd.size()))
-        if HOST == "127.0.0.1" and epoch == KILL_EPOCH:
-            Path(MARKER).write_text("dead")
-            os._exit(1)
+        kill_second_host_at(epoch, KILL_EPOCH, MARKER)
 
 
 @elastic.run
