@@ -11,6 +11,7 @@ world size runs every case, to pay the start-up of torch once per rank:
   on the same fused buffer, reverse registration order, as ``hq.DistributedOptimizer``
   fuses it) bit for bit, over several steps (error feedback and random streams carried);
   so do the same runs with ``gradient_as_bucket_view=True``, ``static_graph=True``,
+  ``pipeline_chunk_mb`` (chunks whose collectives are in flight while the next is encoded),
   ``no_sync()`` accumulation (the oracle is fed the accumulated gradient), and a run saved
   after two steps and resumed in a fresh DDP model and hook state;
 * ``nan``: a NaN on one rank makes the reduced buffer non-finite on every rank;
@@ -44,7 +45,7 @@ PROBE_SHAPES = [(16, 9), (31,), (8, 5), (17,)]
 ALL = ["none", "fp16", "ef_sign", "marsit", "onebit", "global_qsgd", "global_qsgd_exp",
        "cascading_sign", "auto"]
 ORACLE = [c for c in ALL if c != "auto"]  # auto times the link: its choice is not reproducible
-VARIANTS = ["view", "static", "nosync", "resume"]  # run with VARIANT_METHODS
+VARIANTS = ["view", "static", "nosync", "resume", "chunked"]  # run with VARIANT_METHODS
 VARIANT_METHODS = ["ef_sign", "global_qsgd"]  # error feedback; a random stream
 STEPS = 3
 
@@ -89,7 +90,8 @@ def _worker(outdir):
         if variant == "static":
             kw["static_graph"] = True
         model = DDP(Probe(), **kw)
-        st, hook = hqddp.comm_hook(getattr(Compression, method), model=model)
+        chunk = 1e-4 if variant == "chunked" else None  # chunks of 32 elements, pipelined
+        st, hook = hqddp.comm_hook(getattr(Compression, method), model=model, pipeline_chunk_mb=chunk)
         if state is not None:
             st.load_state_dict(torch.load(io.BytesIO(state), weights_only=True))
         model.register_comm_hook(st, hook)

@@ -75,6 +75,8 @@ reduced buffer non-finite on every rank (the compressors' contract), so
 sees the bucket as DDP fills it.
 """
 
+import itertools
+
 import torch
 
 from ..core.pipeline import chunked_reduce
@@ -193,9 +195,10 @@ class CompressorHookState:
         self._enter(layout)
         flat = layout.canonical(buf)
         self.runner.check_once(self.comm, layout.group, lambda: (layout.structure, 0))
-        into = flat if flat.data_ptr() != buf.data_ptr() or buf.dtype == torch.float32 else None
+        # The mean is written over ``flat`` where the compressor can (ReduceContext.out):
+        # DDP's own buffer when the bucket is float32 and already in canonical order.
         mean = chunked_reduce(self.runner, flat, self.comm, layout.group, layout.segments,
-                              self._chunk_numel, out=into)
+                              self._chunk_numel, out=flat)
         return layout.restore(mean, buf)
 
     # --- monitoring and checkpoints ---------------------------------------------------------
@@ -246,7 +249,7 @@ class _Layout:
 
     def __init__(self, params, position):
         sizes = [p.numel() for p in params]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
         order = sorted(range(len(params)), key=lambda i: position[params[i]][0])
         self.identity = order == list(range(len(params)))
         self.slices = [(offsets[i], offsets[i] + sizes[i]) for i in order]
