@@ -12,7 +12,7 @@ gradients before it checks them.
 
 import pytest
 
-from horovod_launch import HERE, load_rank_results, run_horovod
+from horovod_launch import HERE, rank_results_fixture
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,  # 58 torch + 84 TF cases, minutes
               # the job runs in a module fixture, whose setup pytest-timeout counts
@@ -33,31 +33,11 @@ def _ok(value):
     return value
 
 
-def _job(tmp_path_factory, mode, env=None, np_=2):
-    out = tmp_path_factory.mktemp(f"mixed-{mode}")
-    run_horovod(WORKER, np_, [mode, out], timeout=900, env=env)
-    return load_rank_results(out, np_)
-
-
-@pytest.fixture(scope="module")
-def torch_job(tmp_path_factory):
-    return _job(tmp_path_factory, "torch")
-
-
-@pytest.fixture(scope="module")
-def keras_job(tmp_path_factory):
-    return _job(tmp_path_factory, "keras3")
-
-
-@pytest.fixture(scope="module")
-def keras_ring_job(tmp_path_factory):
-    # The only 3-rank job here: ring and chunked compressors at an odd world size.
-    return _job(tmp_path_factory, "keras3_ring", np_=3)
-
-
-@pytest.fixture(scope="module")
-def legacy_job(tmp_path_factory):
-    return _job(tmp_path_factory, "legacy", {"TF_USE_LEGACY_KERAS": "1"})
+torch_job = rank_results_fixture(WORKER, "torch", timeout=900)
+keras_job = rank_results_fixture(WORKER, "keras3", timeout=900)
+# The only 3-rank job here: ring and chunked compressors at an odd world size.
+keras_ring_job = rank_results_fixture(WORKER, "keras3_ring", np_=3, timeout=900)
+legacy_job = rank_results_fixture(WORKER, "legacy", timeout=900, env={"TF_USE_LEGACY_KERAS": "1"})
 
 
 def check_overflow_skipped(runs, label, initial_scale, scale_ranks=None):

@@ -16,14 +16,14 @@ to fp16). The compressors propagate it to every rank's reduced gradient, so ever
 loss scaler must skip that step.
 """
 
-import hashlib
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+import worker_common
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 ALL = ["none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd:norm=l2",
@@ -40,16 +40,8 @@ STEPS, BATCH, OVERFLOW_STEP = 5, 8, 2
 # that the overflow (step 3) is a 1-bit round (0/1 Adam: Phase A, whose ranks stay identical).
 ONEBIT = {"onebit_adam": dict(freeze_step=1), "zero_one_adam": dict(var_freeze_step=100, var_update_scaler=1),
           "binsgdm": dict()}
-results = {}
-
-
-def record(key, fn):
-    try:
-        results[key] = fn()
-    except Exception as exc:  # recorded for the test to judge
-        import traceback
-        results[key] = {"error": type(exc).__name__, "message": str(exc)[:2000],
-                        "trace": traceback.format_exc()[-3000:]}
+results = worker_common.Results(message_chars=2000, trace_chars=3000)
+record = results.record
 
 
 def attempt(fn, *args):
@@ -60,17 +52,12 @@ def attempt(fn, *args):
         result = fn(*args)
         result["seconds"] = time.perf_counter() - start
         return result
-    except Exception as exc:
-        import traceback
-        return {"error": type(exc).__name__, "message": str(exc)[:2000],
-                "trace": traceback.format_exc()[-3000:]}
+    except Exception as exc:  # recorded for the test to judge
+        return worker_common.failure(exc, 2000, 3000)
 
 
 def digest(arrays):
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(np.ascontiguousarray(np.asarray(a, dtype=np.float64)).tobytes())
-    return h.hexdigest()[:16]
+    return worker_common.digest(arrays, np.float64)
 
 
 def split(config):
@@ -134,6 +121,14 @@ def torch_mode():
                         "grad_dtypes": sorted(grad_dtypes), "loss": float(loss.detach())}
         return out
 
+    def scaled_backward(model, opt, scaler, x, y):
+        """Gradients zeroed, the forward pass under fp16 autocast, the scaled loss's backward."""
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(torch.from_numpy(x))
+        loss = torch.nn.functional.cross_entropy(logits.float(), torch.from_numpy(y))
+        scaler.scale(loss).backward()
+
     def autocast_grad_scaler():
         """fp32 parameters, fp16 autocast, GradScaler, Horovod's pattern: reduce, unscale,
         step without a second reduction. The overflow on rank 1 is skipped by every rank."""
@@ -146,11 +141,7 @@ def torch_mode():
                 scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
                 after, scales = [], []
                 for x, y in zip(xs, ys):
-                    opt.zero_grad()
-                    with torch.autocast("cpu", dtype=torch.float16):
-                        logits = model(torch.from_numpy(x))
-                    loss = torch.nn.functional.cross_entropy(logits.float(), torch.from_numpy(y))
-                    scaler.scale(loss).backward()
+                    scaled_backward(model, opt, scaler, x, y)
                     opt.synchronize()
                     scaler.unscale_(opt)
                     with opt.skip_synchronize():
@@ -178,11 +169,7 @@ def torch_mode():
             scaler = scaler_cls("cpu", init_scale=2.0 ** 10, growth_interval=1000)
             after, scales = [], []
             for x, y in zip(xs, ys):
-                opt.zero_grad()
-                with torch.autocast("cpu", dtype=torch.float16):
-                    logits = model(torch.from_numpy(x))
-                loss = torch.nn.functional.cross_entropy(logits.float(), torch.from_numpy(y))
-                scaler.scale(loss).backward()
+                scaled_backward(model, opt, scaler, x, y)
                 scaler.step(opt)
                 scaler.update()
                 after.append(digest([p.detach() for p in model.parameters()]))
@@ -198,16 +185,6 @@ def torch_mode():
 
 
 # --- TensorFlow ----------------------------------------------------------------------------------
-def tf_setup():
-    import tensorflow as tf
-    import horovod.tensorflow as hvd
-
-    hvd.init()
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    return tf, hvd
-
-
 def keras_model(keras):
     keras.utils.set_random_seed(0)
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu", name="hidden"),
@@ -244,26 +221,35 @@ def fit_with_overflow(keras, model, opt, overflow, rank):
             "finite": all(bool(np.isfinite(w).all()) for w in weights)}
 
 
+def fit_per_config(keras, distributed, policy, overflow, configs, rank, more=None):
+    """:func:`fit_with_overflow` per compressor config under the global ``policy`` (float32
+    again after each), through ``distributed(SGD, compression=...)``; ``more(model)``
+    adds to each config's result."""
+    import hvd_quant.tensorflow as hq
+
+    out = {}
+    for config in configs:
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            name, options = split(config)
+            model = keras_model(keras)
+            opt = distributed(keras.optimizers.SGD(0.05, momentum=0.9), compression=hq.Compression.get(name, **options))
+            out[config] = fit_with_overflow(keras, model, opt, overflow, rank)
+            out[config].update(more(model) if more else {})
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+    return out
+
+
 def keras3_mode():
-    tf, hvd = tf_setup()
+    tf, hvd = worker_common.tf_setup()
     import keras
     import hvd_quant.tensorflow as hq
 
     rank = hvd.rank()
 
     def run(policy, overflow, configs):
-        out = {}
-        for config in configs:
-            keras.mixed_precision.set_global_policy(policy)
-            try:
-                name, options = split(config)
-                model = keras_model(keras)
-                opt = hq.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
-                                              compression=hq.Compression.get(name, **options))
-                out[config] = fit_with_overflow(keras, model, opt, overflow, rank)
-            finally:
-                keras.mixed_precision.set_global_policy("float32")
-        return out
+        return fit_per_config(keras, hq.DistributedOptimizer, policy, overflow, configs, rank)
 
     def run_onebit():
         """The 1-bit optimizers under mixed_float16: wrapped in our DistributedOptimizer
@@ -387,7 +373,7 @@ def low_precision_variables(tf, hvd, keras, hq, configs):
 
 
 def keras3_ring_mode():
-    tf, hvd = tf_setup()
+    tf, hvd = worker_common.tf_setup()
     import keras
     import hvd_quant.tensorflow as hq
 
@@ -396,29 +382,18 @@ def keras3_ring_mode():
 
 
 def legacy_mode():
-    tf, hvd = tf_setup()
+    tf, hvd = worker_common.tf_setup()
     import horovod.tensorflow.keras as hvdk
-    import hvd_quant.tensorflow as hq
 
     keras = tf.keras
     rank = hvd.rank()
 
+    def dtypes(model):
+        return {"compute_dtype": model.get_layer("hidden").compute_dtype,
+                "variable_dtype_names": sorted({tf.as_dtype(v.dtype).name for v in model.trainable_variables})}
+
     def run(policy, overflow, configs):
-        out = {}
-        for config in configs:
-            keras.mixed_precision.set_global_policy(policy)
-            try:
-                name, options = split(config)
-                model = keras_model(keras)
-                opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
-                                                compression=hq.Compression.get(name, **options))
-                out[config] = fit_with_overflow(keras, model, opt, overflow, rank)
-                out[config]["compute_dtype"] = model.get_layer("hidden").compute_dtype
-                out[config]["variable_dtype_names"] = sorted({tf.as_dtype(v.dtype).name
-                                                              for v in model.trainable_variables})
-            finally:
-                keras.mixed_precision.set_global_policy("float32")
-        return out
+        return fit_per_config(keras, hvdk.DistributedOptimizer, policy, overflow, configs, rank, dtypes)
 
     assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     record("stock_mixed_float16", lambda: run("mixed_float16", True, STOCK_TF))
@@ -429,6 +404,4 @@ def legacy_mode():
 
 rank = {"torch": torch_mode, "keras3": keras3_mode, "keras3_ring": keras3_ring_mode,
         "legacy": legacy_mode}[MODE]()
-OUT.mkdir(parents=True, exist_ok=True)
-(OUT / f"rank{rank}.json").write_text(json.dumps(results))
-print(f"rank {rank}: wrote {OUT / f'rank{rank}.json'}")
+results.write(OUT, rank)
