@@ -727,14 +727,8 @@ def model_data(args, rank, steps):
         gen = torch.Generator().manual_seed(args.seed + 2000)
         val = torch.randint(0, args.vocab, (args.val_windows, args.seq + 1), generator=gen)
         return batch[None], val, {"data": "random", "vocab_size": args.vocab}
-    # The first rank on each host builds the token cache; the others then read it, rather
-    # than every rank encoding the same megabytes at once on a shared machine.
-    first = hvd.local_rank() == 0
-    if first:
-        text = stdlib_text.load_word_text(args.vocab, args.seq, args.batch, max_bytes=args.corpus_bytes)
-    barrier()
-    if not first:
-        text = stdlib_text.load_word_text(args.vocab, args.seq, args.batch, max_bytes=args.corpus_bytes)
+    text = stdlib_text.load_word_text_once_per_host(hvd.local_rank() == 0, barrier, args.vocab, args.seq,
+                                                   args.batch, max_bytes=args.corpus_bytes)
     x, y = stdlib_text.TrainBatches(text.train, args.seq, args.batch, args.seed, rank).take(steps)
     windows = np.concatenate([x, y[:, -1:]], axis=1).reshape(steps, args.batch, args.seq + 1)
     vx, vy = stdlib_text.validation_windows(text.val, args.seq, args.val_windows)
@@ -1029,13 +1023,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=None, help="model size (default: the case's model)")
     p.add_argument("--batch", type=int, default=None,
                    help="model cases: sequences per rank per step (default 4; scaling: 1)")
-    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib",
-                   help="model cases: word tokens of the stdlib's source, a new batch every step "
-                        "(default), or one fixed batch of random tokens reused every step")
-    p.add_argument("--corpus-bytes", type=int, default=stdlib_text.DEFAULT_MAX_BYTES,
-                   help="model cases, --data stdlib: bytes of stdlib source to read")
-    p.add_argument("--val-windows", type=int, default=32,
-                   help="model cases: held-out windows each replica's loss is measured on")
+    stdlib_text.add_data_arguments(p, "one fixed batch of random tokens reused every step", "model cases: ")
     p.add_argument("--gloo-timeout", type=float, default=600)
     p.add_argument("--label", default="", help="shown in progress lines")
     p.add_argument("--out", default="", help="rank 0 writes the raw results here (JSON)")

@@ -125,13 +125,8 @@ class Data:
             self.val = torch.randint(0, vocab, (args.val_windows, seq + 1), generator=g).to(device)
             self.info = {"data": "random", "vocab_size": vocab}
             return
-        # The first rank on this host builds the token cache, the other then reads it.
-        first = hvd.local_rank() == 0
-        if first:
-            text = stdlib_text.load_word_text(vocab, seq, args.batch, max_bytes=args.corpus_bytes)
-        barrier()
-        if not first:
-            text = stdlib_text.load_word_text(vocab, seq, args.batch, max_bytes=args.corpus_bytes)
+        text = stdlib_text.load_word_text_once_per_host(hvd.local_rank() == 0, barrier, vocab, seq,
+                                                       args.batch, max_bytes=args.corpus_bytes)
         x, y = stdlib_text.TrainBatches(text.train, seq, args.batch, args.seed, rank).take(steps)
         windows = np.concatenate([x, y[:, -1:]], axis=1).reshape(steps, args.batch, seq + 1)
         self.pool = torch.from_numpy(windows).to(device)
@@ -592,12 +587,7 @@ def main(argv=None):
     p.add_argument("--bits-steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib",
-                   help="word tokens of the stdlib's source, a new batch every step (default), or "
-                        "random tokens (phase 2: one fixed batch reused)")
-    p.add_argument("--corpus-bytes", type=int, default=stdlib_text.DEFAULT_MAX_BYTES,
-                   help="--data stdlib: bytes of stdlib source to read")
-    p.add_argument("--val-windows", type=int, default=32, help="held-out windows for the loss")
+    stdlib_text.add_data_arguments(p, "random tokens (phase 2: one fixed batch reused)")
     p.add_argument("--gloo-timeout", type=float, default=300)
     return run(p.parse_args(argv))
 

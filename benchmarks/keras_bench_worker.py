@@ -259,13 +259,8 @@ def load_data(args, rank):
         rng = np.random.default_rng(2000)
         val = tuple(rng.integers(0, args.vocab, (args.val_windows, args.seq)).astype("int32") for _ in "xy")
         return data, val, {"data": "random", "vocab_size": args.vocab}
-    # The first rank on each host builds the token cache, the others then read it.
-    first = hvd.local_rank() == 0
-    if first:
-        text = stdlib_text.load_word_text(args.vocab, args.seq, args.batch, max_bytes=args.corpus_bytes)
-    barrier()
-    if not first:
-        text = stdlib_text.load_word_text(args.vocab, args.seq, args.batch, max_bytes=args.corpus_bytes)
+    text = stdlib_text.load_word_text_once_per_host(hvd.local_rank() == 0, barrier, args.vocab, args.seq,
+                                                   args.batch, max_bytes=args.corpus_bytes)
     x, y = stdlib_text.TrainBatches(text.train, args.seq, args.batch, args.seed, rank).take(pool_batches(args))
     vx, vy = stdlib_text.validation_windows(text.val, args.seq, args.val_windows)
     return ((x.astype("int32"), y.astype("int32")), (vx.astype("int32"), vy.astype("int32")),
@@ -359,12 +354,7 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=VOCAB, help="tokens in the embedding and the head "
                                                               "(a smaller model for a quick look)")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib",
-                   help="word tokens of the stdlib's source, a new batch every step (default), or "
-                        "one fixed set of random tokens reused every call")
-    p.add_argument("--corpus-bytes", type=int, default=stdlib_text.DEFAULT_MAX_BYTES,
-                   help="--data stdlib: bytes of stdlib source to read")
-    p.add_argument("--val-windows", type=int, default=32, help="held-out windows for the loss")
+    stdlib_text.add_data_arguments(p, "one fixed set of random tokens reused every call")
     p.add_argument("--seed", type=int, default=0, help="the batch streams' seed (with the rank)")
     # Their variance is frozen after one or two steps (so that every timed step is a 1-bit
     # one), and Adam's step is then many times the learning rate: with --chunk 3, 15 of 15

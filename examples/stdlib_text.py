@@ -423,6 +423,32 @@ class WordText:
         return out
 
 
+def load_word_text_once_per_host(first_on_host, barrier, vocab_size, context, batch, **kwargs):
+    """:func:`load_word_text` in a job of several processes per host: the first process on
+    each host (``first_on_host``) builds the token cache, the others read it after
+    ``barrier()`` (every process calls it), rather than every rank encoding the same
+    megabytes at once on a shared machine."""
+    if first_on_host:
+        text = load_word_text(vocab_size, context, batch, **kwargs)
+    barrier()
+    if not first_on_host:
+        text = load_word_text(vocab_size, context, batch, **kwargs)
+    return text
+
+
+def add_data_arguments(parser, random_means, scope=""):
+    """The speed benchmarks' data options: ``--data stdlib|random`` (``random_means``: what
+    the random tokens are in that benchmark), ``--corpus-bytes``, ``--val-windows``;
+    ``scope`` prefixes their help (e.g. "model cases: ")."""
+    parser.add_argument("--data", choices=("stdlib", "random"), default="stdlib",
+                        help=f"{scope}word tokens of the stdlib's source, a new batch every step "
+                             f"(default), or {random_means}")
+    parser.add_argument("--corpus-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                        help=f"{scope}--data stdlib: bytes of stdlib source to read")
+    parser.add_argument("--val-windows", type=int, default=32,
+                        help=f"{scope}held-out windows the loss is measured on")
+
+
 def load_word_text(vocab_size, context, batch, max_bytes=DEFAULT_MAX_BYTES,
                    val_fraction=DEFAULT_VAL_FRACTION, root=None, cache=True):
     """The stdlib corpus as word ids, checked to be large enough for ``batch`` windows of
