@@ -551,9 +551,10 @@ def resolve_defaults(args, parser=None):
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
     if args.warmup is None:
-        # A quarter of the run: DeepSpeed's 1-bit Adam and 0/1 Adam have no bias
-        # correction, so their early steps are up to 2x Adam's; with a 10% warm-up that
-        # cost them 0.38 nats here (600 steps), with 25% nothing, and Adam 0.01.
+        # A quarter of the run. Measured under DeepSpeed's rule (no bias correction; today
+        # bias_correction=False), whose early steps are up to 2x Adam's: with a 10% warm-up
+        # that cost the 1-bit Adams 0.38 nats here (600 steps), with 25% nothing, and Adam
+        # 0.01. Not measured again since bias correction became their default.
         args.warmup = max(1, args.steps // 4)
     if args.freeze_step is None:
         args.freeze_step = args.warmup
