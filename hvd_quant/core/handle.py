@@ -273,3 +273,16 @@ class CompressionNamespace:
             if theirs is not None and (compression is theirs or type(compression) is theirs):
                 return self.get(name)
         return compression
+
+    def require(self, compression, horovod_compression, owner, horovods_own, why=""):
+        """:meth:`adopt`, then a ``TypeError`` naming ``owner`` unless the result is one of
+        this framework's handles: a Horovod compressor of one's own works only in
+        ``horovods_own`` (``why``: what of ours it cannot enter)."""
+        compression = self.adopt(compression, horovod_compression)
+        if not isinstance(compression, self._handle_cls):
+            framework = self._handle_cls.__module__.rsplit(".", 1)[0]
+            raise TypeError(
+                f"{owner} needs an hvd_quant compressor ({framework}.Compression.<name>), got "
+                f"{compression!r}. Horovod's Compression.none and .fp16 are taken as ours; a "
+                f"Horovod compressor of your own works only in {horovods_own}{why}")
+        return compression

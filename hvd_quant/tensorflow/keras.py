@@ -49,7 +49,7 @@ from keras.src.utils import tracking
 
 from ..process_sets import includes_this_rank
 from .comm import HorovodTFComm
-from .compression import Compression, TFCompressor
+from .compression import Compression
 from .optimizers import resize_keras_variable
 from .tape import (check_agreement_once, divide_gradient, group_segments, keras_layers,
                    note_sparse_reduced_dense, reduce_gradients)
@@ -136,11 +136,8 @@ class DistributedOptimizer(LossScaleOptimizer):
                 f"{type(optimizer).__module__}.{type(optimizer).__name__}. Under tf-keras "
                 "(TF_USE_LEGACY_KERAS=1) use Horovod's own hvd.keras.DistributedOptimizer(opt, "
                 "compression=hvd_quant.tensorflow.Compression.<name>) (horovod.tensorflow.keras).")
-        if not isinstance(compression, TFCompressor):
-            raise TypeError("compression must be an hvd_quant compressor "
-                            f"(hvd_quant.tensorflow.Compression.<name>), got {compression!r}. "
-                            "Horovod's Compression.none and .fp16 are taken as ours; a Horovod "
-                            "compressor of your own works only in Horovod's optimizers")
+        compression = Compression.require(compression, hvd.Compression,
+                                          "hvd_quant.tensorflow.DistributedOptimizer", "Horovod's optimizers")
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != hvd.Average:

@@ -28,7 +28,7 @@ from ..core.runner import digest63, values_digest63
 from ..process_sets import includes_this_rank
 from . import kernels
 from .comm import HorovodTFComm
-from .compression import Compression, TFCompressor, variable_name
+from .compression import Compression, variable_name
 
 log = logging.getLogger("hvd_quant")
 
@@ -65,13 +65,9 @@ class DistributedGradientTape:
                  sparse_as_dense=True, op=hvd.Average, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, process_set=hvd.global_process_set,
                  scale_local_gradients=True, strict=None):
-        compression = Compression.adopt(compression, hvd.Compression)
-        if not isinstance(compression, TFCompressor):
-            raise TypeError(
-                "hvd_quant.tensorflow.DistributedGradientTape needs an hvd_quant compressor "
-                f"(hvd_quant.tensorflow.Compression.<name>), got {compression!r}. Horovod's "
-                "Compression.none and .fp16 are taken as ours; a Horovod compressor of your own "
-                "works only in Horovod's hvd.DistributedGradientTape")
+        compression = Compression.require(compression, hvd.Compression,
+                                          "hvd_quant.tensorflow.DistributedGradientTape",
+                                          "Horovod's hvd.DistributedGradientTape")
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedGradientTape supports op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != hvd.Average:

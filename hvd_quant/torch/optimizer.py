@@ -83,7 +83,7 @@ from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
 from ..process_sets import includes_this_rank
-from .compression import Compression, TorchCompressor
+from .compression import Compression
 from .devices import BucketStreams, home_device
 from .sparse import fill_flat, kept_flat
 from .staging import host_bytes, make_comm
@@ -407,15 +407,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def _adopted_compression(compression):
     """``compression`` as an hvd_quant compressor (Horovod's ``none``/``fp16`` taken as
     ours), or the ``TypeError`` that says why a Horovod compressor of one's own is not."""
-    compression = Compression.adopt(compression, hvd.Compression)
-    if not isinstance(compression, TorchCompressor):
-        raise TypeError(
-            "hvd_quant.torch.DistributedOptimizer needs an hvd_quant compressor "
-            f"(hvd_quant.torch.Compression.<name>), got {compression!r}. Horovod's "
-            "Compression.none and .fp16 are taken as ours; a Horovod compressor of your own "
-            "works only in Horovod's hvd.DistributedOptimizer (hvd_quant fuses gradients "
-            "into buckets and runs its compressors' own collectives)")
-    return compression
+    return Compression.require(compression, hvd.Compression, "hvd_quant.torch.DistributedOptimizer",
+                               "Horovod's hvd.DistributedOptimizer",
+                               " (hvd_quant fuses gradients into buckets and runs its compressors' "
+                               "own collectives)")
 
 
 def _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb):
