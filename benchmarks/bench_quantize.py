@@ -29,7 +29,7 @@ from hvd_quant.compressors import exp_dithering as ed
 from hvd_quant.compressors import global_qsgd as gq
 from hvd_quant.compressors.marsit import CascadingSign, MarsitSelect
 from hvd_quant.core.hierarchical import select_rows, threshold_rows
-from hvd_quant.core.onebit import padded_size, rms_scale
+from hvd_quant.core.compressed_allreduce import padded_size, rms_scale
 from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum, unpack_sums_signs
 from hvd_quant.core.ring import tree_fold
 from hvd_quant.core.rng import CounterRNG, random_bytes

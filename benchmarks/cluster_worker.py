@@ -126,7 +126,7 @@ import stdlib_text  # noqa: E402  (the word-level stdlib text the model cases tr
 import hvd_quant  # noqa: E402
 import hvd_quant.torch as hq  # noqa: E402
 from hvd_quant.core import costmodel  # noqa: E402  (the bytes-touched models, one place)
-from hvd_quant.core.onebit import compressed_allreduce_compensated, padded_size  # noqa: E402
+from hvd_quant.core.compressed_allreduce import compressed_allreduce_compensated, padded_size  # noqa: E402
 from hvd_quant.torch.backend import TorchBackend  # noqa: E402
 from hvd_quant.torch.comm import HorovodTorchComm  # noqa: E402
 
@@ -595,7 +595,7 @@ for _config in ("ef_sign", "global_qsgd"):
 
 # --- the 1-bit compressed allreduce and the 1-bit optimizers -----------------------------------
 def onebit_allreduce_setup(ctx):
-    """DeepSpeed's two-stage compressed allreduce (hvd_quant.core.onebit), called directly on
+    """DeepSpeed's two-stage compressed allreduce (hvd_quant.core.compressed_allreduce), called directly on
     the gradient, with its worker and server error buffers."""
     B, comm = TorchBackend(), HorovodTorchComm()
     d, n = ctx.numel, ctx.size

@@ -68,7 +68,7 @@ def predict_point(run, name, link, shapes):
         return None
     copy_bps = summary["copy_gbps"] * 1e9
     memory = costmodel.memory_bytes(method, d, n, k, segments) / copy_bps
-    if method in costmodel.OPTIMIZERS:
+    if method in ("onebit_adam", "zero_one_adam", "binsgdm"):  # the 1-bit optimizers
         memory -= 7 * 4.0 * d / copy_bps  # the floor's Adam step, replaced by the optimizer's own
     floor = row.get("floor_s") or summary.get("compute_floor_s") or 0.0
     predicted = floor + p["comm_s"] + max(0.0, memory) + p["compute_s"]

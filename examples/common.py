@@ -110,7 +110,7 @@ def powersgd_bytes(shapes, rank, n, min_compression_rate=2):
 def describe(compression, world_size):
     """One line on what goes on the wire, e.g. Global-QSGD's chosen width and levels."""
     text = f"compression: {compression!r}"
-    resolve = getattr(compression.core, "resolve", None)
+    resolve = getattr(compression.algorithm, "resolve", None)
     if resolve is not None:
         width, levels = resolve(world_size)
         text += f"; {world_size} ranks -> {width}-bit integers, {levels} levels per sign"

@@ -92,14 +92,14 @@ def use_thread_comms(monkeypatch):
     (:func:`set_thread_comm`), and every optimizer the same scope (one process makes
     every simulated rank's)."""
     from hvd_quant.core import handle
-    from hvd_quant.torch import optimizer, optimizers, staging
+    from hvd_quant.torch import distributed_optimizer, onebit_optimizers, staging
 
     def make(process_set, device):
         return _LOCAL.comm
 
     monkeypatch.setattr(handle, "new_scope", lambda: "o0")
-    monkeypatch.setattr(optimizer, "make_comm", make)
-    monkeypatch.setattr(optimizers, "make_comm", make)
+    monkeypatch.setattr(distributed_optimizer, "make_comm", make)
+    monkeypatch.setattr(onebit_optimizers, "make_comm", make)
     monkeypatch.setattr(staging, "make_comm", make)  # the stock path's
 
 

@@ -184,7 +184,7 @@ def _train_drop_and_rewrap(torch, hq):
 
 def test_bucket_formation_reverse_order_with_cap():
     torch = pytest.importorskip("torch")
-    from hvd_quant.torch.optimizer import _buckets
+    from hvd_quant.torch.distributed_optimizer import _buckets
 
     params = [torch.zeros(n) for n in (100, 300, 50, 1000, 10)]
     cap_mb = 1600 / 2 ** 20  # 400 float32 values

@@ -56,7 +56,7 @@ class RecordingComm(Communicator):
 
 
 def segments_of(d, S):
-    sizes = costmodel._even_sizes(d, S)
+    sizes = costmodel.even_sizes(d, S)
     return [(f"t{i}", c) for i, c in enumerate(sizes)]
 
 
@@ -424,4 +424,4 @@ def test_auto_with_a_given_link_chooses_on_it_without_measuring():
     handle = Compression.get("auto", family="onebit_ef", link=link)
     config = json.loads(json.dumps(handle.config()))
     again = Compression.get(config["name"], seed=config["seed"], **config["options"])
-    assert again.core.options() == handle.core.options() == comps[0].options()
+    assert again.algorithm.options() == handle.algorithm.options() == comps[0].options()

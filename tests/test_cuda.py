@@ -233,7 +233,7 @@ def test_the_distributed_optimizer_takes_a_gpu_model(name, bucket_size_mb, monke
     gradients are exact on both devices and what is compared is the reduction and the
     write-back. Horovod's communicator is stood in for by a simulated rank."""
     from hvd_quant.torch import Compression, DistributedOptimizer
-    from hvd_quant.torch import optimizer as topt
+    from hvd_quant.torch import distributed_optimizer as topt
 
     monkeypatch.setattr(topt, "make_comm", lambda process_set, device: None)
     tokens = torch.tensor([[1, 5, 7, 1], [9, 9, 2, 3]])

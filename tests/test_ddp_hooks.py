@@ -334,7 +334,7 @@ def oracle(method, n, variant, options=None):
     micros = 2 if variant == "nosync" else 1
 
     def body(comm):
-        runner = CompressorRunner(comp.core, NumpyBackend(), seed=comp.seed)
+        runner = CompressorRunner(comp.algorithm, NumpyBackend(), seed=comp.seed)
         outs = []
         for step in range(STEPS):
             grads = []

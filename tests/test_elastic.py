@@ -90,7 +90,7 @@ def test_elastic_torch_survivors_continue(tmp_path):
         assert reset["ef_residual_abs"] > 0 and reset["stock_residual_abs"] > 0
         # ...the world-dependent padded buffers of 0/1 Adam restart from zero at the new size...
         assert reset["zeroone_worker_error_abs"] == 0.0
-        from hvd_quant.core.onebit import padded_size
+        from hvd_quant.core.compressed_allreduce import padded_size
         # (one padded segment per tensor: weight and bias, as DeepSpeed's per-tensor step)
         assert reset["zeroone_worker_error_numel"] == padded_size([8 * 2, 2], 2)
         # ...and the agreement checks run again.
@@ -123,7 +123,7 @@ EPOCHS, KILL_EPOCH = 5, 2
 def test_elastic_tensorflow_custom_loop_survivors_continue(tmp_path):
     import hvd_quant
     from hvd_quant.compressors.global_qsgd import resolve_width_levels
-    from hvd_quant.core.onebit import padded_size
+    from hvd_quant.core.compressed_allreduce import padded_size
 
     ranks, elapsed, log = run_elastic(tmp_path, timeout=400, worker=TF_WORKER)
     print(f"elastic TF job took {elapsed:.1f}s")
@@ -177,7 +177,7 @@ def test_elastic_tensorflow_custom_loop_survivors_continue(tmp_path):
 # fit's re-trace and epoch restore by this one.
 @pytest.mark.parametrize("method", ["zero_one_adam"])
 def test_elastic_keras_fit_survivors_continue(tmp_path, method):
-    from hvd_quant.core.onebit import padded_size
+    from hvd_quant.core.compressed_allreduce import padded_size
 
     ranks, elapsed, log = run_elastic(tmp_path, timeout=400, worker=FIT_WORKER,
                                       args=(EPOCHS, KILL_EPOCH), extra=(method,))
@@ -307,7 +307,7 @@ def test_torch_reset_in_one_process(monkeypatch):
     torch = pytest.importorskip("torch")
     import horovod.torch as hvd
     import hvd_quant.torch as hq
-    from hvd_quant.core.onebit import padded_size
+    from hvd_quant.core.compressed_allreduce import padded_size
     from hvd_quant.torch.elastic import TorchState
 
     hvd.init()
@@ -484,9 +484,9 @@ def test_tf_reset_adapts_world_state_and_retraces():
         return
     keras, hvd, hq, make = _tf_world()
     import tensorflow as tf
-    from hvd_quant.core.onebit import padded_size
+    from hvd_quant.core.compressed_allreduce import padded_size
     from hvd_quant.tensorflow import elastic
-    from hvd_quant.tensorflow.optimizers import resize_keras_variable
+    from hvd_quant.tensorflow.onebit_optimizers import resize_keras_variable
 
     m1, m2 = make(0), make(1)
     o1 = hq.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hq.Compression.onebit)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import hvd_quant
 from hvd_quant import kernels
 from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
-from hvd_quant.core.onebit import compressed_allreduce, padded_size
+from hvd_quant.core.compressed_allreduce import compressed_allreduce, padded_size
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule

@@ -2,7 +2,7 @@
 
 One process, simulated ranks (ThreadWorld, numpy oracle, and numpy + fused kernels): the
 compressor, run through a :class:`~hvd_quant.core.runner.CompressorRunner` per rank as the
-optimizers and tapes run it, equals :func:`hvd_quant.core.onebit.compressed_allreduce` on
+optimizers and tapes run it, equals :func:`hvd_quant.core.compressed_allreduce.compressed_allreduce` on
 the same inputs with the error buffers carried by hand, and DeepSpeed's rules
 (tests/deepspeed_reference.py); its state (buffer slots) checkpoints per rank and world
 size. The multi-process runs are in tests/test_multiprocess.py, tests/test_keras.py and
@@ -19,7 +19,7 @@ import hvd_quant
 from hvd_quant import kernels
 from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
 from hvd_quant.core.handle import CompressorHandle
-from hvd_quant.core.onebit import (compressed_allreduce, compressed_allreduce_bytes,
+from hvd_quant.core.compressed_allreduce import (compressed_allreduce, compressed_allreduce_bytes,
                                    compressed_allreduce_compensated, gathered_allreduce, padded_size,
                                    server_residual)
 from hvd_quant.core.runner import CompressorRunner

@@ -13,7 +13,7 @@ import deepspeed_reference as ds
 from mp.optim_cases import count_collectives as counting
 from hvd_quant import kernels
 from hvd_quant.core.backend import NumpyBackend, NumpyKernelBackend
-from hvd_quant.core.onebit import compressed_allreduce, compressed_allreduce_bytes, padded_size, server_residual
+from hvd_quant.core.compressed_allreduce import compressed_allreduce, compressed_allreduce_bytes, padded_size, server_residual
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from hvd_quant.optimizers.base import non_freeze_flag
@@ -971,7 +971,7 @@ def test_short_warm_up_warning_for_deepspeeds_rule():
     """``bias_correction=False`` with a variance frozen far from warm is warned about, with
     its warmth, the factor on later steps and the settings that avoid it; the default and
     a long enough warm-up are silent."""
-    from hvd_quant.optimizers.onebit_rounds import short_warm_up_warning
+    from hvd_quant.optimizers.compressed_rounds import short_warm_up_warning
     betas = HP["betas"]
     message = short_warm_up_warning(OnebitAdamRule(freeze_step=80, bias_correction=False), betas)
     assert "7.6% warm" in message and "3.63x Adam's" in message and "bias_correction=True" in message

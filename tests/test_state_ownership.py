@@ -176,12 +176,12 @@ def test_shared_handle_keeps_owners_apart_and_equals_separate_handles():
     g, d = Owner(), Owner()
     xs_g, xs_d = inputs(n, 3, seed=2), inputs(n, 3, seed=3)
     # Identical parameter names in both owners ("w", "b"): a per-name store would mix them.
-    out_g = reduce_steps([CompressorRunner(shared.core, B) for _ in range(n)], xs_g)
-    out_d = reduce_steps([CompressorRunner(shared.core, B) for _ in range(n)], xs_d)
+    out_g = reduce_steps([CompressorRunner(shared.algorithm, B) for _ in range(n)], xs_g)
+    out_d = reduce_steps([CompressorRunner(shared.algorithm, B) for _ in range(n)], xs_d)
     # Rank 0 holds the shared object; the other ranks' runners only mirror its scope.
     own_g, own_d = shared.owned(g).runner, shared.owned(d).runner
-    runners_g = [own_g] + [CompressorRunner(shared.core, B, scope=own_g.scope) for _ in range(n - 1)]
-    runners_d = [own_d] + [CompressorRunner(shared.core, B, scope=own_d.scope) for _ in range(n - 1)]
+    runners_g = [own_g] + [CompressorRunner(shared.algorithm, B, scope=own_g.scope) for _ in range(n - 1)]
+    runners_d = [own_d] + [CompressorRunner(shared.algorithm, B, scope=own_d.scope) for _ in range(n - 1)]
     for step in range(3):  # interleaved, as a GAN steps its two optimizers
         got_g = reduce_steps(runners_g, [xs_g[step]])[0]
         got_d = reduce_steps(runners_d, [xs_d[step]])[0]

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..core import costmodel
 from ..core.compressor import Compressor, get
-from ..core.onebit import padded_size
+from ..core.compressed_allreduce import padded_size
 
 log = logging.getLogger("hvd_quant")
 

@@ -75,6 +75,9 @@ class Compressor:
 
     name = "abstract"
     stateful = False
+    #: False for the uncompressed baselines (``none``, ``fp16``): no scale warning, and
+    #: never named as a method whose bytes stay flat (:mod:`hvd_quant.core.scale_check`).
+    compresses = True
     #: Set (to a dtype name) when the compressor is a plain cast around a sum-allreduce;
     #: Horovod's stock optimizers can then run it with no collectives of our own.
     horovod_wire_dtype = None

@@ -5,8 +5,10 @@ of the torch optimizer, a tape's fused variables, an optimizer's parameter group
 the order the code issues them, with the payload each rank passes in
 (:func:`collectives`). Each compressor states its own, next to its ``wire_bytes``
 (:meth:`~hvd_quant.core.compressor.Compressor.collectives` and ``memory_bytes``); this
-module finds it by name in the table of registered compressors and knows no method but
-Horovod's own allreduce, the optimizers' and torch's PowerSGD. ``tests/test_costmodel.py`` runs every method on a
+module finds it by name in the table of registered compressors. A method that is not a
+compressor (a 1-bit optimizer, Horovod's own allreduce, torch's PowerSGD hook) states its
+cost in its own module as a :class:`MethodCost` (:func:`register_cost`), so this module
+names no method. ``tests/test_costmodel.py`` runs every method on a
 :class:`~hvd_quant.core.simulate.ThreadWorld` through a recording communicator and checks
 these lists against what the code really issued, for several world sizes and host
 layouts, so the model cannot drift from the code.
@@ -31,8 +33,8 @@ Time of one step of one buffer, per rank (:func:`predict`)::
   at a measured copy bandwidth (bytes read plus written per second), and
   ``cascading_sign``'s folds in bytes of a copy
   (:func:`hvd_quant.compressors.marsit.cascade_fold_bytes`, measured);
-* for torch's PowerSGD only, its matrix products at a rate of floating-point operations
-  (:func:`powersgd_flops`).
+* for a method that states them (torch's PowerSGD), its floating-point operations at a
+  rate (:attr:`MethodCost.flops`).
 
 The link figures come from :class:`LinkModel`: calibrated on Gloo's own collectives on the
 emulated cluster (``benchmarks/costmodel_calibrate.py``), or assumed for a datacenter
@@ -43,26 +45,13 @@ emulated cluster (``benchmarks/costmodel_calibrate.py``), or assumed for a datac
 import inspect
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
-from .compressor import registered
-from .onebit import padded_size
-from .packing import packed_sign_bytes
+from .compressor import available, registered
+from .compressed_allreduce import padded_size
 from .ring import chunk_bounds
 
 KINDS = ("allreduce", "allgather", "alltoall", "sendrecv")
-
-#: Compressors the model knows (``compression=``) and the 1-bit optimizers; also
-#: ``horovod_fp32`` (``none``'s allreduce) and ``ddp_powersgd`` (torch's hook, with shapes).
-COMPRESSORS = ("none", "fp16", "ef_sign", "marsit", "cascading_sign", "global_qsgd", "global_qsgd_exp",
-               "onebit")
-OPTIMIZERS = ("onebit_adam", "zero_one_adam", "binsgdm")
-
-#: Families of :func:`hvd_quant.torch.Compression.auto` (compressors only).
-FAMILIES = {
-    "onebit_ef": ("ef_sign", "marsit", "onebit"),   # 1 bit per element, with error feedback
-    "unbiased": ("global_qsgd",),                  # unbiased estimates of the mean
-    "any": ("fp16", "ef_sign", "marsit", "onebit", "global_qsgd"),
-}
 
 
 @dataclass(frozen=True)
@@ -85,6 +74,51 @@ class Collective:
                 "alltoall": (n - 1) / n * b, "sendrecv": b}[self.kind]
 
 
+@dataclass(frozen=True)
+class MethodCost:
+    """The cost of a method that is not a registered compressor, stated by its own module
+    and registered here by name (:func:`register_cost`): the 1-bit optimizers (their
+    1-bit step), Horovod's own allreduce, torch's PowerSGD hook.
+
+    collectives : ``(numel, world_size, ranks_per_node, segments, options)`` -> list of
+        :class:`Collective` for one buffer, as :func:`collectives` documents
+    memory_bytes : ``(numel, world_size)`` -> bytes read and written (a lower bound)
+    compresses : False for an uncompressed baseline (no scale warning, not "flat")
+    one_buffer : the method reduces the whole model as one buffer (an optimizer's
+        parameter group, one DDP bucket), not in the torch optimizer's buckets
+    flops : ``(options)`` -> floating-point operations of its compression per step, or None
+    """
+    collectives: Callable
+    memory_bytes: Callable
+    compresses: bool = True
+    one_buffer: bool = False
+    flops: Optional[Callable] = None
+
+
+_COSTS = {}
+
+
+def register_cost(name, cost):
+    """Make the cost model know ``name`` (a method module calls this at import)."""
+    if registered(name) is not None:
+        raise ValueError(f"{name!r} is a registered compressor: it states its own cost")
+    _COSTS[name] = cost
+
+
+def known_methods():
+    """Every name the cost model knows: the registered compressors, then the others."""
+    return available() + sorted(_COSTS)
+
+
+def compresses(method):
+    """False for the uncompressed baselines (``none``, ``fp16``, ``horovod_fp32``)."""
+    cls = registered(method)
+    if cls is not None:
+        return cls.compresses
+    cost = _COSTS.get(method)
+    return cost.compresses if cost is not None else True
+
+
 # --- the collectives of each method -------------------------------------------------------------
 def collectives(method, numel, world_size, ranks_per_node=None, segments=1, options=None, rank=0):
     """The collectives ``method`` issues to reduce one buffer of ``numel`` float32 elements
@@ -98,8 +132,9 @@ def collectives(method, numel, world_size, ranks_per_node=None, segments=1, opti
     (:meth:`~hvd_quant.core.compressor.Compressor.collectives`), built from the options
     its constructor takes (others are ignored): e.g. ``marsit``/``cascading_sign``
     ``topology`` (and ``torus_rows``), ``global_qsgd`` ``norm``, ``onebit`` ``layout``.
-    The rest are listed here: Horovod's own ``horovod_fp32``, the 1-bit optimizers
-    (``tensor_sizes``) and torch's ``ddp_powersgd`` (``shapes``, ``rank``)."""
+    Any other method states its list in its :class:`MethodCost`: Horovod's own
+    ``horovod_fp32``, the 1-bit optimizers (``tensor_sizes``) and torch's
+    ``ddp_powersgd`` (``shapes``, ``rank``)."""
     n, d, S = int(world_size), int(numel), int(segments)
     options = dict(options or {})
     if n <= 1:
@@ -110,17 +145,10 @@ def collectives(method, numel, world_size, ranks_per_node=None, segments=1, opti
             return compressor.collectives(d, n, ranks_per_node, S, rank)
         except NotImplementedError:
             raise _unknown(method) from None
-    if method == "horovod_fp32":
-        return [Collective("allreduce", 4.0 * d, n)]
-    if method in ("onebit_adam", "zero_one_adam"):
-        # DeepSpeed's per-tensor scales (scales="tensor"): every tensor padded on its own.
-        sizes = options.get("tensor_sizes") or _even_sizes(d, S)
-        return onebit_collectives(sizes, n)
-    if method == "binsgdm":
-        return _binsgdm(d, n, ranks_per_node)
-    if method == "ddp_powersgd":
-        return powersgd_collectives(options.get("shapes") or [(d,)], n, options.get("rank", 4))
-    raise _unknown(method)
+    cost = _COSTS.get(method)
+    if cost is None:
+        raise _unknown(method)
+    return cost.collectives(d, n, ranks_per_node, S, options)
 
 
 def compressor_for(method, options=None):
@@ -134,31 +162,11 @@ def compressor_for(method, options=None):
 
 
 def _unknown(method):
-    return ValueError(f"the cost model does not know {method!r}; known: "
-                      f"{', '.join(COMPRESSORS + OPTIMIZERS)}")
+    return ValueError(f"the cost model does not know {method!r}; known: {', '.join(known_methods())}")
 
 
-def powersgd_collectives(shapes, n, rank=4, min_compression_rate=2):
-    """torch DDP's ``powerSGD_hook`` on one bucket holding tensors of ``shapes``: an
-    allreduce of the tensors it leaves uncompressed (1-D ones, and matrices that would not
-    shrink ``min_compression_rate`` times), then of the ``P`` factors, then of the ``Q``
-    factors (rank ``rank``), one after the other. (torch's code, not hvd_quant's: not
-    checked against a recording here.)"""
-    plain = ps = qs = 0
-    for shape in shapes:
-        if len(shape) <= 1:
-            plain += max(1, shape[0] if shape else 1)
-            continue
-        rows, cols = shape[0], math.prod(shape[1:])
-        r = min(rows, cols, rank)
-        if (rows + cols) * r * min_compression_rate < rows * cols:
-            ps, qs = ps + rows * r, qs + cols * r
-        else:
-            plain += rows * cols
-    return [Collective("allreduce", 4.0 * x, n) for x in (plain, ps, qs) if x]
-
-
-def _even_sizes(d, S):
+def even_sizes(d, S):
+    """``d`` elements shared out over ``S`` tensors as evenly as can be."""
     base, extra = divmod(d, S)
     return [base + (1 if i < extra else 0) for i in range(S)]
 
@@ -186,7 +194,7 @@ _Layout = HostLayout  # its earlier name
 
 
 def onebit_collectives(sizes, n, layout="two_stage"):
-    """The 1-bit compressed allreduce (:mod:`hvd_quant.core.onebit`) of tensors of
+    """The 1-bit compressed allreduce (:mod:`hvd_quant.core.compressed_allreduce`) of tensors of
     ``sizes`` elements, each padded on its own: DeepSpeed's two stages (an alltoall, an
     allgather), or ``layout="gather"``'s one allgather."""
     D = sum(padded_size(int(c), n) for c in sizes)
@@ -196,19 +204,6 @@ def onebit_collectives(sizes, n, layout="two_stage"):
         return [Collective("allgather", D / 8 + 4.0 * T, n)]
     return [Collective("alltoall", float(n * (width + 4 * T)), n),
             Collective("allgather", float(width + 4 * T), n)]
-
-
-def _binsgdm(d, n, k):
-    from .hierarchical import node_layout
-    nodes, k = node_layout(n, k)
-    if nodes == 1 or k == 1:
-        return [Collective("allgather", packed_sign_bytes(d) + 1.0, n)]
-    shard = (d + (-d) % (8 * k)) // k
-    row = shard // 8 + 1.0
-    # Node groups are routed through the global communicator's hops unless Horovod process
-    # sets were registered (hvd_quant.node_process_sets): k - 1 hops, M - 1 hops, k - 1 hops.
-    return ([Collective("sendrecv", row, n)] * (k - 1) + [Collective("sendrecv", row, n)] * (nodes - 1)
-            + [Collective("sendrecv", nodes * row, n)] * (k - 1))
 
 
 # --- bytes -------------------------------------------------------------------------------------
@@ -235,18 +230,10 @@ def memory_bytes(method, numel, world_size, ranks_per_node=None, segments=1, opt
             return compressor.memory_bytes(numel, int(world_size), ranks_per_node, segments)
         except NotImplementedError:
             raise ValueError(f"the cost model does not know {method!r}") from None
-    F, n = 4.0 * float(numel), int(world_size)
-    if method == "horovod_fp32":
-        return ring_memory_bytes(numel, n)
-    if method == "onebit_adam":
-        return 7.0 * F + onebit_memory_bytes(numel, n)
-    if method == "zero_one_adam":
-        return 19.0 * F + onebit_memory_bytes(numel, n)
-    if method == "binsgdm":
-        return F * 11.0 + F * (3.0 + n / 32.0)
-    if method == "ddp_powersgd":
-        return 8.0 * F
-    raise ValueError(f"the cost model does not know {method!r}")
+    cost = _COSTS.get(method)
+    if cost is None:
+        raise ValueError(f"the cost model does not know {method!r}")
+    return cost.memory_bytes(numel, int(world_size))
 
 
 def ring_memory_bytes(numel, n):
@@ -355,20 +342,6 @@ class LinkModel:
 EMULATED_EFFICIENCY = {"allreduce": 0.97, "allgather": 0.84, "alltoall": 0.57, "sendrecv": 0.79}
 
 
-def powersgd_flops(shapes, rank=4, min_compression_rate=2):
-    """Floating-point operations of one PowerSGD step on the matrices it compresses:
-    ``P = M Q``, ``Q = M^T P`` and the approximation ``P Q^T`` (``2 rows cols r`` each)."""
-    total = 0.0
-    for shape in shapes:
-        if len(shape) <= 1:
-            continue
-        rows, cols = shape[0], math.prod(shape[1:])
-        r = min(rows, cols, rank)
-        if (rows + cols) * r * min_compression_rate < rows * cols:
-            total += 6.0 * rows * cols * r
-    return total
-
-
 def comm_seconds(colls, link):
     """Seconds of ``colls`` on the critical path (overlapped ones left out)."""
     return sum(link.collective_s(c) for c in colls if not c.overlapped)
@@ -389,8 +362,9 @@ def predict(method, numel, world_size, link, ranks_per_node=None, segments=1, bu
     "total_s", "bytes", "collectives"}`` summed over ``buckets`` (buffer sizes; default:
     :func:`bucket_numels` of ``numel``, one bucket for the 1-bit optimizers' group).
     ``segments``: tensors in the model, shared out over the buckets."""
+    cost = _COSTS.get(method)
     if buckets is None:
-        one = method in OPTIMIZERS or method == "ddp_powersgd"  # one group / one DDP bucket
+        one = cost is not None and cost.one_buffer  # one parameter group / one DDP bucket
         buckets = [int(numel)] if one else bucket_numels(numel)
     total = float(sum(buckets))
     comm = memory = nbytes = 0.0
@@ -403,25 +377,20 @@ def predict(method, numel, world_size, link, ranks_per_node=None, segments=1, bu
         count += sum(1 for c in colls if not c.overlapped)
         memory += memory_bytes(method, b, world_size, ranks_per_node, seg, options) / link.memory_bps
     compute = 0.0
-    if method == "ddp_powersgd" and (options or {}).get("shapes"):
-        compute = powersgd_flops(options["shapes"], options.get("rank", 4)) / link.flops
+    if cost is not None and cost.flops is not None:
+        compute = cost.flops(dict(options or {})) / link.flops
     return {"comm_s": comm, "memory_s": memory, "compute_s": compute, "total_s": comm + memory + compute,
             "bytes": nbytes, "collectives": count}
 
 
-#: The baselines: a ring allreduce of fp32 or fp16 compresses nothing, so it neither counts
-#: as a method that stays flat nor gets the scale warning (:mod:`hvd_quant.core.scale_check`).
-UNCOMPRESSED = ("none", "fp16", "horovod_fp32")
-
-
-def flat_methods(world_size, numel, ranks_per_node=None, candidates=COMPRESSORS + OPTIMIZERS):
+def flat_methods(world_size, numel, ranks_per_node=None, candidates=None):
     """The methods whose bytes per rank at ``world_size`` stay at most half of an fp32 ring
     allreduce's: the ones whose wire does not grow with ``n`` (named by
     :mod:`hvd_quant.core.scale_check`'s warning)."""
     ref = fp32_ring_bytes(numel, world_size)
     out = []
-    for m in candidates:
-        if m in UNCOMPRESSED:
+    for m in known_methods() if candidates is None else candidates:
+        if not compresses(m):
             continue
         try:
             b = wire_bytes(collectives(m, numel, world_size, ranks_per_node))

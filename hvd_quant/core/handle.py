@@ -79,7 +79,7 @@ class CompressorHandle:
     framework = None
 
     def __init__(self, name, seed=0, **options):
-        self.core = get(name, **options)  # the algorithm: options only, no state
+        self.algorithm = get(name, **options)  # the algorithm: options only, no state
         self.name = name
         self.seed = seed
         self._options = dict(options)
@@ -97,7 +97,7 @@ class CompressorHandle:
 
     def __repr__(self):
         return (f"hvd_quant.{self.framework}.Compression.{self.name}"
-                f"{repr(self.core)[len(type(self.core).__name__):]}")
+                f"{repr(self.algorithm)[len(type(self.algorithm).__name__):]}")
 
     def config(self):
         """``{"name", "options", "seed"}``: enough to rebuild an equal handle with
@@ -112,7 +112,7 @@ class CompressorHandle:
         :func:`~hvd_quant.core.runner.strict_default`; ``device``: where the runner's
         state lives (a framework that places tensors, torch: ``make_backend(device)``)."""
         backend = self.make_backend() if device is None else self.make_backend(device)
-        return CompressorRunner(self.core, backend, seed=self.seed,
+        return CompressorRunner(self.algorithm, backend, seed=self.seed,
                                 make_variable=make_variable, scope=new_scope(), strict=strict)
 
     # --- owners of the stock path and the TF tapes ----------------------------------------

@@ -129,7 +129,7 @@ def unpack_sums_signs(B, packed, scales, counts, numel, base=None, base_scales=N
     compensate_sums_signs` with no ``e``): ``(sum, sums, bits)``.
 
     For a stage that decodes its compensated values and then re-signs them at once:
-    onebit's server (:mod:`hvd_quant.core.onebit`). The fast path sums and signs each
+    onebit's server (:mod:`hvd_quant.core.compressed_allreduce`). The fast path sums and signs each
     block while it is still in the cache from its decode, one pass over memory instead of
     a write and a read-back; the same floats, sums and bits as the two calls. Fused
     primitive ``unpack_sums_signs``; ``out`` may be ``base``.

@@ -30,7 +30,7 @@ def excess(method, numel, world_size, ranks_per_node=None, options=None):
     ranks, else ``None`` (also for methods the cost model does not know)."""
     # The baselines have no compression to lose as ranks grow (``none`` sends exactly
     # fp32's bytes at every world size, ``fp16`` half).
-    if world_size < 2 or numel < 1 or method in costmodel.UNCOMPRESSED:
+    if world_size < 2 or numel < 1 or not costmodel.compresses(method):
         return None
     try:
         sent = costmodel.wire_bytes(costmodel.collectives(method, numel, world_size, ranks_per_node,

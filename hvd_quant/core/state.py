@@ -11,7 +11,7 @@ Keys in :meth:`StateStore.state_dict` look like ``"fc1.weight/residual"``.
 Buffer slots: state whose size depends on the world size
 --------------------------------------------------------
 Some state is not one value per element. The two-stage 1-bit allreduce
-(:mod:`hvd_quant.core.onebit`) keeps a worker error of the buffer's *padded* length ``D``
+(:mod:`hvd_quant.core.compressed_allreduce`) keeps a worker error of the buffer's *padded* length ``D``
 (a multiple of ``n * lcm(n, 8)`` for ``n`` ranks) and, on rank ``j``, the server error of
 chunk ``j`` (``D / n`` elements). Its elements do not belong to parameters one to one,
 and the padding and the chunk change with ``n``. A compressor declares such tensors in

@@ -4,7 +4,7 @@
   ``OnebitAdam``).
 * :class:`~hvd_quant.optimizers.zero_one_adam.ZeroOneAdamRule`: 0/1 Adam (DeepSpeed's
   ``ZeroOneAdam``). Both send their compressed rounds through the two-stage 1-bit
-  allreduce (:class:`~hvd_quant.optimizers.onebit_rounds.OnebitRoundsRule`).
+  allreduce (:class:`~hvd_quant.optimizers.compressed_rounds.OnebitRoundsRule`).
 * :class:`~hvd_quant.optimizers.binsgdm.BinSGDMRule`: BinSGDM / Birder (a reconstruction)
   on the hierarchical 1-bit allreduce.
 

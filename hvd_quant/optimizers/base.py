@@ -6,8 +6,8 @@ any optimizer. The methods here cannot work that way: 1-bit Adam compresses the
 *updates*, BinSGDM communicates a randomized sign of an Adam-like ratio. So the update
 rule and its collectives live together in a :class:`Rule`, written against
 :class:`~hvd_quant.core.backend.Backend` like everything else, and thin adapters make a
-rule a ``torch.optim.Optimizer`` (:mod:`hvd_quant.torch.optimizers`) or a Keras 3
-optimizer (:mod:`hvd_quant.tensorflow.optimizers`); :mod:`hvd_quant.optimizers.oracle`
+rule a ``torch.optim.Optimizer`` (:mod:`hvd_quant.torch.onebit_optimizers`) or a Keras 3
+optimizer (:mod:`hvd_quant.tensorflow.onebit_optimizers`); :mod:`hvd_quant.optimizers.oracle`
 runs it on numpy arrays for the tests.
 
 One rule instance serves one optimizer; it sees one *parameter group* at a time as two

@@ -29,7 +29,9 @@ verdict per step, see :mod:`hvd_quant.optimizers.base`). DeepSpeed's ``non_freez
 param groups (a 1-bit Adam flag) are refused: there is no freeze here to opt out of.
 """
 
+from ..core.costmodel import Collective, MethodCost, register_cost
 from ..core.hierarchical import hierarchical_bytes, node_layout, sign_sum
+from ..core.packing import packed_sign_bytes
 from ..core.rng import call_key, call_key_tensor, draws, stream_key
 from .base import Rule, keep_if
 from .elementwise import descend
@@ -125,3 +127,22 @@ class BinSGDMRule(Rule):
         return keep_if(B, ok, descend(B, ctx.x, q_sum, ctx.lr, ctx.hp["weight_decay"],
                                       into=ctx.into_x(ok), out=ctx.x_buffer(), divisor=count), ctx.x)
 
+
+
+def binsgdm_collectives(d, n, k, segments=1, options=None):
+    """What one BinSGDM step issues (for the cost model): one allgather of packed signs, or
+    with several hosts the hierarchy's hops (:mod:`hvd_quant.core.hierarchical`)."""
+    nodes, k = node_layout(n, k)
+    if nodes == 1 or k == 1:
+        return [Collective("allgather", packed_sign_bytes(d) + 1.0, n)]
+    shard = (d + (-d) % (8 * k)) // k
+    row = shard // 8 + 1.0
+    # Node groups are routed through the global communicator's hops unless Horovod process
+    # sets were registered (hvd_quant.node_process_sets): k - 1 hops, M - 1 hops, k - 1 hops.
+    return ([Collective("sendrecv", row, n)] * (k - 1) + [Collective("sendrecv", row, n)] * (nodes - 1)
+            + [Collective("sendrecv", nodes * row, n)] * (k - 1))
+
+
+# Its passes: the randomized sign and momentum (11 float32 passes), the sum of the signs.
+register_cost("binsgdm", MethodCost(binsgdm_collectives, lambda numel, n: 4.0 * float(numel) * (14.0 + n / 32.0),
+                                    one_buffer=True))

@@ -30,7 +30,7 @@ Per parameter group, ``step`` counting every call including the first::
 reads it); ``True``, the default here, is Adam's correction (Kingma & Ba, ICLR 2015),
 which DeepSpeed leaves out: without it the variance frozen after ``k = freeze_step - 1``
 updates is only ``1 - beta2**k`` warm and every later step is ``1 / sqrt(1 - beta2**k)``
-times Adam's (see :mod:`hvd_quant.optimizers.onebit_rounds`). A ``non_freeze`` group,
+times Adam's (see :mod:`hvd_quant.optimizers.compressed_rounds`). A ``non_freeze`` group,
 whose moments were also updated on the initialisation step, has ``t = step`` and is
 corrected on every step, as Adam is.
 
@@ -53,7 +53,7 @@ optimizer step, see :mod:`hvd_quant.optimizers.base`); so does a warm-up step wh
 ``v`` and never move those elements again).
 
 So steps ``2 .. freeze_step`` are Adam on averaged gradients and every later step sends
-1 bit per element (:mod:`hvd_quant.core.onebit`).
+1 bit per element (:mod:`hvd_quant.core.compressed_allreduce`).
 
 Deliberate departures from DeepSpeed, and why:
 
@@ -70,9 +70,10 @@ Deliberate departures from DeepSpeed, and why:
   rather than the engine's allreduce.
 """
 
+from ..core.costmodel import MethodCost, onebit_memory_bytes, register_cost
 from .base import keep_if, scales_option
 from .elementwise import ema
-from .onebit_rounds import OnebitRoundsRule
+from .compressed_rounds import OnebitRoundsRule, compressed_round_collectives
 
 
 class OnebitAdamRule(OnebitRoundsRule):
@@ -219,3 +220,10 @@ class OnebitAdamRule(OnebitRoundsRule):
         """``exp_avg * exp_avg_mask`` where the group has a mask, with any number of ranks,
         as DeepSpeed does."""
         return exp_avg * ctx.mask if ctx.mask is not None else exp_avg
+
+
+# For the cost model: a 1-bit step's collectives, and its passes: Adam's update over the
+# parameters, momentum and frozen variance (7 float32 passes) plus the compressed allreduce's.
+register_cost("onebit_adam", MethodCost(
+    compressed_round_collectives, lambda numel, n: 7.0 * 4.0 * float(numel) + onebit_memory_bytes(numel, n),
+    one_buffer=True))

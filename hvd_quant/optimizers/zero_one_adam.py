@@ -46,7 +46,7 @@ Per parameter group, ``step`` counting every call including the first::
 argument and never reads it). ``True``, the default here, is Adam's correction (Kingma &
 Ba, ICLR 2015) in Phase A: without it a variance frozen after ``k`` full rounds is only
 ``1 - beta2**k`` warm, and every Phase-B step is ``1 / sqrt(1 - beta2**k)`` times Adam's
-(see :mod:`hvd_quant.optimizers.onebit_rounds`). ``k`` is derived from the variance
+(see :mod:`hvd_quant.optimizers.compressed_rounds`). ``k`` is derived from the variance
 schedule, ``var_update_scaler * log2(var_interval) + var_counter``, so checkpoints of
 earlier versions need no new counter. Weight decay enters the update as above (so it
 also enters u).
@@ -100,9 +100,10 @@ group['lr']``; the sync divides by it in float32, as torch does with a Python sc
 widens its float32 learning rates exactly before adding them.
 """
 
+from ..core.costmodel import MethodCost, onebit_memory_bytes, register_cost
 from .base import keep_if, scales_option, tensor_sizes
 from .elementwise import adam_descend, ema, precondition, zero_one_sync_input, zero_one_sync_result
-from .onebit_rounds import OnebitRoundsRule
+from .compressed_rounds import OnebitRoundsRule, compressed_round_collectives
 
 
 def _plus_lr(B, total, lr):
@@ -491,3 +492,11 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         extra = {"synced_params": synced} if self.exact_sync else {}
         state.commit(ok, {"exp_avg": momentum, "momentum_accumulator": ctx.zeros(), **extra}, scalars)
         return keep_if(B, ok, synced, ctx.x)
+
+
+# For the cost model: a sync step's collectives (the 1-bit round), and its passes: the
+# accumulators, the sync's inputs and results and Adam's update (19 float32 passes), plus
+# the compressed allreduce's.
+register_cost("zero_one_adam", MethodCost(
+    compressed_round_collectives, lambda numel, n: 19.0 * 4.0 * float(numel) + onebit_memory_bytes(numel, n),
+    one_buffer=True))

@@ -21,7 +21,7 @@ from .compression import Compression, TFCompressor
 from .tape import DistributedGradientTape, PartialDistributedGradientTape, broadcast_variables
 from .keras import DistributedOptimizer, PartialDistributedOptimizer
 from . import callbacks
-from .optimizers import BinSGDM, OnebitAdam, StepKindRecorder, ZeroOneAdam
+from .onebit_optimizers import BinSGDM, OnebitAdam, StepKindRecorder, ZeroOneAdam
 from . import elastic
 
 __all__ = ["BinSGDM", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodTFComm",

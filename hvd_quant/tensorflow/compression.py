@@ -100,15 +100,15 @@ class TFCompressor(CompressorHandle):
             return tensor, None
         import horovod.tensorflow as hvd
 
-        if self.core.horovod_wire_dtype is not None:
+        if self.algorithm.horovod_wire_dtype is not None:
             site = _horovod_call_site()
             owned = self.owned(site[2] if site is not None else None)
-            wire = tf.cast(tensor, self.core.horovod_wire_dtype)
+            wire = tf.cast(tensor, self.algorithm.horovod_wire_dtype)
             self._count_horovod_cast(owned, wire.shape.num_elements() * wire.dtype.size, hvd.size())
             return wire, ("cast", tensor.dtype)
         from .comm import HorovodTFComm
 
-        if self.core.multi_hop:
+        if self.algorithm.multi_hop:
             raise RuntimeError(
                 f"hvd_quant: {self!r} reduces hop by hop on a ring, which Horovod's stock "
                 "hvd.DistributedGradientTape cannot order (it reduces variables concurrently). "
@@ -118,10 +118,10 @@ class TFCompressor(CompressorHandle):
         vname, op, variables = site if site is not None else (None, None, None)
         owned = self.owned(variables)  # the reduced variables own the state
         if vname is None:
-            if site is None or self.core.stateful:
+            if site is None or self.algorithm.stateful:
                 raise RuntimeError(
                     f"hvd_quant: {self!r} runs its own collectives"
-                    + (" and keeps per-variable state" if self.core.stateful else "")
+                    + (" and keeps per-variable state" if self.algorithm.stateful else "")
                     + "; it supports Horovod's stock hvd.DistributedGradientTape (0.28.1) and "
                     "hvd_quant.tensorflow.DistributedGradientTape. Use "
                     "hvd_quant.tensorflow.DistributedGradientTape(tape, "

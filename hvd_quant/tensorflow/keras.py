@@ -50,7 +50,7 @@ from keras.src.utils import tracking
 from ..process_sets import includes_this_rank
 from .comm import HorovodTFComm
 from .compression import Compression
-from .optimizers import resize_keras_variable
+from .onebit_optimizers import resize_keras_variable
 from .tape import (check_agreement_once, divide_gradient, group_segments, keras_layers,
                    note_sparse_reduced_dense, reduce_gradients)
 from .xla_step import refuse_xla

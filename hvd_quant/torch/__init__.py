@@ -12,8 +12,8 @@ _check_requirements("torch")  # versions and Horovod's torch ops: one clear Impo
 from .backend import TorchBackend
 from .comm import HorovodTorchComm
 from .compression import Compression, TorchCompressor
-from .optimizer import DistributedOptimizer
-from .optimizers import BinSGDM, GradScaler, OnebitAdam, ZeroOneAdam
+from .distributed_optimizer import DistributedOptimizer
+from .onebit_optimizers import BinSGDM, GradScaler, OnebitAdam, ZeroOneAdam
 from . import functions as _functions
 from .functions import broadcast_optimizer_state
 

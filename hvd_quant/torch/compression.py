@@ -99,9 +99,9 @@ class TorchCompressor(CompressorHandle):
         import horovod.torch as hvd
 
         site = _horovod_call_site()
-        if self.core.horovod_wire_dtype is not None:
+        if self.algorithm.horovod_wire_dtype is not None:
             owned = self.owned(site[2] if site is not None else None)
-            wire = tensor.to(getattr(torch, self.core.horovod_wire_dtype))
+            wire = tensor.to(getattr(torch, self.algorithm.horovod_wire_dtype))
             self._count_horovod_cast(owned, wire.numel() * wire.element_size(), hvd.size())
             return wire, ("cast", tensor.dtype)
         from .staging import make_comm

@@ -12,7 +12,7 @@ said once (a warning) when such an optimizer is made.
 Streams (:class:`BucketStreams`)
 --------------------------------
 ``hq.DistributedOptimizer`` reduces its buckets on a worker thread while backward runs
-(:mod:`hvd_quant.torch.optimizer`). On a GPU that thread's work runs on a stream of its
+(:mod:`hvd_quant.torch.distributed_optimizer`). On a GPU that thread's work runs on a stream of its
 own, ordered by events rather than by the host:
 
 * each gradient hook records an event on the stream that produced the gradient (the

@@ -74,7 +74,7 @@ from horovod.torch.elastic.state import OptimizerStateHandler, TorchState as _Ho
 from ..process_sets import forget_stale_sets
 from .compression import TorchCompressor
 from .functions import broadcast_optimizer_state
-from .optimizers import RuleOptimizer
+from .onebit_optimizers import RuleOptimizer
 
 __all__ = ["TorchState", "reset_for_new_world"]
 

@@ -22,7 +22,7 @@ hvd_quant's two kinds of optimizer take these paths:
   one flat state per parameter group, which Horovod's function neither creates
   without a step nor broadcasts (it broadcasts per-parameter entries). For them
   :func:`broadcast_optimizer_state` below makes the state identical to the root's
-  with the optimizer's own :meth:`~hvd_quant.torch.optimizers.RuleOptimizer.broadcast_state`
+  with the optimizer's own :meth:`~hvd_quant.torch.onebit_optimizers.RuleOptimizer.broadcast_state`
   (hyper-parameters, counters, moments, master weights; each rank keeps its own
   error buffers), with no step.
 
@@ -37,7 +37,7 @@ import horovod.torch as hvd
 import horovod.torch.elastic.state as _horovod_elastic_state
 import horovod.torch.functions as _horovod_functions
 
-from .optimizers import RuleOptimizer
+from .onebit_optimizers import RuleOptimizer
 
 #: Horovod's own function, as Horovod defines it (before :func:`install`).
 horovod_broadcast_optimizer_state = _horovod_functions.broadcast_optimizer_state

@@ -103,7 +103,7 @@ def on_reset():
         "zeroone_worker_error_numel": int(z["worker_error"].numel()),
         "zeroone_checked": opts["zeroone"]._checked,
         "ef_checked": sorted(opts["ef_sign"]._runner._checked),
-        "qsgd_levels": list(opts["qsgd"]._compression.core.resolve(hvd.size())),
+        "qsgd_levels": list(opts["qsgd"]._compression.algorithm.resolve(hvd.size())),
     })
 
 
@@ -133,6 +133,6 @@ result = {
     "final": {k: eval_loss(m) for k, m in models.items()},
     "weights": {k: [p.detach().reshape(-1).tolist() for p in m.parameters()] for k, m in models.items()},
     "kinds": {k: opts[k].step_kinds for k in ("onebit", "zeroone")},
-    "qsgd_levels": list(opts["qsgd"]._compression.core.resolve(hvd.size())),
+    "qsgd_levels": list(opts["qsgd"]._compression.algorithm.resolve(hvd.size())),
 }
 (OUT / f"rank{hvd.rank()}.json").write_text(json.dumps(result))

@@ -123,7 +123,7 @@ def on_reset():
         "zeroone_worker_error_abs": float(np.abs(z["worker_error"].numpy()).sum()),
         "zeroone_worker_error_numel": int(np.prod(z["worker_error"].shape)),
         "zeroone_recheck": bool(opts["zeroone"]._hq_recheck),
-        "qsgd_levels": list(tapes["qsgd"].core.resolve(hvd.size())),
+        "qsgd_levels": list(tapes["qsgd"].algorithm.resolve(hvd.size())),
     })
 
 
@@ -205,6 +205,6 @@ result = {
     "zeroone_kinds": kinds, "zeroone_reference_loss": zeroone_reference(),
     "onebit_tape_buffers": sorted(k for k in tapes["onebit_tape"].state_dict(
         models["onebit_tape"].trainable_variables) if k.startswith("hvd_quant.buffer/")),
-    "qsgd_levels": list(tapes["qsgd"].core.resolve(hvd.size())),
+    "qsgd_levels": list(tapes["qsgd"].algorithm.resolve(hvd.size())),
 }
 (OUT / f"rank{hvd.rank()}.json").write_text(json.dumps(result))

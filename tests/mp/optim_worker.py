@@ -122,7 +122,7 @@ def checkpoint(name, at, earlier=False):
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
     if earlier:
-        from hvd_quant.core.onebit import server_residual
+        from hvd_quant.core.compressed_allreduce import server_residual
         from hvd_quant.torch.backend import TorchBackend
 
         for gi, group in enumerate(opt.param_groups):

@@ -63,7 +63,7 @@ from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
 from ..optimizers.binsgdm import single_beta
-from ..optimizers.onebit_rounds import short_warm_up_warning
+from ..optimizers.compressed_rounds import short_warm_up_warning
 from . import kernels
 from .backend import TFBackend
 from .compression import variable_name
@@ -344,7 +344,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
 
 def _warn_short_warm_up(cls_name, rule, betas):
     """Warn at construction when DeepSpeed's rule (``bias_correction=False``) will freeze a
-    variance far from warm (:func:`~hvd_quant.optimizers.onebit_rounds.short_warm_up_warning`),
+    variance far from warm (:func:`~hvd_quant.optimizers.compressed_rounds.short_warm_up_warning`),
     as ``hvd_quant.torch`` does."""
     import warnings
 

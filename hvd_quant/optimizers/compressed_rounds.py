@@ -1,10 +1,10 @@
 """What 1-bit Adam and 0/1 Adam share: their compressed rounds go through the two-stage
-1-bit allreduce (:mod:`hvd_quant.core.onebit`) with error buffers kept per rank.
+1-bit allreduce (:mod:`hvd_quant.core.compressed_allreduce`) with error buffers kept per rank.
 
 DeepSpeed's ``OnebitAdam.step`` and ``ZeroOneAdam.step`` (``runtime/fp16/onebit/adam.py``
 and ``zoadam.py``) both call their communication backend's ``compressed_allreduce``
 with a worker error and a server error per tensor. Here those buffers, and the server's
-scales (its state is kept compensated, :func:`~hvd_quant.core.onebit.
+scales (its state is kept compensated, :func:`~hvd_quant.core.compressed_allreduce.
 compressed_allreduce_compensated`), are the group's extra slots, and one call serves every
 tensor of a group. BinSGDM sends different bits (a randomized sign, no error feedback)
 over another collective (:mod:`hvd_quant.core.hierarchical`), so it is not one of these.
@@ -31,7 +31,8 @@ the frozen one, corrected or not as it was frozen, and is used as it is.
 
 import math
 
-from ..core.onebit import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
+from ..core.compressed_allreduce import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
+from ..core.costmodel import even_sizes, onebit_collectives
 from .base import Rule, compressed_counts, full_precision_bytes, full_precision_mean, tensor_sizes
 from .elementwise import adam_descend
 
@@ -146,6 +147,15 @@ class OnebitRoundsRule(Rule):
         into = ctx.into_x(ok)
         return adam_descend(ctx.B, ctx.x, exp_avg, exp_avg_sq, ctx.lr, ctx.hp["eps"], ctx.hp["weight_decay"],
                             into=into if into is not None else ctx.x_buffer())
+
+
+def compressed_round_collectives(numel, world_size, ranks_per_node, segments, options):
+    """What one 1-bit round of 1-bit Adam or 0/1 Adam issues (for the cost model): the
+    compressed allreduce of the group with DeepSpeed's per-tensor scales
+    (``scales="tensor"``), every tensor padded on its own (``options["tensor_sizes"]``,
+    or ``segments`` even ones)."""
+    sizes = options.get("tensor_sizes") or even_sizes(numel, segments)
+    return onebit_collectives(sizes, world_size)
 
 
 def short_warm_up_warning(rule, betas):

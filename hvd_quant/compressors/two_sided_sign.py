@@ -5,7 +5,7 @@ He, "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Conver
 Speed", ICML 2021, arXiv 2102.02888) and of 0/1 Adam (Lu et al., ICLR 2023), offered on
 its own for any optimizer: DeepSpeed's ``NcclBackend.compressed_allreduce``
 (``deepspeed/runtime/comm/nccl.py``), implemented once in
-:func:`hvd_quant.core.onebit.compressed_allreduce` (bit-exact against a numpy
+:func:`hvd_quant.core.compressed_allreduce.compressed_allreduce` (bit-exact against a numpy
 transcription of DeepSpeed's rules, ``tests/deepspeed_reference.py``). Each rank
 compensates its gradient with its *worker* error and sends RMS-scaled signs; the rank that
 owns a chunk averages it, compensates it with its *server* error and re-signs it; every
@@ -25,7 +25,7 @@ With ``n`` ranks, a buffer of ``d`` elements is padded with zeros to ``D``, a mu
 Layouts (option ``layout``): the above is ``"two_stage"``, two dependent collectives
 whatever ``n``. ``"gather"`` sends each rank's worker signs and scale in one allgather
 and every rank decodes the exact average ``sum_r sigma_w[r] / n * sign_r``, the server's
-``c_s`` without its error or second sign (:func:`~hvd_quant.core.onebit.gathered_allreduce`):
+``c_s`` without its error or second sign (:func:`~hvd_quant.core.compressed_allreduce.gathered_allreduce`):
 one collective, ``(n - 1) (D / 8 + 4)`` bytes per rank. ``"auto"`` (default) takes it from
 5 ranks on for buffers small enough that a collective's latency outweighs the extra bytes
 (:func:`~hvd_quant.core.ring.gathers`), and the two stages otherwise and always up to 4
@@ -45,7 +45,7 @@ allreduce, whatever the number of tensors.
 State, per rank and per buffer: the worker error (``D`` elements) and this rank's chunk of
 the server's state (``D / n``), kept compensated: ``server_error`` holds ``c_s`` and
 ``server_scale`` its ``sigma_s``; DeepSpeed's server error is ``c_s - sigma_s * sign(c_s)``
-(:func:`~hvd_quant.core.onebit.compressed_allreduce_compensated`: the same results with
+(:func:`~hvd_quant.core.compressed_allreduce.compressed_allreduce_compensated`: the same results with
 fewer passes over memory; a residual saved by an earlier version resumes exactly, as the
 compensated state with zero scale). They depend on the world size and the rank, so they
 are *buffer slots* (see :mod:`hvd_quant.core.state`): saved whole under
@@ -59,12 +59,12 @@ another world size does not fit them and Keras refuses to load it.
 Non-finite input: an inf or NaN on any rank makes that rank's worker scale non-finite;
 the scales are gathered before any error buffer changes, so every rank returns NaN for
 the whole buffer and leaves both error buffers exactly as they were, with no collective
-added (:mod:`hvd_quant.core.onebit`).
+added (:mod:`hvd_quant.core.compressed_allreduce`).
 """
 
 from ..core.compressor import Compressor
 from ..core.costmodel import onebit_collectives, onebit_memory_bytes
-from ..core.onebit import (compressed_allreduce_bytes, compressed_allreduce_compensated, gathered_allreduce,
+from ..core.compressed_allreduce import (compressed_allreduce_bytes, compressed_allreduce_compensated, gathered_allreduce,
                            gathered_allreduce_bytes, padded_size)
 from ..core.ring import gathers
 
@@ -85,7 +85,7 @@ class OnebitCompressor(Compressor):
     layout : "auto" (default), "two_stage" or "gather"
         ``"two_stage"``: DeepSpeed's alltoall and allgather, two dependent collectives.
         ``"gather"``: the worker stage, then one allgather of every rank's signs and the
-        exact average of them (:func:`~hvd_quant.core.onebit.gathered_allreduce`: no
+        exact average of them (:func:`~hvd_quant.core.compressed_allreduce.gathered_allreduce`: no
         server stage, so the server state stays as it is). ``"auto"``: the two stages,
         except from 5 ranks on for a buffer small enough that one collective's latency
         outweighs the gather's extra bytes (:func:`~hvd_quant.core.ring.gathers`): at 16

@@ -100,7 +100,7 @@ from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
 from ..optimizers.binsgdm import single_beta
-from ..optimizers.onebit_rounds import short_warm_up_warning
+from ..optimizers.compressed_rounds import short_warm_up_warning
 from ..process_sets import includes_this_rank
 from .backend import TorchBackend, prepare_kernels
 from .comm import HorovodTorchComm
@@ -725,7 +725,7 @@ def _ignore_deepspeed_only(cls_name, *values):
 
 def _warn_short_warm_up(cls_name, rule, betas):
     """Warn at construction when DeepSpeed's rule (``bias_correction=False``) will freeze a
-    variance that is far from warm (:func:`~hvd_quant.optimizers.onebit_rounds.
+    variance that is far from warm (:func:`~hvd_quant.optimizers.compressed_rounds.
     short_warm_up_warning`); every rank, as the other construction warnings."""
     import warnings
 
