@@ -108,13 +108,15 @@ def load(path):
         return None
 
 
-def finished(path, args, lr):
+def finished(path, args, lr, stop_after=0):
     """The earlier result at ``path`` if it is finished for this very run, else None."""
     data = load(path)
     if not data or data.get("status") not in FINISHED:
         return None
     cfg = data.get("config", {})
     if cfg.get("steps") != args.steps or cfg.get("eval_every") != args.eval_every or cfg.get("lr") != lr:
+        return None
+    if (cfg.get("stop_after") or 0) != stop_after:
         return None
     return data
 
@@ -181,11 +183,22 @@ def run_matrix(args):
                 continue
             lr = args.lr.get(family(method))
             path = run_path(out, setting, method, seed, schedule)
-            if args.resume and finished(path, args, lr if lr is not None else load_lr(path)):
+            stop_after = 0
+            if args.time_curves:  # time the first steps of a loopback loss curve on this setting
+                path = run_path(out / "timing", setting, method, seed, schedule)
+                loss_run = load(loss_curve_path(args.time_curves, setting, method, seed, schedule))
+                if loss_run is None or loss_run.get("status") not in FINISHED:
+                    done += 1
+                    log(f"run {done}/{len(runs)} {setting} {method} seed {seed} {schedule}: no finished loss "
+                        f"curve under {args.time_curves}, skipped")
+                    continue
+                lr = loss_run["config"]["lr"]
+                stop_after = steps_to_time(loss_run, args.timing_min_steps)
+            if args.resume and finished(path, args, lr if lr is not None else load_lr(path), stop_after):
                 done += 1
                 log(f"run {done}/{len(runs)} {setting} {method} seed {seed} {schedule}: finished earlier, skipped")
                 continue
-            todo.append((method, seed, schedule, lr, path))
+            todo.append((method, seed, schedule, lr, path, stop_after))
         if not todo:
             continue
         cluster = None
@@ -197,7 +210,7 @@ def run_matrix(args):
                 log(f"error: setting {setting}: {exc}")
                 return 3
         try:
-            for method, seed, schedule, lr, path in todo:
+            for method, seed, schedule, lr, path, stop_after in todo:
                 done += 1
                 label = f"{setting} {method} s{seed} {schedule}"
                 log(f"run {done}/{len(runs)}: {label} ({(time.monotonic() - began) / 60:.1f} min elapsed)")
@@ -205,7 +218,8 @@ def run_matrix(args):
                 cmd = [sys.executable, str(WORKER), "--method", method, "--steps", str(args.steps),
                        "--eval-every", str(args.eval_every), "--seed", str(seed), "--schedule", schedule,
                        "--setting", setting, "--label", label, "--out", str(path),
-                       *(["--lr", repr(lr)] if lr is not None else []), *args.worker_arg]
+                       *(["--lr", repr(lr)] if lr is not None else []), *args.worker_arg,
+                       *(["--stop-after", str(stop_after)] if stop_after else [])]
                 env = {"TORCH_CPP_LOG_LEVEL": "ERROR", "HOROVOD_GLOO_TIMEOUT_SECONDS": "600",
                        "PYTHONUNBUFFERED": "1",
                        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -239,6 +253,89 @@ def run_matrix(args):
     return 0
 
 
+# --- loss curves from loopback, times from the cluster (--time-curves) -------------------------
+def loss_curve_path(loss_dir, setting, method, seed, schedule):
+    """The loopback run with as many ranks as ``setting``: its losses are the cluster's, bit for
+    bit (the link changes when bytes arrive, not which)."""
+    hosts, slots, _ = parse_setting(setting)
+    return run_path(loss_dir, f"{hosts * slots}x1-loopback", method, seed, schedule)
+
+
+def steps_to_time(loss_run, min_steps):
+    """How many of a loss curve's steps to time on the cluster: up to the first evaluation by
+    which every kind of step the whole run took has been taken ``min_steps`` times (or as often
+    as in the whole run), so every phase of the method is timed (warm-up, compressed, local)
+    and at least one evaluation can be compared bit for bit."""
+    hist = loss_run["history"]
+    final = hist[-1].get("step_kinds") or {}
+    for row in hist[1:]:
+        kinds = row.get("step_kinds") or {}
+        if all(kinds.get(k, 0) >= min(min_steps, n) for k, n in final.items()):
+            return row["step"]
+    return hist[-1]["step"]
+
+
+def seconds_per_kind(time_by_kind):
+    """``{kind: (seconds per step, one-time extra)}``: the steady mean leaves out each kind's
+    first step (numba compiles, buffers are allocated), whose excess is charged once."""
+    out = {}
+    for kind, t in time_by_kind.items():
+        steady = (t["total_s"] - t["first_s"]) / (t["steps"] - 1) if t["steps"] > 1 else t["total_s"]
+        out[kind] = (steady, t["first_s"] - steady)
+    return out
+
+
+def combine(loss_run, timing_run, loss_path, timing_path):
+    """The loss curve with the cluster's training time: at each evaluation, every kind's step
+    count times its cluster seconds per step (plus its first step's excess once). Refused
+    (``status: "mismatch"``) unless the two runs' validation losses agree bit for bit at every
+    evaluation both made, and every kind of step the curve took was timed."""
+    timed = {row["step"]: row["val_loss"] for row in timing_run["history"] if row["step"] > 0}
+    losses = {row["step"]: row["val_loss"] for row in loss_run["history"]}
+    common = sorted(step for step in timed if step in losses)
+    unequal = [step for step in common if json.dumps(timed[step]) != json.dumps(losses[step])]
+    per_kind = seconds_per_kind(timing_run.get("time_by_kind") or {})
+    untimed = sorted(set(loss_run["history"][-1].get("step_kinds") or {}) - set(per_kind))
+    out = json.loads(json.dumps(loss_run))
+    out["config"].update(setting=timing_run["config"]["setting"], hosts=timing_run["config"].get("hosts"),
+                         rate_bps=timing_run["config"].get("rate_bps"))
+    out["time_by_kind"] = timing_run.get("time_by_kind")
+    out["derived"] = {"losses_from": str(loss_path), "times_from": str(timing_path), "bit_equal_steps": common,
+                      "seconds_per_step_by_kind": {k: v[0] for k, v in per_kind.items()},
+                      "first_step_excess_s": {k: v[1] for k, v in per_kind.items()}}
+    if not common or unequal or untimed:
+        out["status"] = "mismatch"
+        out["error"] = (f"losses differ at steps {unequal}" if unequal else
+                        f"kinds {untimed} were not timed" if untimed else "no evaluation in common")
+        return out
+    for row in out["history"]:
+        kinds = row.get("step_kinds") or {}
+        row["train_time_s"] = sum(n * per_kind[k][0] + per_kind[k][1] for k, n in kinds.items() if n)
+    out["train_time_s"] = out["history"][-1]["train_time_s"]
+    out["step_time_s"] = out["train_time_s"] / max(1, out.get("steps_done") or out["history"][-1]["step"])
+    return out
+
+
+def combine_curves(args):
+    """Write ``OUT/<setting>/<run>.json`` for every timing run under ``OUT/timing``."""
+    out = Path(args.out)
+    for timing_path in sorted((out / "timing").glob("*/*.json")):
+        timing_run = load(timing_path)
+        if not timing_run or timing_run.get("status") not in FINISHED:
+            continue
+        cfg = timing_run["config"]
+        loss_path = loss_curve_path(args.time_curves, cfg["setting"], cfg["method"], cfg["seed"], cfg["schedule"])
+        loss_run = load(loss_path)
+        if loss_run is None:
+            continue
+        merged = combine(loss_run, timing_run, loss_path, timing_path)
+        path = out / cfg["setting"] / timing_path.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(merged, indent=1))
+        if merged["status"] == "mismatch":
+            log(f"{cfg['setting']} {cfg['method']}: {merged['error']}: not combined")
+
+
 def load_lr(path):
     data = load(path)
     return (data or {}).get("config", {}).get("lr")
@@ -247,7 +344,7 @@ def load_lr(path):
 # --- the report ----------------------------------------------------------------------------------
 def load_runs(out):
     runs = []
-    for path in sorted(Path(out).glob("*/*.json")):
+    for path in sorted(Path(out).glob("*/*.json")):  # OUT/timing/<setting>/ is one level deeper
         data = load(path)
         if data and "config" in data:
             data["_path"] = str(path)
@@ -428,9 +525,22 @@ def main(argv=None):
     p.add_argument("--report-only", action="store_true", help="rebuild tables and plots from the JSON files")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra argument for ttq_worker.py (repeatable), e.g. --worker-arg=--d-model=64")
+    p.add_argument("--time-curves", default="", metavar="LOSS_DIR",
+                   help="the issue's shortcut: time, on each cluster setting, the first steps of the loss "
+                        "curves LOSS_DIR holds from loopback (same ranks, same --steps, --eval-every and "
+                        "--worker-arg), check their losses bit for bit, and report the curves on the "
+                        "cluster's time")
+    p.add_argument("--timing-min-steps", type=int, default=20,
+                   help="--time-curves: time each kind of step at least this often (or as often as the run)")
     args = p.parse_args(argv)
     args.out = args.out or str(HERE / "reference" / f"ttq-{datetime.now():%Y-%m-%d}")
+    if args.timing_min_steps < 2:
+        p.error("--timing-min-steps must be at least 2 (the first step of a kind is not its steady time)")
+    if args.time_curves and not Path(args.time_curves).is_dir():
+        p.error(f"--time-curves: no directory {args.time_curves}")
     if args.report_only:
+        if args.time_curves:
+            combine_curves(args)
         return report(args.out)
     args.settings = [s for s in args.settings.split(",") if s]
     for s in args.settings:
@@ -449,6 +559,8 @@ def main(argv=None):
     sys.path.insert(0, str(HERE))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     code = run_matrix(args)
+    if args.time_curves:
+        combine_curves(args)
     report(args.out)
     return code
 

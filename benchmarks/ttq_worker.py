@@ -48,7 +48,11 @@ training time so far (each rank's own cumulative time of forward, backward and o
 step; the slowest rank's is recorded: evaluation is excluded), the bytes this rank sent so
 far and the communication rounds (steps that communicated). A validation loss that is not
 finite or above twice the initial one ends the run as ``diverged``; every rank sees the
-same gathered numbers, so they stop together.
+same gathered numbers, so they stop together. At the end, ``time_by_kind``: per step kind
+(``trainer.kinds``: a compressor's one kind, or a 1-bit optimizer's warm-up, compressed
+and local steps), the steps, their total time and the first one's (numba compiles then),
+each the slowest rank's: what ``time_to_quality.py --time-curves`` times a loopback loss
+curve by.
 """
 
 import argparse
@@ -286,6 +290,25 @@ def lr_schedule(args):
                               steps=args.steps, min_lr_ratio=args.min_lr_ratio)
 
 
+def count_kind(by_kind, seen, counts, elapsed):
+    """Add one step's time to its kind: the kind whose count ``trainer.kinds`` says grew."""
+    kind = next((k for k, c in counts.items() if c > seen.get(k, 0)), "other")
+    entry = by_kind.setdefault(kind, [0, 0.0, elapsed])
+    entry[0] += 1
+    entry[1] += elapsed
+    return dict(counts)
+
+
+def slowest_by_kind(per_rank):
+    """Per step kind, the slowest rank's figures: ``{kind: {"steps", "total_s", "first_s"}}``.
+    What ``time_to_quality.py --time-curves`` multiplies a loss curve's step counts by."""
+    out = {}
+    for kind in sorted({k for r in per_rank for k in r}):
+        rows = [r[kind] for r in per_rank if kind in r]
+        out[kind] = {"steps": rows[0][0], "total_s": max(r[1] for r in rows), "first_s": max(r[2] for r in rows)}
+    return out
+
+
 def write_json(path, data):
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, allow_nan=True))
@@ -327,7 +350,8 @@ def train(args):
         "method": args.method, "family": method.family, "doc": method.doc, "lr": lr,
         "lr_by_family": {**DEFAULT_LR, **({method.family: lr} if args.lr_given else {})},
         "schedule": args.schedule, "warmup_steps": schedule.warmup,
-        "min_lr_ratio": schedule.min_lr_ratio, "steps": args.steps, "eval_every": args.eval_every,
+        "min_lr_ratio": schedule.min_lr_ratio, "steps": args.steps, "stop_after": args.stop_after or None,
+        "eval_every": args.eval_every,
         "seed": args.seed, "ranks": size, "local_size": hvd.local_size(), "batch_per_rank": args.batch,
         "threads": torch.get_num_threads(), "setting": args.setting,
         "hosts": int(os.environ.get("HVDQ_CLUSTER_HOSTS", 0)) or None,
@@ -349,6 +373,7 @@ def train(args):
     val_hash = array_digest(xv, yv)
     initial = None
     train_time, losses, began = 0.0, [], time.perf_counter()
+    by_kind, seen = {}, {}  # per step kind: [steps, seconds, the first step's seconds]
 
     def record(done, current_lr):
         nonlocal initial, losses
@@ -375,7 +400,8 @@ def train(args):
 
     record(0, schedule.lr if args.schedule == "constant" else stdlib_text.lr_at(0, schedule))
     diverged, done = False, 0
-    for step in range(args.steps):
+    last_step = min(args.steps, args.stop_after or args.steps)  # the schedule still spans --steps
+    for step in range(last_step):
         current_lr = stdlib_text.lr_at(step, schedule)
         for group in trainer.opt.param_groups:
             group["lr"] = current_lr
@@ -389,15 +415,18 @@ def train(args):
         loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
         loss.backward()
         trainer.opt.step()
-        train_time += time.perf_counter() - t
+        elapsed = time.perf_counter() - t
+        train_time += elapsed
         losses.append(loss.item())
         done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
+        seen = count_kind(by_kind, seen, trainer.kinds(done), elapsed)
+        if done % args.eval_every == 0 or done == last_step:
             if record(done, current_lr):
                 diverged = True
                 break
 
     train_digests = hvd.allgather_object(train_hash.hexdigest()[:16])
+    kind_times = slowest_by_kind(hvd.allgather_object(by_kind))
     final_digests = hvd.allgather_object(stdlib_text.weights_digest([p.detach().numpy() for p in model.parameters()]))
     last = result["history"][-1]
     result.update(
@@ -411,6 +440,7 @@ def train(args):
         fp32_ring_bytes_per_step=ring_bytes(4 * numel, size),
         comm_rounds=last["comm_rounds"],
         step_kinds=last["step_kinds"],
+        time_by_kind=kind_times,
         skipped_steps=int(getattr(trainer.opt, "skipped_steps", 0)),
         ranks_agree=len(set(final_digests)) == 1,
         wall_s=time.perf_counter() - began,
@@ -461,6 +491,9 @@ def parser():
     p.add_argument("--batch", type=int, default=BATCH, help="windows per rank per step")
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--corpus-bytes", type=int, default=stdlib_text.DEFAULT_MAX_BYTES)
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop after this many steps, the lr schedule and freeze still those of --steps "
+                        "(time_to_quality.py --time-curves: the first steps of a run, timed on the cluster)")
     p.add_argument("--diverge-factor", type=float, default=2.0,
                    help="a validation loss above this times the initial one is divergence")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: threads_per_rank())")
@@ -472,8 +505,8 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    if args.steps < 1 or args.eval_every < 1:
-        raise SystemExit("--steps and --eval-every must be positive")
+    if args.steps < 1 or args.eval_every < 1 or args.stop_after < 0:
+        raise SystemExit("--steps and --eval-every must be positive, --stop-after not negative")
     if args.tokens is None:
         args.tokens = "words" if words_available() else "bytes"
     args.lr_given = args.lr is not None

@@ -52,6 +52,33 @@ def test_table_compares_with_the_fp32_twin_and_marks_divergence():
     assert "4.00x" in row  # fp32 needs 30 s to reach 3.0, ef_sign 7.5 s
 
 
+def test_time_curves_time_every_phase_and_refuse_unequal_losses():
+    """The issue's shortcut: a loopback loss curve on the cluster's time. Which steps to
+    time, the time per kind (first step charged once), and the bit-for-bit check."""
+    loss = made_up_run("onebit_adam", [8.0, 6.0, 4.0, 3.0, 2.5])
+    for row, kinds in zip(loss["history"], ({}, {"full": 10}, {"full": 15, "compressed": 5},
+                                            {"full": 15, "compressed": 15}, {"full": 15, "compressed": 25})):
+        row["step_kinds"] = kinds
+    assert ttq.steps_to_time(loss, 10) == 30  # compressed reaches 10 steps by step 30
+    assert ttq.steps_to_time(loss, 2) == 20
+    timing = {"config": {"setting": "2x1-1gbit", "hosts": 2, "rate_bps": 1e9},
+              "history": [dict(r) for r in loss["history"][:4]],
+              "time_by_kind": {"full": {"steps": 15, "total_s": 16.0, "first_s": 2.0},
+                               "compressed": {"steps": 15, "total_s": 3.8, "first_s": 1.0}}}
+    merged = ttq.combine(loss, timing, "loss.json", "timing.json")
+    assert merged["status"] == "complete" and merged["config"]["setting"] == "2x1-1gbit"
+    assert merged["derived"]["bit_equal_steps"] == [10, 20, 30]
+    # full: 1 s per step, 1 s extra once; compressed: 0.2 s per step, 0.8 s extra once
+    assert [r["train_time_s"] for r in merged["history"]] == pytest.approx([0.0, 11.0, 17.8, 19.8, 21.8])
+    assert merged["step_time_s"] == pytest.approx(21.8 / 40)
+    timing["history"][2]["val_loss"] = 4.0000001
+    assert "steps [20]" in ttq.combine(loss, timing, "l", "t")["error"]
+    timing["history"][2]["val_loss"] = loss["history"][2]["val_loss"]
+    del timing["time_by_kind"]["compressed"]
+    bad = ttq.combine(loss, timing, "l", "t")
+    assert bad["status"] == "mismatch" and "compressed" in bad["error"]
+
+
 def test_settings_parse():
     assert ttq.parse_setting("2x1-1gbit") == (2, 1, 1e9)
     assert ttq.parse_setting("8x1-100mbit") == (8, 1, 1e8)
@@ -68,7 +95,7 @@ TINY = ["--worker-arg=--d-model=32", "--worker-arg=--heads=2", "--worker-arg=--l
 # Bounds: 85 s measured on a 2-core machine at load 9, 157 s at load 12 (the first
 # call timed out at 130 s there); each bound also stops a hang.
 @pytest.mark.multiprocess
-@pytest.mark.timeout(330)
+@pytest.mark.timeout(480)
 def test_two_methods_at_two_ranks_and_resume(tmp_path):
     out = tmp_path / "ttq"
     cmd = [sys.executable, str(BENCH / "time_to_quality.py"), "--settings", "2x1-loopback",
@@ -99,3 +126,20 @@ def test_two_methods_at_two_ranks_and_resume(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:]
     assert again.stdout.count("finished earlier, skipped") == 2
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/*.json")} == mtimes
+
+    # The shortcut: time the first steps of both curves (here on loopback again, as the
+    # cluster needs root), check their losses bit for bit, report them on those times.
+    timed = tmp_path / "timed"
+    curves = subprocess.run(cmd[:cmd.index("--out")] + ["--out", str(timed), "--time-curves", str(out),
+                                                        "--timing-min-steps", "5", *TINY],
+                            capture_output=True, text=True, timeout=150)
+    assert curves.returncode == 0, curves.stdout[-3000:] + curves.stderr[-3000:]
+    for method in ("none", "ef_sign"):
+        timing = json.loads((timed / "timing" / "2x1-loopback" / f"{method}_s0_constant.json").read_text())
+        assert timing["config"]["stop_after"] == 10 and timing["steps_done"] == 10
+        assert timing["time_by_kind"][method]["steps"] == 10
+        merged = json.loads((timed / "2x1-loopback" / f"{method}_s0_constant.json").read_text())
+        assert merged["status"] == "complete", merged.get("error")
+        assert merged["derived"]["bit_equal_steps"] == [10]
+        assert [r["val_loss"] for r in merged["history"]] == [r["val_loss"] for r in results[method]["history"]]
+    assert (timed / "report.md").exists()
