@@ -14,6 +14,7 @@ import numpy as np
 
 from . import scale_check
 from .compressor import ReduceContext
+from .metrics import DEFAULT_PROBE_EVERY, OwnerMetrics
 from .state import StateStore
 
 
@@ -212,6 +213,7 @@ class CompressorRunner:
         self._rng_counters = []  # owner-made counters, for variables()
         self._checked = set()
         self.values = ValueAgreement(strict)
+        self.metrics = None  # OwnerMetrics once the owner turns them on (observe)
 
     def place(self, backend):
         """Make the state from now on with ``backend`` (the same framework on another
@@ -336,6 +338,8 @@ class CompressorRunner:
             self.compressor.validate(int(world_size))
         self._checked.clear()
         self.values.clear()
+        if self.metrics is not None:  # ranks that joined count towards probes from zero
+            self.metrics.restart()
 
     def adapt_world(self, rank, size, resize=None):
         """Adapt to a new world after an elastic reset: re-validate the compressor for
@@ -368,6 +372,30 @@ class CompressorRunner:
         """Mean over ranks of the flat float32 buffer ``flat`` made of ``segments``
         (written into ``out`` where the compressor can, see :class:`ReduceContext`)."""
         return self.compressor.reduce(flat, self.context(comm, group, segments, out=out))
+
+    # --- metrics (hvd_quant.core.metrics) -------------------------------------------------
+    def observe(self, probe_every=DEFAULT_PROBE_EVERY, ranges=None):
+        """Turn this owner's metrics on (:class:`~hvd_quant.core.metrics.OwnerMetrics`;
+        ``ranges``: the framework's profiler ranges) and return them. Only reductions run
+        through :meth:`measured` are recorded."""
+        self.metrics = OwnerMetrics(probe_every, ranges)
+        return self.metrics
+
+    def measured(self, flat, comm, group, segments, reduce):
+        """``reduce(comm)``, the reduction of buffer ``group`` (``flat``, made of
+        ``segments``: :meth:`reduce` or a pipelined one), measured when metrics are on
+        (:meth:`observe`): then it runs on a timing wrapper of ``comm``, and on probe
+        steps with one extra allreduce and allgather around it, on every rank alike."""
+        if self.metrics is None:
+            return reduce(comm)
+        return self.metrics.measure(self, flat, comm, group, segments, reduce)
+
+    def residual(self, group, segments):
+        """This rank's error-feedback residual of buffer ``group`` (the ``"residual"``
+        slot of a stateful compressor), or ``None`` for compressors that keep none."""
+        if self.store is None or "residual" not in self.state_slots():
+            return None
+        return self.store.view(group, segments).get("residual")
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self):

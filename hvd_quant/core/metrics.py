@@ -1,0 +1,494 @@
+"""What compression does while training: bytes, phase times, residuals and probe errors.
+
+One owner (an optimizer; see :mod:`hvd_quant.core.handle`) holds one :class:`OwnerMetrics`
+when it turns metrics on (``CompressorRunner.observe``); the runner feeds it each
+reduction of a buffer ("bucket") through :meth:`OwnerMetrics.measure`, and the adapter
+feeds it the step's own times (:meth:`OwnerMetrics.record_step`). Every figure, its unit
+and where it comes from is declared once, in the tables below (:data:`STEP_FIGURES`,
+:data:`PROBE_FIGURES`, :data:`OWNER_FIGURES`, :data:`DERIVED`), and users read them all
+with :meth:`OwnerMetrics.snapshot`, a dict of plain numbers (``opt.metrics()``).
+
+The phases of one reduction
+---------------------------
+The reduction runs on a :class:`TimedComm`, which wraps the owner's communicator and
+tells a :class:`PhaseClock` when each collective starts and returns (an asynchronous
+collective's start and its ``wait()`` alike). From those instants, after the fact:
+
+* ``wait_s``: time inside collectives (on the wire, or waiting for the slowest rank);
+* ``encode_s``: the reduction's own work until its last collective starts (compress,
+  pack; for methods of several rounds, the work between them: a ring's hops);
+* ``decode_s``: the work after the last collective returns (unpack, average, write).
+
+With a profiler running, each of these stretches is a named range
+(``hvd_quant/encode``, ``hvd_quant/wait``, ``hvd_quant/decode``), opened through the
+``ranges`` factory the adapter passes (``torch.profiler.record_function``). A stretch's
+name is chosen when it opens, so "decode" is recognised by the number of collectives the
+bucket issued the step before: on a bucket's first step every stretch after a collective
+is named ``hvd_quant/decode``; the times are exact on every step. On a GPU these are the
+host's times (the kernels run asynchronously); staged collectives wait for the device.
+
+Probe steps
+-----------
+Every ``probe_every`` reductions of a bucket (the ``probe_every``-th, ``2 * probe_every``-th,
+...; ``0``: never), the owner pays for an exact answer: before the reduction one fp32
+sum-allreduce of the bucket's gradient (named ``hvd_quant.<owner>.<bucket>.probe`` on every
+rank, issued before the method's own collectives) gives the exact mean ``g``; after it,
+with the method's estimate ``ĝ``, one allgather of six float64 numbers per rank
+(``...probe.figures``) shares
+
+* ``||ĝ - g||^2``, ``||g||^2``, ``<ĝ, g>`` and ``||ĝ||^2`` as rank 0 computed them, so
+  that the relative error ``||ĝ - g|| / ||g||`` and the cosine similarity
+  ``<ĝ, g> / (||ĝ|| ||g||)`` are the same number on every rank;
+* each rank's ``||x_r||^2`` (its own gradient) and ``||e_r||^2`` (its error-feedback
+  residual after the step, for compressors that keep one), averaged over ranks: the
+  residual's and the gradient's root mean square over ranks, also the same everywhere.
+
+A probe step sends ``2 (n - 1) / n * 4 d`` bytes more (an fp32 ring allreduce of the
+bucket's ``d`` elements) and makes three to four passes over it: at 2 ranks that is 32
+times what a 1-bit allgather sends, so ``probe_every=1000`` adds about 3% to the bytes of
+``ef_sign``. Non-finite probes (a rank's gradient held inf or NaN) are not recorded.
+
+Every rank takes the same decisions: whether a step probes depends only on how many
+times the bucket was reduced (the same on every rank; restarted on every rank by
+:meth:`OwnerMetrics.restart` after an elastic reset), and the probe's figures come from
+the allgather every rank runs.
+
+Non-finite steps
+----------------
+After each reduction, whether the estimate is finite (``Backend.all_finite``, one pass
+over it). A non-finite gradient on any rank makes the reduced gradient non-finite on
+every rank (every method here carries it), so the count of such steps, the steps
+``torch.amp.GradScaler`` skips, is the same on every rank. The flag is read from the
+device lazily (at :meth:`OwnerMetrics.snapshot`, or once 64 are waiting), so a GPU step
+gets no extra host synchronisation.
+"""
+
+import math
+import time
+
+import numpy as np
+
+from .comm import Communicator, RoutedGroup
+from .costmodel import fp32_ring_bytes
+
+#: Default of ``probe_every`` (reductions of a bucket between probes): rare enough to add
+#: about 3% to a 1-bit method's bytes at 2 ranks (module docstring), often enough to see
+#: a drift over a run.
+DEFAULT_PROBE_EVERY = 1000
+
+#: Per bucket, every reduction: name -> meaning. Summed over buckets for the owner.
+STEP_FIGURES = {
+    "bytes_sent": "bytes this rank sent for the reduction (WireMeter's cost model)",
+    "fp32_bytes": "bytes an fp32 ring allreduce of the same buffer would send",
+    "encode_s": "seconds of the reduction's own work until its last collective",
+    "wait_s": "seconds inside collectives",
+    "decode_s": "seconds of work after the last collective returned",
+    "probe_s": "seconds of the probe's extra collectives and passes (0 off probe steps)",
+    "nonfinite": "1 when the reduced gradient held inf or NaN",
+}
+#: Per bucket, probe steps only: the raw sums the probe's allgather shares.
+PROBE_FIGURES = {
+    "sq_grad": "mean over ranks of ||x_r||^2, each rank's own gradient",
+    "sq_residual": "mean over ranks of ||e_r||^2, the error-feedback residual after the step",
+    "sq_error": "||g_hat - g||^2, the estimate against the exact fp32 mean (rank 0's)",
+    "sq_exact": "||g||^2 of the exact fp32 mean (rank 0's)",
+    "dot": "<g_hat, g> (rank 0's)",
+    "sq_estimate": "||g_hat||^2 (rank 0's)",
+}
+#: Per owner, per step, measured by the adapter around its step.
+OWNER_FIGURES = {
+    "step_s": "seconds from the previous step's end to this step's end",
+    "sync_s": "seconds the step waited for the reductions (synchronize)",
+    "update_s": "seconds of the wrapped optimizer's update",
+    "rest_s": "step_s - sync_s - update_s: forward, backward, data, the rest",
+}
+#: Figures derived from the sums above, for a bucket or summed over buckets: a running
+#: mean (".mean") is the same function of the sums over every step (a pooled ratio).
+DERIVED = {
+    "compression_ratio": lambda f: _ratio(f["fp32_bytes"], f["bytes_sent"]),
+    "grad_norm": lambda f: _root(f.get("sq_grad")),
+    "residual_norm": lambda f: _root(f.get("sq_residual")),
+    "residual_ratio": lambda f: _root(_ratio(f.get("sq_residual"), f.get("sq_grad"))),
+    "probe_rel_error": lambda f: _root(_ratio(f.get("sq_error"), f.get("sq_exact"))),
+    "probe_cosine": lambda f: _ratio(f.get("dot"), _root(_product(f.get("sq_exact"),
+                                                                   f.get("sq_estimate")))),
+}
+#: Flags waiting to be read from the device before they are read all at once.
+MAX_PENDING_FLAGS = 64
+
+
+def check_probe_every(value):
+    """``value`` as an int >= 0, else a ``ValueError`` that says what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"probe_every must be a whole number >= 0 (0: no probe steps), got {value!r}")
+    return int(value)
+
+
+def _ratio(a, b):
+    if a is None or b is None or not b:
+        return None
+    return a / b
+
+
+def _root(a):
+    return None if a is None or a < 0 else math.sqrt(a)
+
+
+def _product(a, b):
+    return None if a is None or b is None else a * b
+
+
+def _sum_squares(B, x):
+    """``||x||^2`` as a Python float: one pass with no temporary where the tensor has a
+    ``dot`` (numpy, torch), else through the backend."""
+    if hasattr(x, "dot"):
+        return float(x.dot(x))
+    return float(B.to_numpy(B.sum(x * x)))
+
+
+def _dot(B, x, y):
+    if hasattr(x, "dot"):
+        return float(x.dot(y))
+    return float(B.to_numpy(B.sum(x * y)))
+
+
+# --- timing one reduction ------------------------------------------------------------------
+class PhaseClock:
+    """The phases of one reduction (module docstring), from the collectives it issues.
+
+    ``ranges(name)`` returns a context manager that marks a named range for a profiler
+    (``None``: no ranges); ``expected`` is the number of collective intervals the bucket
+    issued the step before (``None`` on its first step), used only to name the ranges."""
+
+    def __init__(self, ranges=None, expected=None):
+        self._ranges = ranges
+        self.expected = expected
+        self.collectives = 0  # intervals seen: a blocking collective, an async start, a wait
+        self.encode_s = self.wait_s = self.decode_s = 0.0
+        self._depth = 0  # a collective that issues another through this clock counts once
+        self._range = None
+        self._mark = time.perf_counter()
+        self._switch("hvd_quant/encode")
+
+    def _switch(self, name):
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        if name is not None and self._ranges is not None:
+            self._range = self._ranges(name)
+            self._range.__enter__()
+
+    def begin(self):
+        """A collective starts: the work since the last mark was encoding."""
+        self._depth += 1
+        if self._depth == 1:
+            now = time.perf_counter()
+            self.encode_s += now - self._mark
+            self._mark = now
+            self._switch("hvd_quant/wait")
+
+    def end(self):
+        """The collective returned: the next stretch is decoding if it was the last one."""
+        self._depth -= 1
+        if self._depth == 0:
+            now = time.perf_counter()
+            self.wait_s += now - self._mark
+            self._mark = now
+            self.collectives += 1
+            last = self.expected is None or self.collectives >= self.expected
+            self._switch("hvd_quant/decode" if last else "hvd_quant/encode")
+
+    def finish(self):
+        """The reduction returned: the work since the last collective was decoding."""
+        self.decode_s = time.perf_counter() - self._mark
+        self._switch(None)
+
+
+class TimedComm(Communicator):
+    """``inner`` with each collective reported to ``clock`` (:class:`PhaseClock`).
+
+    Everything else is ``inner``'s: ``rank``, ``size``, the meter (bytes are counted once,
+    by ``inner``), the integer dtypes it sums, its asynchronous collectives where it has
+    them (their handles' ``wait()`` timed too) and its sub-groups (timed as well)."""
+
+    _ASYNC = ("allgather_async", "alltoall_async", "allreduce_async")
+
+    def __init__(self, inner, clock):  # no Communicator.__init__: the meter is inner's
+        self.inner = inner
+        self.clock = clock
+        self.meter = inner.meter
+        self.allreduce_int_dtypes = inner.allreduce_int_dtypes
+
+    @property
+    def rank(self):
+        return self.inner.rank
+
+    @property
+    def size(self):
+        return self.inner.size
+
+    def __getattr__(self, name):
+        if name in ("inner", "clock"):
+            raise AttributeError(name)
+        value = getattr(self.inner, name)  # AttributeError where inner has no async twin
+        if name in self._ASYNC:
+            return lambda *args: _TimedHandle(self._timed(value, *args), self.clock)
+        return value
+
+    def _timed(self, fn, *args):
+        self.clock.begin()
+        try:
+            return fn(*args)
+        finally:
+            self.clock.end()
+
+    def allreduce(self, x, op, name):
+        return self._timed(self.inner.allreduce, x, op, name)
+
+    def allgather(self, x, name):
+        return self._timed(self.inner.allgather, x, name)
+
+    def alltoall(self, x, name):
+        return self._timed(self.inner.alltoall, x, name)
+
+    def sendrecv(self, x, dest, source, name, recv_numel=None):
+        return self._timed(self.inner.sendrecv, x, dest, source, name, recv_numel)
+
+    def ranks_per_node(self):
+        return self.inner.ranks_per_node()
+
+    def subgroups(self, rows):
+        # A routed group stays a RoutedGroup (gather_blocks looks for one), routed
+        # through this communicator's timed sendrecv.
+        return tuple(RoutedGroup(self, sub.members) if isinstance(sub, RoutedGroup)
+                     else TimedComm(sub, self.clock) for sub in self.inner.subgroups(rows))
+
+
+class _TimedHandle:
+    def __init__(self, handle, clock):
+        self._handle, self._clock = handle, clock
+
+    def wait(self):
+        self._clock.begin()
+        try:
+            return self._handle.wait()
+        finally:
+            self._clock.end()
+
+
+# --- the state: per owner, per bucket ------------------------------------------------------
+class BucketMetrics:
+    """One bucket's figures: the last reduction's and the sums over all of them.
+
+    ``last`` and ``total`` hold :data:`STEP_FIGURES`; ``last_probe`` and ``probe_total``
+    hold :data:`PROBE_FIGURES` (empty until the first probe). ``steps`` counts the
+    reductions, ``since_restart`` those since the last elastic restart (probe decisions),
+    ``collectives`` the intervals of the last one (range names, :class:`PhaseClock`)."""
+
+    def __init__(self, index):
+        self.index = index
+        self.steps = self.since_restart = self.probes = 0
+        self.collectives = None
+        self.last = dict.fromkeys(STEP_FIGURES, 0.0)
+        self.total = dict.fromkeys(STEP_FIGURES, 0.0)
+        self.last_probe, self.probe_total = {}, {}
+
+    def record(self, figures, probe):
+        self.steps += 1
+        self.since_restart += 1
+        for k in STEP_FIGURES:
+            self.last[k] = float(figures.get(k, 0.0))
+            self.total[k] += self.last[k]
+        if probe is not None:
+            self.probes += 1
+            self.last_probe = dict(probe)
+            for k, v in probe.items():
+                self.probe_total[k] = self.probe_total.get(k, 0.0) + v
+
+
+class OwnerMetrics:
+    """One owner's metrics (module docstring): its buckets' :class:`BucketMetrics`, in the
+    order they were first reduced, and the owner's step figures (:data:`OWNER_FIGURES`).
+
+    Parameters
+    ----------
+    probe_every : int
+        Reductions of a bucket between probe steps; ``0``: none (:func:`check_probe_every`).
+    ranges : callable or None
+        ``ranges(name)`` -> context manager marking a profiler range (the adapter's).
+    """
+
+    def __init__(self, probe_every=DEFAULT_PROBE_EVERY, ranges=None):
+        self.probe_every = check_probe_every(probe_every)
+        self.ranges = ranges
+        self.buckets = {}  # group key -> BucketMetrics
+        self.steps = 0
+        self.last_step = dict.fromkeys(OWNER_FIGURES, 0.0)
+        self.step_total = dict.fromkeys(OWNER_FIGURES, 0.0)
+        self.timed_steps = 0
+        self._step_end = None  # when the adapter's last step ended (record_step)
+        self._pending = []  # (bucket, its step, flag): finiteness not read from the device yet
+        self.nonfinite_steps = set()  # step numbers (a bucket's reduction count) that held inf/NaN
+
+    def bucket(self, group):
+        if group not in self.buckets:
+            self.buckets[group] = BucketMetrics(len(self.buckets))
+        return self.buckets[group]
+
+    def restart(self):
+        """Count reductions towards the next probe from zero on every bucket: after an
+        elastic reset, ranks that joined start from zero, so the survivors must too."""
+        for b in self.buckets.values():
+            b.since_restart = 0
+
+    def probes_now(self, bucket):
+        return bool(self.probe_every) and (bucket.since_restart + 1) % self.probe_every == 0
+
+    def measure(self, runner, flat, comm, group, segments, reduce):
+        """``reduce(comm)``, the reduction of buffer ``group`` (``flat``, made of
+        ``segments``) by ``runner``, run on a :class:`TimedComm` and recorded, with a
+        probe around it on probe steps. Returns the reduction's result."""
+        bucket = self.bucket(group)
+        B = runner.backend
+        probe = _Probe(B, comm, runner, group, segments, flat, self.ranges) if self.probes_now(bucket) else None
+        bytes_before = comm.meter.bytes_sent
+        clock = PhaseClock(self.ranges, bucket.collectives)
+        try:
+            mean = reduce(TimedComm(comm, clock))
+        finally:
+            clock.finish()
+        bucket.collectives = clock.collectives
+        figures = {"bytes_sent": comm.meter.bytes_sent - bytes_before,
+                   "fp32_bytes": fp32_ring_bytes(B.numel(flat), comm.size),
+                   "encode_s": clock.encode_s, "wait_s": clock.wait_s, "decode_s": clock.decode_s}
+        probed = probe.finish(mean) if probe is not None else None
+        if probe is not None:
+            figures["probe_s"] = probe.seconds
+        bucket.record(figures, probed)
+        self._pending.append((bucket, bucket.steps, B.all_finite(mean)))
+        if len(self._pending) >= MAX_PENDING_FLAGS:
+            self._settle()
+        return mean
+
+    def _settle(self):
+        """Read the waiting finiteness flags (one host read each on a GPU)."""
+        for bucket, step, flag in self._pending:  # in order: the last one is the latest step's
+            bad = not bool(flag)
+            bucket.last["nonfinite"] = float(bad)
+            if bad:
+                bucket.total["nonfinite"] += 1.0
+                self.nonfinite_steps.add(step)
+        self._pending = []
+
+    def record_step(self, sync_s, update_s, now=None):
+        """The adapter's step ended: ``sync_s`` waiting for reductions, ``update_s`` in the
+        update. ``step_s`` runs from the previous step's end (none on the first step)."""
+        now = time.perf_counter() if now is None else now
+        previous, self._step_end = self._step_end, now
+        self.steps += 1
+        if previous is None:
+            return
+        step_s = now - previous
+        self.last_step = {"step_s": step_s, "sync_s": sync_s, "update_s": update_s,
+                          "rest_s": max(0.0, step_s - sync_s - update_s)}
+        for k, v in self.last_step.items():
+            self.step_total[k] += v
+        self.timed_steps += 1
+
+    def snapshot(self):
+        """Every figure as a plain number (``None`` where not measured yet): see
+        :func:`snapshot_of`."""
+        self._settle()
+        return snapshot_of(self)
+
+
+def snapshot_of(owner):
+    """``{name: number}``: for each figure ``F`` of :data:`STEP_FIGURES`,
+    :data:`PROBE_FIGURES`, :data:`DERIVED` and :data:`OWNER_FIGURES`, ``F`` (the last
+    step, summed over buckets) and ``F.mean`` (the mean per step; for derived ratios the
+    pooled ratio of all steps' sums), and per bucket ``bucket<i>/F`` and
+    ``bucket<i>/F.mean``; plus ``steps``, ``probes`` and ``skipped_steps`` (steps in
+    which a bucket's reduced gradient held inf or NaN)."""
+    buckets = sorted(owner.buckets.values(), key=lambda b: b.index)
+    out = {"steps": owner.steps or max((b.steps for b in buckets), default=0),
+           "probes": max((b.probes for b in buckets), default=0),
+           "skipped_steps": len(owner.nonfinite_steps)}
+    for b in buckets:
+        _put(out, f"bucket{b.index}/", {**b.last, **b.last_probe},
+             _means(b.total, b.steps, b.probe_total, b.probes))
+    _put(out, "", _summed([{**b.last, **b.last_probe} for b in buckets]),
+         _summed([_means(b.total, b.steps, b.probe_total, b.probes) for b in buckets]))
+    for k in OWNER_FIGURES:
+        out[k] = owner.last_step[k] if owner.timed_steps else None
+        out[k + ".mean"] = owner.step_total[k] / owner.timed_steps if owner.timed_steps else None
+    return out
+
+
+def _means(total, steps, probe_total, probes):
+    """Per-step means of the step sums and per-probe means of the probe sums."""
+    means = {k: v / steps for k, v in total.items()} if steps else {}
+    means.update({k: v / probes for k, v in probe_total.items()} if probes else {})
+    return means
+
+
+def _summed(dicts):
+    out = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _put(out, prefix, last, mean):
+    for name, figures in (("", last), (".mean", mean)):
+        for k in list(STEP_FIGURES) + list(PROBE_FIGURES):
+            out[f"{prefix}{k}{name}"] = figures.get(k)
+        for k, derive in DERIVED.items():
+            out[f"{prefix}{k}{name}"] = derive(figures) if figures else None
+
+
+class _Probe:
+    """One probe step of one bucket (module docstring, "Probe steps"): the exact mean
+    before the reduction, the shared figures after it."""
+
+    def __init__(self, B, comm, runner, group, segments, flat, ranges):
+        self.B, self.comm, self.runner, self.group, self.segments = B, comm, runner, group, segments
+        self.ranges = ranges
+        self.name = f"hvd_quant.{runner.collective_prefix(group)}.probe"
+        start = time.perf_counter()
+        with self._range():
+            # Before the reduction: it may write its result over ``flat``.
+            self.exact = comm.allreduce(flat, "sum", self.name) * (1.0 / comm.size)
+            self.sq_grad = _sum_squares(B, flat)
+        self.seconds = time.perf_counter() - start
+
+    def _range(self):
+        return self.ranges("hvd_quant/probe") if self.ranges is not None else _Nothing()
+
+    def finish(self, mean):
+        """The probe's figures (:data:`PROBE_FIGURES`), the same on every rank, or
+        ``None`` when they are not finite."""
+        B, start = self.B, time.perf_counter()
+        with self._range():
+            residual = self.runner.residual(self.group, self.segments)
+            sq_residual = _sum_squares(B, residual) if residual is not None else float("nan")
+            row = [self.sq_grad, sq_residual, _sum_squares(B, mean - self.exact),
+                   _sum_squares(B, self.exact), _dot(B, mean, self.exact), _sum_squares(B, mean)]
+            gathered = self.comm.allgather(B.constant(np.array(row, np.float64), "float64"),
+                                           self.name + ".figures")
+            rows = np.asarray(B.to_numpy(gathered), np.float64).reshape(self.comm.size, len(row))
+        self.seconds += time.perf_counter() - start
+        shared = {"sq_grad": rows[:, 0].mean(), "sq_residual": rows[:, 1].mean()}
+        shared.update(zip(("sq_error", "sq_exact", "dot", "sq_estimate"), rows[0, 2:]))
+        if residual is None:
+            del shared["sq_residual"]
+        shared = {k: float(v) for k, v in shared.items()}
+        return shared if all(math.isfinite(v) for v in shared.values()) else None
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,268 @@
+"""Metrics of compression while training (hvd_quant.core.metrics; issue 54).
+
+Each figure against a numpy oracle on the thread world (one process): bytes against the
+wire meter and an fp32 ring's formula, the probe's relative error and cosine against the
+exact mean computed here, the residual against the compressor's own state, non-finite
+steps; the same global figures on every rank at 2 and 3 ranks; results bit for bit those
+of an unmeasured run; the profiler ranges' names; bad arguments. The torch adapter's
+tests are at the end (``opt.metrics()``, the TensorBoard writer, the profiler's trace).
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import hvd_quant
+from hvd_quant.core import metrics as M
+from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.pipeline import chunked_reduce
+from hvd_quant.core.runner import CompressorRunner
+from hvd_quant.core.simulate import CollectiveMismatch, ThreadWorld
+
+B = NumpyBackend()
+SEGMENTS = [("w", 40), ("b", 24)]
+D = sum(n for _, n in SEGMENTS)
+#: Figures that every rank must report alike.
+GLOBAL = ("fp32_bytes", "sq_error", "sq_exact", "dot", "sq_estimate", "sq_grad", "sq_residual",
+          "probe_rel_error", "probe_cosine", "residual_ratio", "nonfinite")
+
+
+def inputs(n, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(D).astype(np.float32) * (1 + r) for r in range(n)] for _ in range(steps)]
+
+
+class Ranges:
+    """A profiler stand-in: records the names of the ranges opened, in order."""
+
+    def __init__(self):
+        self.names = []
+
+    def __call__(self, name):
+        names = self.names
+
+        class Range:
+            def __enter__(self):
+                names.append(name)
+
+            def __exit__(self, *exc):
+                return False
+        return Range()
+
+
+class WithAsync:
+    """A thread-world communicator that also offers asynchronous allgathers (as Horovod's)."""
+
+    def __init__(self, comm):
+        self.comm, self.waited = comm, 0
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def allgather_async(self, x, name):
+        outer, result = self, self.comm.allgather(x, name)
+
+        class Handle:
+            def wait(self):
+                outer.waited += 1
+                return result
+        return Handle()
+
+
+def run(name, xs, probe_every=1, measure=True, ranges=None, chunk=0, wrap=None, **options):
+    """``xs[step][rank]`` through one runner per rank; returns (outputs, runners, meters)."""
+    n = len(xs[0])
+    compressor = hvd_quant.get(name, **options)
+    runners = [CompressorRunner(compressor, B, seed=5) for _ in range(n)]
+    if measure:
+        for r in runners:
+            r.observe(probe_every, ranges[r_index(runners, r)] if ranges else None)
+    outs, meters = [], []
+    for step in xs:
+        world = ThreadWorld(n)
+
+        def rank(c):
+            runner, x = runners[c.rank], step[c.rank]
+            c = wrap(c) if wrap else c
+            return runner.measured(x, c, "g", SEGMENTS,
+                                   lambda comm: chunked_reduce(runner, x, comm, "g", SEGMENTS, chunk))
+        outs.append(world.run(rank))
+        meters.append([m.bytes_sent for m in world.meters])
+    return outs, runners, meters
+
+
+def r_index(runners, runner):
+    return next(i for i, r in enumerate(runners) if r is runner)
+
+
+def oracle_probe(estimate, xs_step):
+    exact = np.mean(np.stack(xs_step).astype(np.float64), axis=0)
+    est = estimate.astype(np.float64)
+    return (np.linalg.norm(est - exact) / np.linalg.norm(exact),
+            est @ exact / (np.linalg.norm(est) * np.linalg.norm(exact)))
+
+
+# --- the core, one process --------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", ["ef_sign", "global_qsgd", "none"])
+def test_probe_figures_equal_the_numpy_oracle_on_every_rank(name, n):
+    xs = inputs(n, 3)
+    outs, runners, _ = run(name, xs)
+    plain, plain_runners, _ = run(name, xs, measure=False)
+    for step in range(3):  # measuring changes nothing: results and state bit for bit
+        for r in range(n):
+            np.testing.assert_array_equal(outs[step][r], plain[step][r])
+    for a, b in zip(runners, plain_runners):
+        assert a.state_dict().keys() == b.state_dict().keys()
+        for k in a.state_dict():
+            np.testing.assert_array_equal(a.state_dict()[k], b.state_dict()[k])
+    rel, cos = oracle_probe(outs[-1][0], xs[-1])
+    snaps = [r.metrics.snapshot() for r in runners]
+    for s in snaps:
+        assert s["probes"] == 3 and s["steps"] == 3
+        assert s["probe_rel_error"] == pytest.approx(rel, rel=1e-4, abs=1e-6)
+        assert s["probe_cosine"] == pytest.approx(cos, rel=1e-5)
+        assert s["bucket0/probe_rel_error"] == s["probe_rel_error"]
+        grad_rms = math.sqrt(np.mean([float(x.astype(np.float64) @ x) for x in xs[-1]]))
+        assert s["grad_norm"] == pytest.approx(grad_rms, rel=1e-5)
+    for k in GLOBAL:
+        assert len({repr(s[k]) for s in snaps}) == 1, k
+        assert len({repr(s[k + ".mean"]) for s in snaps}) == 1, k
+    if name == "none":
+        assert snaps[0]["probe_rel_error"] < 1e-6 and snaps[0]["compression_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_residual_norm_is_the_compressors_own_state(n):
+    xs = inputs(n, 2, seed=3)
+    _, runners, _ = run("ef_sign", xs)
+    squares = [sum(float(v.astype(np.float64) @ v) for k, v in r.state_dict().items()
+                   if k.endswith("/residual")) for r in runners]
+    grad = np.mean([float(x.astype(np.float64) @ x) for x in xs[-1]])
+    s = runners[0].metrics.snapshot()
+    assert s["residual_norm"] == pytest.approx(math.sqrt(np.mean(squares)), rel=1e-5)
+    assert s["residual_ratio"] == pytest.approx(math.sqrt(np.mean(squares) / grad), rel=1e-5)
+    assert s["residual_norm"] > 0
+    _, stateless, _ = run("global_qsgd", xs)
+    assert stateless[0].metrics.snapshot()["residual_norm"] is None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bytes_are_the_meters_and_fp32_is_a_rings(n):
+    xs = inputs(n, 4)
+    _, runners, meters = run("ef_sign", xs, probe_every=2)
+    _, _, plain_meters = run("ef_sign", xs, measure=False)
+    fp32 = 2 * (n - 1) / n * 4 * D
+    s = runners[1].metrics.snapshot()
+    assert s["bytes_sent"] == pytest.approx(plain_meters[-1][1])
+    assert s["bytes_sent.mean"] == pytest.approx(np.mean([m[1] for m in plain_meters]))
+    assert s["fp32_bytes"] == pytest.approx(fp32)
+    assert s["compression_ratio"] == pytest.approx(fp32 / plain_meters[-1][1])
+    # probe steps (2 and 4) send an fp32 ring more, and a 6-number allgather per rank
+    probe_bytes = fp32 + (n - 1) * 6 * 8
+    assert meters[1][1] - plain_meters[1][1] == pytest.approx(probe_bytes)
+    assert meters[0][1] == pytest.approx(plain_meters[0][1])
+    assert s["probes"] == 2
+
+
+def test_probe_every_zero_issues_nothing_more():
+    xs = inputs(2, 3)
+    _, runners, meters = run("ef_sign", xs, probe_every=0)
+    _, _, plain = run("ef_sign", xs, measure=False)
+    assert meters == plain
+    s = runners[0].metrics.snapshot()
+    assert s["probes"] == 0 and s["probe_rel_error"] is None and s["bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_nonfinite_steps_are_counted_alike_on_every_rank(n):
+    xs = inputs(n, 3)
+    xs[1][n - 1][7] = np.nan
+    _, runners, _ = run("ef_sign", xs)
+    for r in runners:
+        s = r.metrics.snapshot()
+        assert s["skipped_steps"] == 1 and s["nonfinite"] == 0.0
+        assert s["nonfinite.mean"] == pytest.approx(1 / 3)
+        assert s["probes"] == 2  # the non-finite probe is not recorded
+
+
+def test_phase_times_and_range_names():
+    xs = inputs(2, 2)
+    ranges = [Ranges(), Ranges()]
+    _, runners, _ = run("global_qsgd", xs, ranges=ranges, probe_every=2)
+    s = runners[0].metrics.snapshot()
+    for k in ("encode_s", "wait_s", "decode_s", "probe_s"):
+        assert s[k] >= 0.0 and s[k + ".mean"] >= 0.0
+    assert s["probe_s"] > 0
+    names = ranges[0].names
+    first = names[:names.index("hvd_quant/probe")]
+    assert first[0] == "hvd_quant/encode" and first[-1] == "hvd_quant/decode"
+    assert set(first) == {"hvd_quant/encode", "hvd_quant/wait", "hvd_quant/decode"}
+    # from the second step, only the stretch after the last collective is "decode"
+    second = names[names.index("hvd_quant/probe") + 1:]
+    second = [n for n in second if n != "hvd_quant/probe"]
+    waits = second.count("hvd_quant/wait")
+    assert waits >= 2, second
+    assert second == ["hvd_quant/encode", "hvd_quant/wait"] * waits + ["hvd_quant/decode"]
+
+
+def test_torus_subgroups_and_async_chunks_are_timed_without_changing_results():
+    xs = inputs(4, 2)
+    kw = dict(topology="torus", torus_rows=2)
+    a, _, _ = run("marsit", xs, **kw)
+    b, _, _ = run("marsit", xs, measure=False, **kw)
+    np.testing.assert_array_equal(np.stack(a[-1]), np.stack(b[-1]))
+    xs2 = inputs(2, 2)
+    a, runners, _ = run("ef_sign", xs2, chunk=16, wrap=WithAsync)
+    b, _, _ = run("ef_sign", xs2, chunk=16, measure=False, wrap=WithAsync)
+    np.testing.assert_array_equal(np.stack(a[-1]), np.stack(b[-1]))
+    # 4 chunks: each start and each wait is an interval of its own
+    assert runners[0].metrics.buckets["g"].collectives >= 8
+
+
+def test_probes_restart_in_step_after_an_elastic_reset():
+    xs = inputs(2, 3)
+    compressor = hvd_quant.get("ef_sign")
+    old = CompressorRunner(compressor, B)
+    old.observe(2)
+    ThreadWorld(1).run(lambda c: old.measured(xs[0][0], c, "g", SEGMENTS,
+                                              lambda cc: old.reduce(xs[0][0], cc, "g", SEGMENTS)))
+    old.reset_checks(2)  # a survivor; the joiner is new: both probe at their 2nd step
+    new = CompressorRunner(compressor, B)
+    new.observe(2)
+    for step in xs[1:]:
+        ThreadWorld(2).run(lambda c: [old, new][c.rank].measured(
+            step[c.rank], c, "g", SEGMENTS, lambda cc: [old, new][c.rank].reduce(step[c.rank], cc, "g", SEGMENTS)))
+    assert old.metrics.snapshot()["probes"] == new.metrics.snapshot()["probes"] == 1
+
+
+def test_mismatched_probe_settings_are_caught_not_hung():
+    """Ranks with different probe_every issue different collectives: the thread world
+    (and Horovod, by name) refuses them rather than pairing wrong tensors."""
+    compressor = hvd_quant.get("none")
+    runners = [CompressorRunner(compressor, B), CompressorRunner(compressor, B)]
+    runners[0].observe(1)
+    runners[1].observe(0)
+    x = inputs(2, 1)[0]
+    with pytest.raises(CollectiveMismatch):
+        ThreadWorld(2, timeout=5).run(lambda c: runners[c.rank].measured(
+            x[c.rank], c, "g", SEGMENTS, lambda cc: runners[c.rank].reduce(x[c.rank], cc, "g", SEGMENTS)))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", True, None])
+def test_bad_probe_every_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="probe_every"):
+        M.OwnerMetrics(bad)
+
+
+def test_owner_step_figures():
+    owner = M.OwnerMetrics(0)
+    owner.record_step(0.1, 0.2, now=10.0)
+    assert M.snapshot_of(owner)["step_s"] is None
+    owner.record_step(0.1, 0.2, now=11.0)
+    owner.record_step(0.3, 0.1, now=11.5)
+    s = owner.snapshot()
+    assert s["steps"] == 3
+    assert s["step_s"] == pytest.approx(0.5) and s["rest_s"] == pytest.approx(0.1)
+    assert s["step_s.mean"] == pytest.approx(0.75) and s["rest_s.mean"] == pytest.approx(0.4)
