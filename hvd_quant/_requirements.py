@@ -103,7 +103,7 @@ REQUIREMENTS = {
 _HOROVOD_SWITCH = {"torch": "HOROVOD_WITH_PYTORCH=1", "tensorflow": "HOROVOD_WITH_TENSORFLOW=1"}
 _FRAMEWORK_NAME = {"torch": "PyTorch", "tensorflow": "TensorFlow"}
 
-_checked = set()
+_checked = {}  # framework -> None, or why Horovod is not usable (horovod_optional)
 _warned = set()
 
 
@@ -185,15 +185,21 @@ def _import(module):
     return importlib.import_module(module)
 
 
-def check(framework):
+def check(framework, horovod_optional=False):
     """Check the environment for the ``framework`` adapter (``"torch"`` or
     ``"tensorflow"``), once per process; raise :class:`ImportError` naming every problem.
     Imports what the adapter imports anyway (numpy, the framework, Keras, Horovod), and
-    never numba."""
+    never numba.
+
+    ``horovod_optional``: Horovod's problems (missing, too old, built without the
+    framework) are returned as one message instead of raised, for an adapter that also
+    works without it (torch over ``torch.distributed``); ``None`` when Horovod is usable."""
     if framework not in _HOROVOD_SWITCH:
         raise ValueError(f"framework must be 'torch' or 'tensorflow', got {framework!r}")
     if framework in _checked:
-        return
+        if _checked[framework] is not None and not horovod_optional:
+            raise ImportError(_checked[framework])
+        return _checked[framework]
     problems = []
     adapter = f"hvd_quant.{framework}"
 
@@ -218,6 +224,7 @@ def check(framework):
     framework_ok = len(problems) == before_framework
 
     horovod_ok = False
+    before_horovod = len(problems)
     try:
         horovod = _import("horovod")
     except ImportError as exc:
@@ -239,12 +246,20 @@ def check(framework):
                 f"the {_FRAMEWORK_NAME[framework]} installed now (a rebuild is needed after the "
                 f"framework is upgraded); `horovodrun --check-build` lists what it has")
 
+    horovod_problems = []
+    if horovod_optional:
+        problems, horovod_problems = problems[:before_horovod], problems[before_horovod:]
     if problems:
-        trailer = ("\n(HVD_QUANT_IGNORE_VERSIONS=1 goes on with versions that are too old, "
-                   "untested, at your own risk)" if any(" is too old: " in p for p in problems) else "")
-        raise ImportError(f"{adapter} cannot be used in this environment:\n"
-                          + "\n".join(f"  - {p}" for p in problems) + trailer)
-    _checked.add(framework)
+        raise ImportError(_message(adapter, problems))
+    why = _message(f"{adapter}'s Horovod entry points", horovod_problems) if horovod_problems else None
+    _checked[framework] = why
+    return why
+
+
+def _message(what, problems):
+    trailer = ("\n(HVD_QUANT_IGNORE_VERSIONS=1 goes on with versions that are too old, "
+               "untested, at your own risk)" if any(" is too old: " in p for p in problems) else "")
+    return f"{what} cannot be used in this environment:\n" + "\n".join(f"  - {p}" for p in problems) + trailer
 
 
 def _first_line(exc):

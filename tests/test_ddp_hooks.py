@@ -481,3 +481,73 @@ if __name__ == "__main__":
         _hang_worker()
     else:
         _worker(sys.argv[1])
+
+
+NO_HOROVOD = r'''
+import os, sys
+import torch, torch.distributed as dist
+import hvd_quant.torch as hq
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+rank = int(sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+hq.ddp.register(ddp, hq.Compression.ef_sign)
+opt = hq.OnebitAdam(ddp.parameters(), lr=1e-2, freeze_step=2, process_group=True)
+torch.manual_seed(1 + rank)  # each rank its own data
+x, y = torch.randn(32, 8), torch.randn(32, 1)
+losses = []
+for _ in range(6):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(ddp(x), y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+print("kinds", opt.step_kinds, "comm", type(opt._comm).__name__)
+print("losses", losses[0], losses[-1])
+print("digest", sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(model.parameters())))
+for name, call in [("DistributedOptimizer", lambda: hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), 0.1))),
+                   ("broadcast_optimizer_state", lambda: hq.broadcast_optimizer_state(opt, 0)),
+                   ("OnebitAdam", lambda: hq.OnebitAdam(model.parameters()))]:
+    try:
+        call()
+        print(name, "did not raise")
+    except ImportError as exc:
+        text = " ".join(str(exc).split())
+        print(name, "ImportError:", text[:300], "...", text[-200:])
+print("horovod" in sys.modules and sys.modules["horovod"] is not None)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(180)
+def test_hooks_and_optimizers_without_horovod(tmp_path):
+    """Issue 55: where ``horovod`` cannot be imported, ``import hvd_quant.torch`` works, a
+    DDP hook and a 1-bit optimizer on a process group train at 2 ranks (Gloo, one model),
+    and each Horovod entry point raises an ImportError naming what to install."""
+    blocked = tmp_path / "blocked" / "horovod"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ImportError("No module named \'horovod\' (blocked by the test)")\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocked.parent), str(ROOT)])}
+    port = str(_free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", NO_HOROVOD, port, str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for r in range(2)]
+    try:
+        outputs = [r.communicate(timeout=150) for r in ranks]
+    finally:
+        for r in ranks:
+            r.kill()
+    for r, (stdout, stderr) in zip(ranks, outputs):
+        assert r.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    out = outputs[0][0]
+    assert out.split("digest ")[1].split()[0] == outputs[1][0].split("digest ")[1].split()[0]  # one model
+    assert "kinds ['init', 'full', 'onebit', 'onebit', 'onebit', 'onebit'] comm DistComm" in out
+    first, last = (float(v) for v in out.split("losses ")[1].split()[:2])
+    assert last < first
+    for name in ("DistributedOptimizer", "broadcast_optimizer_state", "OnebitAdam"):
+        line = next(line for line in out.splitlines() if line.startswith(name + " "))
+        assert "ImportError:" in line and "Horovod is not importable" in line and "horovod>=0.28.1" in line, line
+    assert "process_group=" in out.split("OnebitAdam ImportError:")[1]
+    assert out.strip().endswith("False")  # no Horovod module was ever loaded

@@ -119,6 +119,30 @@ def _ok(value):
 
 
 @pytest.mark.parametrize("name", list(cases.CONFIGS))
+def test_on_a_process_group_the_same_bits_as_on_horovod(job, name):
+    """Issue 55: ``process_group=`` runs the same rule over torch.distributed (Gloo): fed
+    the same gradients, the same parameters bit for bit, the same steps and bytes."""
+    if job["k"] is not None:
+        pytest.skip("the 2x2 job registers Horovod node process sets: BinSGDM's hierarchy takes another route")
+    for rank in job["ranks"]:
+        got, ref = _ok(rank[f"group/{name}"]), _ok(rank[f"train/{name}"])
+        assert got["comm"] == "DistComm"
+        assert got["x"] == ref["x"], f"rank {rank['rank']}"
+        assert (got["kinds"], got["bytes"], got["rounds"]) == (ref["kinds"], ref["bytes"], ref["rounds"])
+
+
+@pytest.mark.parametrize("name", list(cases.CONFIGS))
+def test_broadcast_state_over_a_process_group(job, name):
+    """Rank 0's state reaches every rank over the group (error buffers stay each rank's)."""
+    if job["k"] is not None:
+        pytest.skip("run on the flat jobs")
+    root = _ok(job["ranks"][0][f"group_broadcast/{name}"])
+    assert root["state"] == root["trained"]
+    for rank in job["ranks"]:
+        assert _ok(rank[f"group_broadcast/{name}"])["state"] == root["trained"], f"rank {rank['rank']}"
+
+
+@pytest.mark.parametrize("name", list(cases.CONFIGS))
 def test_every_rank_equals_the_oracle(job, name):
     """Equal to float32 rounding: torch's CPU ``sqrt`` is not correctly rounded (it differs
     from numpy's in the last bit for about one value in six), and Adam divides by it.

@@ -22,7 +22,7 @@ TESTED = {"numpy": "2.4.6", "torch": "2.13.0+cpu", "tensorflow": "2.21.0", "kera
 def fake(monkeypatch):
     """Fake modules and numba metadata: ``fake(torch="2.1.0", numba=None, ...)``; a module
     given as ``ImportError("...")`` fails to import, one left out of TESTED is missing."""
-    monkeypatch.setattr(req, "_checked", set())
+    monkeypatch.setattr(req, "_checked", {})
     monkeypatch.setattr(req, "_warned", set())
     for var in ("HVD_QUANT_KERNELS", "HVD_QUANT_IGNORE_VERSIONS", *threads.RANK_VARS):
         monkeypatch.delenv(var, raising=False)
@@ -91,13 +91,13 @@ def test_pyproject_minima_match_the_check():
 
 # --- the real environment ------------------------------------------------------------------------
 def test_this_environment_passes_without_a_warning(monkeypatch, caplog):
-    monkeypatch.setattr(req, "_checked", set())
+    monkeypatch.setattr(req, "_checked", {})
     monkeypatch.setattr(req, "_warned", set())
     with caplog.at_level(logging.DEBUG, logger="hvd_quant"):
         req.check("torch")
         req.check("tensorflow")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert req._checked == {"torch", "tensorflow"}
+    assert req._checked == {"torch": None, "tensorflow": None}
     lines = req.report()
     assert [line.split()[0] for line in lines] == list(req.REQUIREMENTS)
     assert all(line.split()[2] == "ok" for line in lines), lines
@@ -218,6 +218,20 @@ def test_ignore_versions_turns_too_old_into_a_warning(fake, caplog, monkeypatch)
     assert "torch is not importable" in error("torch")
 
 
+def test_torch_without_horovod_is_a_message_not_an_error(fake):
+    """Issue 55: hvd_quant.torch imports without Horovod (its torch.distributed paths work);
+    the check hands back why Horovod cannot be used, for the entry points to raise."""
+    fake(horovod=None)
+    why = req.check("torch", horovod_optional=True)
+    assert "Horovod is not importable" in why and "horovod>=0.28.1" in why
+    assert req.check("torch", horovod_optional=True) == why  # cached
+    with pytest.raises(ImportError, match="Horovod is not importable"):
+        req.check("torch")  # an adapter that needs Horovod still raises
+    req._checked.clear()
+    fake(horovod=None, torch="2.3.1")
+    assert "torch 2.3.1 is too old" in error("torch")  # the framework's own problems still raise
+
+
 def test_unreadable_version_is_not_checked(fake):
     fake(torch="unknown")
     req.check("torch")
@@ -226,7 +240,7 @@ def test_unreadable_version_is_not_checked(fake):
 def test_the_adapters_run_the_check():
     for framework in ("torch", "tensorflow"):
         source = (ROOT / "hvd_quant" / framework / "__init__.py").read_text()
-        assert f'_check_requirements("{framework}")' in source
+        assert f'_check_requirements("{framework}"' in source
         assert source.index("_check_requirements(") < source.index("from .backend import")
 
 

@@ -79,6 +79,11 @@ values); if they still differ at the second step, rank 0 warns once. ``strict=Tr
 optimizers take ``process_set`` but must be built on its ranks only (a ``ValueError``
 otherwise): they communicate in every step.
 
+Without Horovod: ``process_group=`` (a ``torch.distributed`` process group, or ``True``
+for the world) runs the same rules over :class:`~hvd_quant.torch.dist_comm.DistComm`
+(Gloo on CPUs, NCCL on GPUs), as under ``torchrun``; the same gradients give the same
+bits as on Horovod. ``opt.broadcast_state(root)`` then broadcasts over the group.
+
 ``bytes_sent``, ``comm_rounds``, ``step_kinds`` (``"init"``, ``"full"``, ``"onebit"``,
 ``"local"`` per step) and ``skipped_steps`` (steps left out because some rank's values
 were not finite) show what each step did.
@@ -92,7 +97,12 @@ verdict instead and keeps the scales identical on every rank.
 """
 
 import torch
-import horovod.torch as hvd
+import torch.distributed as dist
+
+try:
+    import horovod.torch as hvd
+except ImportError:  # torch.distributed only (process_group=); the Horovod path says what to install
+    hvd = None
 
 from ..core.runner import (RankDisagreement, ValueAgreement, check_agreement, digest63,
                            disagreeing_groups, values_digest63)
@@ -103,7 +113,6 @@ from ..optimizers.binsgdm import single_beta
 from ..optimizers.compressed_rounds import short_warm_up_warning
 from ..process_sets import includes_this_rank
 from .backend import TorchBackend, prepare_kernels
-from .comm import HorovodTorchComm
 from .devices import home_device
 from .sparse import dense, fill_flat, kept_flat
 from .staging import host_bytes, make_comm
@@ -170,7 +179,7 @@ class RuleOptimizer(torch.optim.Optimizer):
     reuse_buffers = True
 
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0,
-                 sparse_as_dense=True, strict=None):
+                 sparse_as_dense=True, strict=None, process_group=None):
         super().__init__(params, defaults)
         # State and buffers on the parameters' device (the host when they are on several).
         self._device, self._mixed = home_device([p for g in self.param_groups for p in g["params"]],
@@ -179,14 +188,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = bool(sparse_as_dense)
         for gi, group in enumerate(self.param_groups):
             _hyper(group, rule, gi)  # refuse what the rule cannot do (non_freeze)
-        process_set = process_set if process_set is not None else hvd.global_process_set
-        if not includes_this_rank(process_set):
-            raise ValueError(
-                f"hvd_quant.torch.{type(self).__name__}: this rank ({hvd.rank()}) is not in the "
-                f"process set {process_set!r}. The 1-bit optimizers communicate in every step; "
-                "build this optimizer only on the ranks of its process set, and a local "
-                "optimizer (e.g. torch.optim.Adam) on the others.")
-        self._comm = make_comm(process_set, self._device)
+        self._comm, self._broadcast = _transport(type(self).__name__, process_set, process_group, self._device)
         self._values = ValueAgreement(strict)
         self._rule.validate(self._comm.size)
         self._rule.check_scale(self._comm, sum(p.numel() for g in self.param_groups for p in g["params"]))
@@ -488,23 +490,18 @@ class RuleOptimizer(torch.optim.Optimizer):
         whether the state was restored from a checkpoint, so that the next step's
         agreement check compares the same things on every rank."""
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        hyper, restored = hvd.broadcast_object((hyper, self._restored), root_rank,
-                                               name="hvd_quant.elastic.hyper",
-                                               process_set=self._comm.process_set)
+        hyper, restored = self._broadcast.object((hyper, self._restored), root_rank, "hvd_quant.elastic.hyper")
         self._restored = restored
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
         for gi, group in enumerate(self.param_groups):
             st = self._group_state(gi, group)  # created here on a rank that joined
             skip = set(self._world_slots([p.numel() for p in group["params"]], self._comm.size))
-            scalars = hvd.broadcast_object(dict(st.scalars), root_rank,
-                                           name=f"hvd_quant.elastic.g{gi}.scalars",
-                                           process_set=self._comm.process_set)
+            scalars = self._broadcast.object(dict(st.scalars), root_rank, f"hvd_quant.elastic.g{gi}.scalars")
             st.scalars.update(scalars)
             for name in sorted(st.slots):
                 if name not in skip:
-                    _broadcast_slot(st.slots[name], root_rank, f"hvd_quant.elastic.g{gi}.{name}",
-                                    self._comm.process_set)
+                    self._broadcast.tensor_(st.slots[name], root_rank, f"hvd_quant.elastic.g{gi}.{name}")
         self._checked = False
 
     def __repr__(self):
@@ -537,7 +534,7 @@ class OnebitAdam(RuleOptimizer):
                  betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
                  process_set=None, amsgrad=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
-                 sparse_as_dense=True, strict=None):
+                 sparse_as_dense=True, strict=None, process_group=None):
         if amsgrad:
             raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("OnebitAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
@@ -545,7 +542,8 @@ class OnebitAdam(RuleOptimizer):
         rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction)
         _warn_short_warm_up("OnebitAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
-                         named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict)
+                         named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict,
+                         process_group=process_group)
 
 
 class ZeroOneAdam(RuleOptimizer):
@@ -589,7 +587,7 @@ class ZeroOneAdam(RuleOptimizer):
                  local_step_scaler=32678, local_step_clipper=16, bias_correction=True,
                  process_set=None, amsgrad=False, exact_sync=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
-                 sparse_as_dense=True, strict=None):
+                 sparse_as_dense=True, strict=None, process_group=None):
         if amsgrad:
             raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
         _ignore_deepspeed_only("ZeroOneAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
@@ -599,7 +597,8 @@ class ZeroOneAdam(RuleOptimizer):
                                exact_sync=exact_sync, scales=scales, bias_correction=bias_correction)
         _warn_short_warm_up("ZeroOneAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
-                         named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict)
+                         named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict,
+                         process_group=process_group)
 
 
     @torch.no_grad()
@@ -659,19 +658,30 @@ class BinSGDM(RuleOptimizer):
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
                  weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True,
-                 strict=None):
+                 strict=None, process_group=None):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:  # the layout of the ranks this optimizer reduces over, not of the world
-            ranks_per_node = HorovodTorchComm(process_set).ranks_per_node()
+            ranks_per_node = _ranks_per_node(process_set, process_group)
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
                          named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense,
-                         strict=strict)
+                         strict=strict, process_group=process_group)
         self._auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 
 # --- helpers ---------------------------------------------------------------------------------
+def _ranks_per_node(process_set, process_group):
+    """BinSGDM's hierarchy: ranks per host of the ranks it reduces over."""
+    if process_group is not None:
+        from .dist_comm import DistComm
+
+        return DistComm(None if process_group is True else process_group).ranks_per_node()
+    from .comm import HorovodTorchComm
+
+    return HorovodTorchComm(process_set).ranks_per_node()
+
+
 def _refuse_other_device(params, device, mixed, cls_name):
     """A param group added after construction must be on the optimizer's device (its
     state and buffers are there); an optimizer over several devices (stepped through
@@ -688,15 +698,75 @@ def _refuse_other_device(params, device, mixed, cls_name):
                 "the host).")
 
 
-def _broadcast_slot(slot, root_rank, name, process_set):
-    """``hvd.broadcast_`` of a state slot. A GPU slot goes through host memory: a Horovod
-    without GPU operations would copy it without waiting for the stream that wrote it."""
-    if slot.device.type == "cpu":
-        hvd.broadcast_(slot, root_rank, name=name, process_set=process_set)
-        return
-    host = slot.cpu()
-    hvd.broadcast_(host, root_rank, name=name, process_set=process_set)
-    slot.copy_(host)
+def _transport(cls_name, process_set, process_group, device):
+    """``(communicator, broadcaster)`` of an optimizer: over Horovod (``process_set``, the
+    default) or over a ``torch.distributed`` process group (``process_group``; Horovod is
+    then neither needed nor used). The algorithms are the same code on either."""
+    if process_group is not None:
+        if process_set is not None:
+            raise ValueError(f"hvd_quant.torch.{cls_name}: give process_set (Horovod) or process_group "
+                             "(torch.distributed), not both")
+        from .dist_comm import DistComm  # raises the clear error when torch.distributed is not set up
+
+        group = None if process_group is True else process_group
+        return DistComm(group), _GroupBroadcast(group)
+    if hvd is None:
+        from .._requirements import check
+
+        raise ImportError(f"{check('torch', horovod_optional=True)}\n(hvd_quant.torch.{cls_name} without "
+                          "Horovod: pass process_group=, a torch.distributed process group)")
+    process_set = process_set if process_set is not None else hvd.global_process_set
+    if not includes_this_rank(process_set):
+        raise ValueError(
+            f"hvd_quant.torch.{cls_name}: this rank ({hvd.rank()}) is not in the "
+            f"process set {process_set!r}. The 1-bit optimizers communicate in every step; "
+            "build this optimizer only on the ranks of its process set, and a local "
+            "optimizer (e.g. torch.optim.Adam) on the others.")
+    return make_comm(process_set, device), _HorovodBroadcast(process_set)
+
+
+class _HorovodBroadcast:
+    """Root-to-every-rank copies of the state over Horovod (:meth:`RuleOptimizer.broadcast_state`)."""
+
+    def __init__(self, process_set):
+        self.process_set = process_set
+
+    def object(self, obj, root_rank, name):
+        return hvd.broadcast_object(obj, root_rank, name=name, process_set=self.process_set)
+
+    def tensor_(self, slot, root_rank, name):
+        """In place. A GPU slot goes through host memory: a Horovod without GPU operations
+        would copy it without waiting for the stream that wrote it."""
+        if slot.device.type == "cpu":
+            hvd.broadcast_(slot, root_rank, name=name, process_set=self.process_set)
+            return
+        host = slot.cpu()
+        hvd.broadcast_(host, root_rank, name=name, process_set=self.process_set)
+        slot.copy_(host)
+
+
+class _GroupBroadcast:
+    """The same over a ``torch.distributed`` process group (``None``: the world); ``root_rank``
+    is a rank of the group. Matched by order, as every collective there (names unused)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def _src(self, root_rank):
+        return root_rank if self.group is None else dist.get_global_rank(self.group, root_rank)
+
+    def object(self, obj, root_rank, name):
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._src(root_rank), group=self.group)
+        return box[0]
+
+    def tensor_(self, slot, root_rank, name):
+        """In place; Gloo takes host tensors, NCCL device ones."""
+        on_host = slot.device.type != "cpu" and dist.get_backend(self.group) != "nccl"
+        buf = slot.cpu() if on_host else slot
+        dist.broadcast(buf, src=self._src(root_rank), group=self.group)
+        if on_host:
+            slot.copy_(buf)
 
 
 _DEEPSPEED_ONLY = {

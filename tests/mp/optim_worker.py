@@ -7,7 +7,8 @@ checkpoint round trip (in Phase A and between syncs in Phase B), two param group
 ``LambdaLR``, one verdict for all groups (a bad gradient in one group skips the step in
 every group, ``hq.GradScaler`` backs off), DeepSpeed's ``non_freeze`` groups,
 ``exp_avg_mask`` (and what ``load_state_dict`` does with it), 0/1 Adam's ``final_sync``,
-and the errors and warnings bad input raised.
+each optimizer on a torch.distributed process group (Gloo, beside Horovod: the same bits,
+and ``broadcast_state`` over the group), and the errors and warnings bad input raised.
 """
 
 import io
@@ -109,6 +110,60 @@ def train_staged(name):
     meter = opt._comm.host_meter
     return {"x": flat_params(params), "kinds": opt.step_kinds, "bytes": opt.bytes_sent,
             "calls": per_step, "host_bytes": opt.host_bytes, "payload": meter.payload}
+
+
+def init_process_group():
+    """torch.distributed (Gloo) beside Horovod in these processes, for the optimizers on a
+    process group: rank 0 picks a free port and Horovod broadcasts it."""
+    import datetime
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    port = 0
+    if RANK == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = hvd.broadcast_object(port, root_rank=0, name="optim_worker.port")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=RANK, world_size=SIZE, timeout=datetime.timedelta(seconds=120))
+
+
+def train_on_group(name):
+    """:func:`train` with the optimizer on a torch.distributed process group (the world, over
+    Gloo): Horovod takes no part in its steps."""
+    init_process_group()
+    params = make_params()
+    params, opt, _ = run(name, opt=make_optimizer(name, params, process_group=True), params=params)
+    return {"x": flat_params(params), "kinds": opt.step_kinds, "bytes": opt.bytes_sent,
+            "rounds": opt.comm_rounds, "comm": type(opt._comm).__name__}
+
+
+def broadcast_on_group(name, at=6):
+    """Horovod's resume pattern on a process group: every rank trains ``at`` steps, then
+    builds a fresh optimizer; rank 0 loads its state into it, and ``broadcast_state(0)``
+    gives every rank rank 0's state (the error buffers, world-dependent, stay each rank's)."""
+    init_process_group()
+    params, trained, _ = run(name, steps=at, opt=make_optimizer(name, make_params(), process_group=True))
+    fresh = make_optimizer(name, params, process_group=True)
+    if RANK == 0:
+        fresh.load_state_dict(trained.state_dict())
+    fresh.broadcast_state(0)
+
+    def kept(opt):
+        out = {}
+        for gi, group in enumerate(opt.param_groups):
+            st = opt._group_state(gi, group)
+            world = set(opt._world_slots([p.numel() for p in group["params"]], SIZE))
+            out[f"g{gi}"] = {"scalars": {k: float(v) for k, v in sorted(st.scalars.items())},
+                             "slots": {k: v.double().tolist() for k, v in sorted(st.slots.items())
+                                       if k not in world}}
+        return out
+    return {"state": kept(fresh), "trained": kept(trained)}
 
 
 def checkpoint(name, at, earlier=False):
@@ -336,6 +391,8 @@ for name in cases.CONFIGS:
     record(f"train/{name}", lambda: train(name))
     if RANKS_PER_NODE is None:
         record(f"train_staged/{name}", lambda: train_staged(name))
+        record(f"group/{name}", lambda: train_on_group(name))
+        record(f"group_broadcast/{name}", lambda: broadcast_on_group(name))
 record("missing_grad", lambda: {"x": flat_params(run("zero_one_adam", drop=1 if RANK == 1 else None)[0])})
 if RANKS_PER_NODE is None:
     record("checkpoint/phase_a", lambda: checkpoint("zero_one_adam", 5))
