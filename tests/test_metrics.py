@@ -266,3 +266,157 @@ def test_owner_step_figures():
     assert s["steps"] == 3
     assert s["step_s"] == pytest.approx(0.5) and s["rest_s"] == pytest.approx(0.1)
     assert s["step_s.mean"] == pytest.approx(0.75) and s["rest_s.mean"] == pytest.approx(0.4)
+
+
+# --- the torch adapter: hq.DistributedOptimizer, the TensorBoard writer, the profiler ------------
+@pytest.fixture
+def hq(monkeypatch):
+    """hvd_quant.torch with its optimizers on the calling thread's communicator (solo_comm)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("horovod.torch")
+    import hvd_quant.torch as hq
+    from solo_comm import use_thread_comms
+    use_thread_comms(monkeypatch)
+    return hq
+
+
+def torch_model(rank):
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(10, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    init = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) * 0.3)
+    g = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    return model, data
+
+
+def torch_optimizer(hq, model, name="ef_sign", **kw):
+    import torch
+    from solo_comm import FakeProcessSet
+    return hq.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hq.Compression.get(name), process_set=FakeProcessSet(), **kw)
+
+
+def train_on_threads(hq, n, steps, each_step=None, **kw):
+    """``steps`` steps on ``n`` simulated ranks; returns per rank (optimizer, [grads
+    before the reduction, per step], [reduced grads, per step])."""
+    import torch
+    from solo_comm import FrameworkComm, set_thread_comm
+    from hvd_quant.torch.backend import TorchBackend
+
+    def body(c):
+        set_thread_comm(FrameworkComm(c, TorchBackend()))
+        model, data = torch_model(c.rank)
+        opt = torch_optimizer(hq, model, **kw)
+        local, reduced = [], []
+        for step in range(steps):
+            x, y = data[step % len(data)]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            local.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+            opt.step()
+            reduced.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone())
+            if each_step is not None:
+                each_step(opt, step)
+        return opt, local, reduced
+
+    return ThreadWorld(n).run(body)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torch_metrics_agree_on_every_rank_and_with_numpy(hq, n):
+    out = train_on_threads(hq, n, 3, overlap=False, probe_every=1)
+    snaps = [opt.metrics() for opt, _, _ in out]
+    local = [np.stack([g.numpy() for g in rank[1]]) for rank in out]
+    exact = np.mean(np.stack(local).astype(np.float64), axis=0)[-1]
+    estimate = out[0][2][-1].numpy().astype(np.float64)  # one buffer: parameters in order
+    rel = np.linalg.norm(estimate - exact) / np.linalg.norm(exact)
+    for s in snaps:
+        assert s["steps"] == 3 and s["probes"] == 3 and s["skipped_steps"] == 0
+        assert s["probe_rel_error"] == pytest.approx(rel, rel=1e-4)
+        assert s["fp32_bytes"] == pytest.approx(2 * (n - 1) / n * 4 * exact.size)
+        assert 0 < s["bytes_sent"] < s["fp32_bytes"] and s["compression_ratio"] > 1
+        assert s["residual_norm"] > 0 and 0 < s["probe_cosine"] <= 1
+        for k in ("step_s", "sync_s", "update_s", "rest_s", "encode_s", "wait_s", "decode_s"):
+            assert s[k] >= 0, k
+    for k in GLOBAL:
+        assert len({repr(s[k]) for s in snaps}) == 1, k
+
+
+def test_torch_metrics_per_bucket_under_overlap(hq):
+    out = train_on_threads(hq, 2, 2, bucket_size_mb=0.0001, probe_every=2)
+    opt = out[0][0]
+    s = opt.metrics()
+    buckets = len(opt.bucket_groups)
+    assert buckets > 1
+    assert s["bytes_sent"] == pytest.approx(sum(s[f"bucket{i}/bytes_sent"] for i in range(buckets)))
+    assert s["probes"] == 1 and s[f"bucket{buckets - 1}/probe_rel_error"] is not None
+    assert opt.metrics_steps == 2
+
+
+def test_bad_monitoring_arguments_are_clear_errors_at_construction(hq):
+    import torch
+    from hvd_quant.torch.monitoring import TensorBoardWriter
+    from solo_comm import SoloComm, set_thread_comm
+    set_thread_comm(SoloComm())
+    model, _ = torch_model(0)
+    for bad in (-1, 2.5, "7"):
+        with pytest.raises(ValueError, match="probe_every"):
+            torch_optimizer(hq, model, probe_every=bad)
+    opt = torch_optimizer(hq, model)
+    with pytest.raises(TypeError, match="SummaryWriter"):
+        TensorBoardWriter(opt, "runs/x")
+    with pytest.raises(TypeError, match="DistributedOptimizer"):
+        TensorBoardWriter(torch.optim.SGD(model.parameters(), lr=0.1), None)
+    with pytest.raises(ValueError, match="every"):
+        TensorBoardWriter(opt, None, every=0)
+
+
+def test_tensorboard_event_files_read_back(hq, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+    from hvd_quant.torch.monitoring import TensorBoardWriter
+    seen, writers = {}, {}
+
+    def each_step(opt, step):
+        rank = opt._comm.rank
+        if step == 0:  # a writer on rank 0, None on the others
+            writers[rank] = TensorBoardWriter(opt, SummaryWriter(str(tmp_path)) if rank == 0 else None,
+                                              every=2)
+        if rank == 0:
+            seen[opt.metrics_steps] = opt.metrics()
+
+    # the writers are made after the first step: rank 0's writes at steps 2 and 4
+    train_on_threads(hq, 2, 4, each_step=each_step, probe_every=2, overlap=False)
+    writers[0].writer.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    for tag in ("bytes_sent", "probe_rel_error", "bucket0/wait_s", "compression_ratio"):
+        got = [(e.step, e.value) for e in events.Scalars(f"hvd_quant/{tag}")]
+        assert got == [(k, pytest.approx(seen[k][tag], rel=1e-6)) for k in (2, 4)], tag
+    assert "hvd_quant/bytes_sent.mean" not in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_profiler_trace_of_two_steps_has_the_named_ranges(hq, overlap):
+    import torch
+    from solo_comm import SoloComm, set_thread_comm
+    set_thread_comm(SoloComm())
+    model, data = torch_model(0)
+    opt = torch_optimizer(hq, model, overlap=overlap, probe_every=2)
+    # Under overlap the buckets are reduced on the bucket worker's thread, which torch's
+    # profiler records only when asked to record every thread.
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                experimental_config=every_thread if overlap else None) as prof:
+        for x, y in data[:2]:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    names = {e.name for e in prof.events()}
+    for phase in ("encode", "wait", "decode", "probe", "synchronize", "update"):
+        assert f"hvd_quant/{phase}" in names, (phase, sorted(n for n in names if "hvd" in n))

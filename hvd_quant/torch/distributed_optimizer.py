@@ -73,12 +73,14 @@ encoded (:mod:`hvd_quant.core.pipeline`; bit-identical as well).
 import logging
 import numbers
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 
 import torch
 import horovod.torch as hvd
 
+from ..core.metrics import DEFAULT_PROBE_EVERY, check_probe_every
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
@@ -95,9 +97,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, op, groups, process_set,
                  bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None,
                  backward_passes_per_step=1, sparse_as_dense=True, strict=None,
-                 gradient_predivide_factor=1.0):
+                 gradient_predivide_factor=1.0, probe_every=DEFAULT_PROBE_EVERY):
         super(self.__class__, self).__init__(params)
         compression = _adopted_compression(compression)
+        probe_every = check_probe_every(probe_every)
         bucket_size_mb = _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb)
         self._passes = _check_passes(backward_passes_per_step)
         # hvd.broadcast_optimizer_state creates missing state with one step, on the ranks
@@ -112,6 +115,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # The fused buffers and the compressor's state live on the parameters' device.
         self._device, _ = home_device(all_params, "hvd_quant.torch.DistributedOptimizer")
         self._runner = compression.make_runner(strict=strict, device=self._device)  # this optimizer's own state
+        # What compression does while training (opt.metrics(); hvd_quant.core.metrics):
+        # each phase of a bucket's reduction is also a range for torch.profiler.
+        self._metrics = self._runner.observe(probe_every, ranges=torch.profiler.record_function)
+        self._sync_s = 0.0  # this step's time in synchronize(), for the step's metrics
         # Horovod's public attributes, read by integrations (Lightning, Ray).
         self.op, self.process_set, self.sparse_as_dense = op, process_set, bool(sparse_as_dense)
         self.backward_passes_per_step = self._passes
@@ -285,8 +292,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             flat = fill_flat(kept_flat(self._fused, gi, sum(p.numel() for p in group), self._device),
                              group, True, self._param_name.get, "DistributedOptimizer")
         into = flat if flat.is_contiguous() and self.op == hvd.Average else None
-        mean = chunked_reduce(self._runner, flat, self._comm, key, segments, self._chunk_numel,
-                              out=into)
+        mean = self._runner.measured(
+            flat, self._comm, key, segments,
+            lambda comm: chunked_reduce(self._runner, flat, comm, key, segments, self._chunk_numel,
+                                        out=into))
         if self.op == hvd.Sum:
             mean = mean * self._comm.size
         return mean
@@ -339,6 +348,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._included:
             self._should_sync = False
             return
+        start = time.perf_counter()
+        with torch.profiler.record_function("hvd_quant/synchronize"):
+            self._synchronize()
+        self._sync_s += time.perf_counter() - start
+        self._should_sync = False
+
+    def _synchronize(self):
         if self._overlap:
             if self._streams is not None:
                 self._streams.round_point()
@@ -353,7 +369,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             means = [self._reduce_group(gi) for gi in range(len(self._groups))]
         for gi, mean in enumerate(means):
             self._write_back(gi, mean)
-        self._should_sync = False
 
     @contextmanager
     def skip_synchronize(self):
@@ -368,9 +383,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._should_sync:
             self.synchronize()
         self._should_sync = True
-        return super(self.__class__, self).step(closure)
+        start = time.perf_counter()
+        with torch.profiler.record_function("hvd_quant/update"):
+            out = super(self.__class__, self).step(closure)
+        self._metrics.record_step(self._sync_s, time.perf_counter() - start)
+        self._sync_s = 0.0
+        return out
 
     # --- monitoring and checkpoints ---------------------------------------------------------
+    def metrics(self):
+        """What compression did, as a dict of plain numbers (``None`` where not measured
+        yet): for each figure ``F``, ``F`` (the last step, summed over buckets),
+        ``F.mean`` (per step, over the whole run) and ``bucket<i>/F`` and
+        ``bucket<i>/F.mean`` per bucket (in :attr:`bucket_groups` order). Bytes sent,
+        fp32's bytes and their ratio; seconds of encoding, waiting on collectives and
+        decoding per bucket (on the bucket worker under overlap), of the step's wait for
+        them (``sync_s``), of the update and of the rest of the step; on probe steps
+        (``probe_every``) the relative error and cosine against the exact fp32 mean and
+        the error-feedback residual's norm against the gradient's; the steps whose
+        averaged gradient held inf or NaN (``skipped_steps``). The figures and their
+        definitions: :mod:`hvd_quant.core.metrics` and docs/guide/monitoring.md."""
+        return self._metrics.snapshot()
+
+    @property
+    def metrics_steps(self):
+        """Steps taken so far: ``metrics()["steps"]`` without building the snapshot (a
+        writer's step hook reads it every step)."""
+        return self._metrics.steps
+
     @property
     def bytes_sent(self):
         """Bytes this rank has sent for gradient reduction (cost model of WireMeter)."""
@@ -515,7 +555,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=True, process_set=hvd.global_process_set,
-                         bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None, strict=None):
+                         bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None, strict=None,
+                         probe_every=DEFAULT_PROBE_EVERY):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients with ``compression``.
 
     Parameters mirror ``horovod.torch.DistributedOptimizer``. ``compression`` is an
@@ -559,9 +600,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         on, as under Horovod, with one warning on rank 0 if the values still differ at the
         second step. ``None`` (default): ``HVD_QUANT_STRICT`` (unset: ``False``).
 
+    Monitoring (``opt.metrics()``, docs/guide/monitoring.md):
+
+    probe_every : int
+        Every that many steps, each bucket's exact fp32 mean is computed as well, by one
+        extra fp32 allreduce (and a 6-number allgather), for the relative error and
+        cosine of the compressed mean and the residual's norm. Default 1000
+        (:data:`hvd_quant.core.metrics.DEFAULT_PROBE_EVERY`: about 3% more bytes for a
+        1-bit method at 2 ranks); ``0``: never. Every rank must pass the same value.
+
     Returns an instance of a subclass of ``type(optimizer)`` with ``synchronize()``,
     ``skip_synchronize()``, ``set_backward_passes_per_step()``, ``bytes_sent``,
-    ``bucket_groups`` and checkpointable compressor state.
+    ``bucket_groups``, ``metrics()`` and checkpointable compressor state.
     """
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError("gradient_predivide_factor only applies to op=hvd.Average")
@@ -572,4 +622,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                bucket_size_mb=bucket_size_mb, overlap=overlap,
                pipeline_chunk_mb=pipeline_chunk_mb,
                backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
-               strict=strict, gradient_predivide_factor=gradient_predivide_factor)
+               strict=strict, gradient_predivide_factor=gradient_predivide_factor,
+               probe_every=probe_every)
