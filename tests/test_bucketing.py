@@ -354,6 +354,19 @@ def test_zero_grad_between_backward_and_step_is_refused(ranks):
 
 
 @pytest.mark.multiprocess
+def test_metrics_global_figures_are_the_same_on_every_rank(ranks):
+    """opt.metrics() under overlap, probes and a skipped step (issue 54; tests/test_metrics.py
+    has the rest)."""
+    first = _ok(ranks[0]["metrics"])
+    assert first["buckets"] >= 3 and first["global"]["skipped_steps"] == 1
+    assert first["global"]["probes"] == 2 and 0 < first["global"]["probe_rel_error"] < 2
+    for result in ranks[1:]:
+        assert _ok(result["metrics"])["global"] == first["global"]
+    for result in ranks:
+        assert result["metrics"]["local"]["bytes_sent"] > 0
+
+
+@pytest.mark.multiprocess
 def test_ranks_agree(ranks):
     first = ranks[0]["agree"]
     for other in ranks[1:]:

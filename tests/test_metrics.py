@@ -420,3 +420,4 @@ def test_profiler_trace_of_two_steps_has_the_named_ranges(hq, overlap):
     names = {e.name for e in prof.events()}
     for phase in ("encode", "wait", "decode", "probe", "synchronize", "update"):
         assert f"hvd_quant/{phase}" in names, (phase, sorted(n for n in names if "hvd" in n))
+

@@ -206,6 +206,32 @@ def ring_thread_order():
     return scenario_equal(name="marsit", slow_rank=hvd.size() - 1)
 
 
+def metrics():
+    """opt.metrics() under overlap with probes on steps 2 and 4 and a non-finite step 3
+    (one rank's loss is inf; GradScaler skips it): the global figures, for
+    tests/test_metrics.py to compare across ranks."""
+    model = make_model()
+    opt = build(model, "ef_sign", True, probe_every=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batch(step)
+        if step == 2 and hvd.rank() == hvd.size() - 1:
+            x = x * float("inf")
+        scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    m = opt.metrics()
+    keys = ["steps", "probes", "skipped_steps", "fp32_bytes", "probe_rel_error", "probe_cosine",
+            "residual_ratio", "grad_norm", "probe_rel_error.mean"]
+    keys += [k for k in m if k.startswith("bucket") and k.split("/")[1] in ("probe_rel_error", "nonfinite.mean")]
+    return {"global": {k: m[k] for k in keys}, "buckets": len(opt.bucket_groups),
+            "local": {k: m[k] for k in ("bytes_sent", "encode_s", "wait_s", "decode_s", "step_s")}}
+
+
 def zero_grad_refused():
     model = make_model()
     opt = build(model, "ef_sign", True)
@@ -237,7 +263,7 @@ def main():
     torch.set_num_threads(1)
     result = {"compressors": every_compressor()}
     for fn in (unused_param, two_passes, grad_scaler, chunked_ef_sign, checkpoint, ring_thread_order,
-               zero_grad_refused):
+               zero_grad_refused, metrics):
         result[fn.__name__] = record(fn)
     ef = result["compressors"].get("ef_sign", {})
     result["agree"] = ef.get("params") if isinstance(ef, dict) else None
