@@ -384,6 +384,41 @@ def test_zero_one_adam_non_finite_local_step_is_skipped_by_that_rank_only(bad):
         assert scalars == synced[0][3]
 
 
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_zero_one_adam_sync_after_zero_learning_rates_keeps_the_momentum(backend, bias_correction):
+    """A sync after local steps whose learning rates were all 0 (Γ = 0: an lr schedule
+    that starts or ends at 0 past var_freeze_step). DeepSpeed re-estimates the momentum as
+    -(w / Γ), and w holds the error feedback of earlier syncs, so its momentum becomes
+    ±inf or NaN there, and every later step of ours was skipped as non-finite. The
+    momentum keeps its value instead; the parameters are DeepSpeed's, and training goes on."""
+    n, d, steps, zero = 2, 64, 12, 6  # freeze after step 4; step 7 (index 6) syncs at lr 0
+    options = dict(var_freeze_step=3, var_update_scaler=1)
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    lrs = [1e-2] * zero + [0.0] + [1e-2] * (steps - zero - 1)
+    before, _ = run_rule(lambda: ZeroOneAdamRule(bias_correction=bias_correction, **options), n, grads,
+                         lrs[:zero], backend=backend)
+    at, _ = run_rule(lambda: ZeroOneAdamRule(bias_correction=bias_correction, **options), n, grads,
+                     lrs[:zero + 1], backend=backend)
+    after, _ = run_rule(lambda: ZeroOneAdamRule(bias_correction=bias_correction, **options), n, grads, lrs,
+                        backend=backend)
+    assert at[0].state.kinds[-1] == "onebit" and at[0].state.scalars["frozen"] == 1
+    for b, a in zip(before, at):
+        np.testing.assert_array_equal(a.state.slots["exp_avg"], b.state.slots["exp_avg"])
+        assert np.isfinite(a.x).all() and a.state.scalars["lrs"] == 0.0
+    for a, b in zip(after, at):
+        assert np.isfinite(a.x).all() and np.isfinite(a.state.slots["exp_avg"]).all()
+        assert not np.array_equal(a.x, b.x)  # the steps after it were kept
+    if not bias_correction:  # DeepSpeed's parameters at the zero-lr sync; its momentum is not finite
+        ref = ds.ZeroOneAdam([dyadic(d, 7)] * n, lrs[0], **options)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for s in range(zero + 1):
+                ref.step([grads[r][s] for r in range(n)], lrs[s])
+        for rank, a in enumerate(at):
+            np.testing.assert_array_equal(a.x, ref.x[rank])
+            assert not np.isfinite(ref.state[rank]["exp_avg"]).all()
+
+
 def test_zero_one_adam_exact_sync_leaves_ranks_identical():
     """DeepSpeed's x - u agrees across ranks only to rounding; exact_sync bit for bit, and
     otherwise the same trajectory."""

@@ -91,6 +91,14 @@ Deliberate departures from DeepSpeed, and why:
   model. Under DeepSpeed's rule the ranks' parameters differ after every local step, and
   a run that stops between syncs keeps them different.
 * ``exact_sync=True`` is an option of ours (see :class:`ZeroOneAdamRule`).
+* A sync with Γ = 0 (every local step since the last sync had learning rate 0, e.g. a
+  schedule that starts or ends at 0 after ``var_freeze_step``) keeps the momentum.
+  DeepSpeed's ``-(u / lrs)`` is 0/0 there, or ±inf when the error feedback of earlier
+  syncs is in ``u``: its momentum stops being finite, and every later step here would
+  have been skipped as non-finite. Wherever DeepSpeed's momentum is finite the two agree.
+  A Γ that is tiny against the learning rates before it (a warm-up's first steps, the
+  tail of a decay to 0) still multiplies the error feedback of earlier syncs by their
+  ratio in the re-estimated momentum, as in DeepSpeed.
 * Parameters without a gradient count as zeros (see :mod:`hvd_quant.optimizers.base`);
   DeepSpeed's ``step()`` skips such a tensor.
 
@@ -482,13 +490,19 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         # adapter allows it (its commit then copies nothing), else into kept buffers.
         if self.exact_sync:
             params, accumulator = state.slot("synced_params"), None
+        # Γ = 0 (every local step since the last sync had lr 0): -(average / Γ) would be
+        # 0/0 or, with the error feedback of earlier syncs in the average, ±inf; the
+        # momentum keeps its value then (a departure from DeepSpeed only where its momentum
+        # is not finite). Dividing by 1 instead keeps the fused primitive free of NaN.
+        estimated = lrs > 0
         # (A final sync reads the parameters themselves: the result goes elsewhere.)
         synced_into = ctx.into_x(ok) if params is not ctx.x else None
-        momentum_into = ctx.into_slot("exp_avg", ok)
+        momentum_into = ctx.into_slot("exp_avg", B.logical_and(ok, estimated))
         out = (ctx.buffer("synced") if synced_into is None else synced_into,
                ctx.buffer("momentum") if momentum_into is None else momentum_into)
         synced, momentum = zero_one_sync_result(B, params, accumulator, preconditioned, exp_avg_sq, eps,
-                                                _divisor(B, lrs), out=out)
+                                                B.select(estimated, _divisor(B, lrs), 1.0), out=out)
+        momentum = B.select(estimated, momentum, state.slot("exp_avg"))
         extra = {"synced_params": synced} if self.exact_sync else {}
         state.commit(ok, {"exp_avg": momentum, "momentum_accumulator": ctx.zeros(), **extra}, scalars)
         return keep_if(B, ok, synced, ctx.x)
