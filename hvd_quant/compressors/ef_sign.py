@@ -53,6 +53,7 @@ class EFSignCompressor(Compressor):
 
     name = "ef_sign"
     stateful = True
+    error_feedback = True
     chunkable = True
 
     def reduce(self, x, ctx):

@@ -288,6 +288,7 @@ class MarsitCompressor(Compressor):
         self.check_finite = bool(check_finite)
         # Without compensation there is nothing to keep: no state store, no stable names.
         self.stateful = bool(self.compensation)
+        self.error_feedback = self.stateful  # its compensation is error feedback
 
     def options(self):
         return {"compensation": self.compensation, "scale": self.scale,

@@ -110,6 +110,7 @@ class OnebitCompressor(Compressor):
 
     name = "onebit"
     stateful = True
+    error_feedback = True
     state_slots = ()  # nothing per element: both error buffers are buffer slots
     buffer_slots = ("worker_error", "server_error", "server_scale")
 

@@ -75,6 +75,9 @@ class Compressor:
 
     name = "abstract"
     stateful = False
+    #: True when the method carries what it threw away into the next step (error
+    #: feedback); :mod:`hvd_quant.core.adaptive_check` warns when it feeds Adam and kin.
+    error_feedback = False
     #: False for the uncompressed baselines (``none``, ``fp16``): no scale warning, and
     #: never named as a method whose bytes stay flat (:mod:`hvd_quant.core.scale_check`).
     compresses = True

@@ -47,6 +47,7 @@ import horovod.tensorflow as hvd
 from keras.optimizers import LossScaleOptimizer
 from keras.src.utils import tracking
 
+from ..core import adaptive_check
 from ..process_sets import includes_this_rank
 from .comm import HorovodTFComm
 from .compression import Compression
@@ -59,6 +60,13 @@ _LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "a
 
 
 @keras.saving.register_keras_serializable(package="hvd_quant")
+
+def _adaptive_optimizers():
+    """Keras' adaptive optimizers: a per-element second moment or accumulator, which a
+    compressor's error feedback flattens (hvd_quant.core.adaptive_check says why)."""
+    names = ("Adam", "AdamW", "Adamax", "Nadam", "Adagrad", "Adadelta", "RMSprop", "Adafactor", "Lamb")
+    return tuple(getattr(keras.optimizers, n) for n in names if hasattr(keras.optimizers, n))
+
 class DistributedOptimizer(LossScaleOptimizer):
     """Wrap a Keras 3 optimizer so that ``apply()`` first averages the gradients over
     ranks with ``compression``. A rank outside ``process_set`` reduces nothing and
@@ -138,6 +146,8 @@ class DistributedOptimizer(LossScaleOptimizer):
                 "compression=hvd_quant.tensorflow.Compression.<name>) (horovod.tensorflow.keras).")
         compression = Compression.require(compression, hvd.Compression,
                                           "hvd_quant.tensorflow.DistributedOptimizer", "Horovod's optimizers")
+        adaptive_check.warn_once(compression.algorithm, type(optimizer).__name__,
+                                 isinstance(optimizer, _adaptive_optimizers()), hvd.rank())
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != hvd.Average:

@@ -80,6 +80,7 @@ from contextlib import contextmanager
 import torch
 import horovod.torch as hvd
 
+from ..core import adaptive_check
 from ..core.metrics import DEFAULT_PROBE_EVERY, check_probe_every
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
@@ -128,6 +129,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # optimizer the set of ranks that hold that sub-model).
         self._included = includes_this_rank(process_set)
         self._comm = make_comm(process_set, self._device) if self._included else None
+        if self._included:  # rank 0 of its ranks says it once (hvd_quant.core.adaptive_check)
+            adaptive_check.warn_once(compression.algorithm, type(self).__name__, isinstance(self, _ADAPTIVE),
+                                     self._comm.rank)
         self._param_name = _parameter_names(all_params, named_parameters)
         if bucket_size_mb:
             self._groups = _buckets(all_params, bucket_size_mb)
@@ -442,6 +446,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None:
             self._runner.load_state_dict(ours["state"])
             self._runner.load_rng_state(ours.get("rng", {}))
+
+
+#: torch's adaptive optimizers: a per-element second moment or accumulator, which a
+#: compressor's error feedback flattens (hvd_quant.core.adaptive_check says why).
+_ADAPTIVE = tuple(getattr(torch.optim, name) for name in ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad",
+                                                            "Adadelta", "RMSprop", "SparseAdam")
+                  if hasattr(torch.optim, name))
+
 
 
 def _adopted_compression(compression):
