@@ -1011,11 +1011,13 @@ def test_short_warm_up_warning_for_deepspeeds_rule():
     message = short_warm_up_warning(OnebitAdamRule(freeze_step=80, bias_correction=False), betas)
     assert "7.6% warm" in message and "3.63x Adam's" in message and "bias_correction=True" in message
     assert "freeze_step" in message and "2000" in message and "diverged" in message
-    message = short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=80, bias_correction=False), betas)
+    message = short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=80, var_update_scaler=16,
+                                                    bias_correction=False), betas)
     assert "after 40 update(s)" in message and "3.9% warm" in message and "5.05x" in message
     assert "var_freeze_step" in message and "var_update_scaler" in message
     # DeepSpeed's own 0/1 Adam defaults freeze after 201 variance updates: 18% warm.
-    assert "18.2% warm" in short_warm_up_warning(ZeroOneAdamRule(bias_correction=False), betas)
+    assert "18.2% warm" in short_warm_up_warning(ZeroOneAdamRule(var_update_scaler=16, bias_correction=False),
+                                                  betas)
     assert short_warm_up_warning(OnebitAdamRule(freeze_step=80), betas) is None
     assert short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=80), betas) is None
     assert short_warm_up_warning(OnebitAdamRule(freeze_step=2100, bias_correction=False), betas) is None

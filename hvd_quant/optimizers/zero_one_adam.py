@@ -187,7 +187,7 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         "(only OnebitAdam.step in onebit/adam.py does), so such a group would be frozen like any "
         "other; drop the flag, or use OnebitAdam")
 
-    def __init__(self, var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
+    def __init__(self, var_freeze_step=100000, var_update_scaler=64, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False, scales="tensor", bias_correction=True):
         if isinstance(var_freeze_step, bool) or not isinstance(var_freeze_step, int) or var_freeze_step < 0:
             raise ValueError(f"var_freeze_step must be an int >= 0, got {var_freeze_step!r}")

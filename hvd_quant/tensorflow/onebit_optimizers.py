@@ -383,11 +383,12 @@ class ZeroOneAdam(RuleOptimizer):
     :mod:`hvd_quant.optimizers.zero_one_adam` and ``hvd_quant.torch.ZeroOneAdam``.
 
     ``bias_correction``: as in :class:`OnebitAdam`, for Phase A, whose variance is
-    updated only on its full-precision rounds (40 of them by step 80 with
-    ``var_update_scaler=16``: 5x Adam's steps afterwards without the correction)."""
+    updated only on its full-precision rounds (40 of them by step 80 with DeepSpeed's
+    ``var_update_scaler=16``: 5x Adam's steps afterwards without the correction).
+    ``var_update_scaler`` defaults to 64, not DeepSpeed's 16: see the torch class."""
 
     def __init__(self, learning_rate=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678,
+                 var_freeze_step=100000, var_update_scaler=64, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False, process_set=None, name="zero_one_adam",
                  scales="tensor", exp_avg_mask=None, sparse_as_dense=True, bias_correction=True, **kwargs):
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
