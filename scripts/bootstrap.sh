@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project-local environment .venv with everything hvd_quant needs:
 # torch 2.13.0 (CPU), tensorflow-cpu 2.21.0, tf-keras, numpy, numba (fused CPU kernels),
-# pytest, hypothesis, scikit-learn (the examples' bundled data), matplotlib (benchmark plots)
+# pytest, hypothesis, scikit-learn (the examples' bundled data), matplotlib (benchmark plots),
+# tensorboard (the monitoring writer)
 # and Horovod 0.28.1 built from source with Gloo, and with MPI too where an MPI is installed
 # (scripts/build_horovod.sh).
 # These exact pins are the project's tested environment. The library itself accepts ranges
@@ -62,8 +63,9 @@ PYEOF
 }
 
 # build: tests/test_packaging.py builds the wheel and sdist (python -m build).
+# tensorboard: hq.monitoring.TensorBoardWriter and its test (tensorflow-cpu does not pull it in).
 deps=("$TORCH" "$TF" "$TFK" "$NUMBA" numpy pytest pytest-timeout hypothesis scikit-learn matplotlib \
-      setuptools wheel psutil pyyaml cloudpickle packaging cffi build "${DOCS[@]}")
+      setuptools wheel psutil pyyaml cloudpickle packaging cffi build tensorboard==2.21.0 "${DOCS[@]}")
 if ! have "${deps[@]}"; then
     echo "[bootstrap] installing torch, TensorFlow and test dependencies (a few minutes on a new machine)"
     # pip's local find-links config warns about every package it cannot find there.

@@ -44,3 +44,4 @@ else:
 __all__ = ["BinSGDM", "Compression", "DistributedOptimizer", "GradScaler", "HorovodTorchComm", "OnebitAdam",
            "TorchBackend", "TorchCompressor", "ZeroOneAdam", "broadcast_optimizer_state"]
 from . import ddp  # noqa: E402  DDP communication hooks over torch.distributed (hq.ddp.comm_hook)
+from . import monitoring  # noqa: E402  hq.monitoring.TensorBoardWriter(opt, writer)
