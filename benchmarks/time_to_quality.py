@@ -60,8 +60,14 @@ REQUIRED_SETTINGS = ("2x1-1gbit", "2x1-100mbit", "8x1-1gbit")
 ALL_METHODS = ("horovod_fp32", "horovod_fp16", "ddp_fp32", "ddp_powersgd", "none", "fp16", "ef_sign",
                "marsit", "onebit", "global_qsgd", "global_qsgd_exp", "cascading_sign", "auto", "qsgd",
                "onebit_adam", "zero_one_adam", "binsgdm")
-ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "binsgdm")
-FAMILIES = {"onebit_adam": "onebit_adam", "zero_one_adam": "zero_one_adam", "binsgdm": "binsgdm"}
+#: Issue 55's rows, beside the matrix (``--methods``): DDP with our compressors as its
+#: communication hooks (and DDP's own fp16 hook), and the 1-bit optimizers over
+#: torch.distributed instead of Horovod.
+TORCH_DISTRIBUTED_METHODS = ("ddp_fp16", "ddp_ef_sign", "ddp_marsit", "ddp_global_qsgd", "ddp_onebit",
+                             "onebit_adam_dist", "zero_one_adam_dist", "binsgdm_dist")
+ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "binsgdm", "onebit_adam_dist", "zero_one_adam_dist",
+                     "binsgdm_dist")
+FAMILIES = {m: m.replace("_dist", "") for m in ONEBIT_OPTIMIZERS}
 FINISHED = ("complete", "diverged")
 
 
@@ -392,7 +398,7 @@ def group_runs(runs):
 
 
 def order(names):
-    rank = {m: i for i, m in enumerate(ALL_METHODS)}
+    rank = {m: i for i, m in enumerate(ALL_METHODS + TORCH_DISTRIBUTED_METHODS)}
     return sorted(names, key=lambda m: (rank.get(m, len(rank)), m))
 
 
@@ -549,9 +555,10 @@ def main(argv=None):
         except argparse.ArgumentTypeError as exc:
             p.error(str(exc))
     args.methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in args.methods if m not in ALL_METHODS + ("local",)]
+    unknown = [m for m in args.methods if m not in ALL_METHODS + TORCH_DISTRIBUTED_METHODS + ("local",)]
     if unknown:
-        p.error(f"unknown method(s) {unknown}; known: {', '.join(ALL_METHODS)} (and local, the compute floor)")
+        p.error(f"unknown method(s) {unknown}; known: {', '.join(ALL_METHODS + TORCH_DISTRIBUTED_METHODS)} "
+                "(and local, the compute floor)")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.schedule = [s for s in args.schedule.split(",") if s]
     if any(s not in ("constant", "warmup") for s in args.schedule):

@@ -208,7 +208,28 @@ def compressor_build(name):
     return build
 
 
-def onebit_optimizer_build(cls_name):
+def ddp_hook_build(name):
+    """torch DDP with hvd_quant's compressor as its communication hook (``hq.ddp``, issue 55),
+    or with DDP's own ``fp16_compress_hook`` for ``fp16``; Adam after it. DDP's default
+    25 MB buckets: Gloo runs one bucket's hook at a time here (the compressor's collectives
+    are chains)."""
+    def build(ctx, model, lr):
+        ddp = nn.parallel.DistributedDataParallel(model)
+        if name == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            per_step = ring_bytes(2 * ctx.numel, ctx.size)
+            sent = lambda done: per_step * done  # noqa: E731
+        else:
+            state = hq.ddp.register(ddp, hq.Compression.get(name))
+            sent = lambda done: float(state.bytes_sent)  # noqa: E731
+        return Trainer(ddp, adam(ddp.parameters(), lr, ctx.args), sent, lambda done: done,
+                       every_step(f"ddp_{name}"), {})
+    return build
+
+
+def onebit_optimizer_build(cls_name, process_group=False):
     def build(ctx, model, lr):
         cls = getattr(hq, cls_name)
         options = {}
@@ -217,6 +238,8 @@ def onebit_optimizer_build(cls_name):
             options["freeze_step"] = freeze
         elif freeze is not None and cls_name == "ZeroOneAdam":
             options["var_freeze_step"] = freeze
+        if process_group:  # over torch.distributed (issue 55): the same rule, no Horovod in its steps
+            options["process_group"] = True
         opt = cls(model.parameters(), lr=lr, named_parameters=list(model.named_parameters()), **options)
         return Trainer(model, opt, lambda done: float(opt.bytes_sent), lambda done: int(opt.comm_rounds),
                        lambda done: dict(Counter(opt.step_kinds)), options)
@@ -237,9 +260,15 @@ for _name in ("none", "fp16", "ef_sign", "marsit", "onebit", "global_qsgd", "glo
               "cascading_sign", "auto", "qsgd"):
     register(_name, "adam", compressor_build(_name),
              f"hq.DistributedOptimizer(Adam, compression=hq.Compression.get({_name!r}))")
+for _name in ("ef_sign", "marsit", "global_qsgd", "onebit", "fp16"):
+    register(f"ddp_{_name}", "adam", ddp_hook_build(_name),
+             f"torch DDP, {'fp16_compress_hook' if _name == 'fp16' else f'hq.ddp hook {_name!r}'}, Adam")
 register("onebit_adam", "onebit_adam", onebit_optimizer_build("OnebitAdam"), "hq.OnebitAdam")
 register("zero_one_adam", "zero_one_adam", onebit_optimizer_build("ZeroOneAdam"), "hq.ZeroOneAdam")
 register("binsgdm", "binsgdm", onebit_optimizer_build("BinSGDM"), "hq.BinSGDM")
+for _cls, _name in (("OnebitAdam", "onebit_adam"), ("ZeroOneAdam", "zero_one_adam"), ("BinSGDM", "binsgdm")):
+    register(f"{_name}_dist", _name, onebit_optimizer_build(_cls, process_group=True),
+             f"hq.{_cls}(process_group=True): over torch.distributed (Gloo)")
 register("local", "adam", local_build, "Adam without communication (compute floor; not a method)")
 
 #: The 1-bit optimizers: their fp32 twin is Adam, not Horovod's optimizer around it.
@@ -325,7 +354,7 @@ def train(args):
     rank, size = hvd.rank(), hvd.size()
     torch.set_num_threads(hvd_quant.threads_per_rank() if args.threads == 0 else args.threads)
     method = METHODS[args.method]
-    if method.name.startswith("ddp_") and not torch.distributed.is_initialized():
+    if (method.name.startswith("ddp_") or method.name.endswith("_dist")) and not torch.distributed.is_initialized():
         init_torch_distributed(rank, size, 600)
     lr = args.lr if args.lr is not None else DEFAULT_LR[method.family]
     args.lr = lr
