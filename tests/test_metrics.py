@@ -250,6 +250,29 @@ def test_mismatched_probe_settings_are_caught_not_hung():
             x[c.rank], c, "g", SEGMENTS, lambda cc: runners[c.rank].reduce(x[c.rank], cc, "g", SEGMENTS)))
 
 
+def test_auto_measures_the_link_once_under_metrics():
+    """Each measured reduction runs on a fresh timing wrapper of the owner's communicator:
+    auto keys its link and choices by the communicator behind it (metrics.untimed), so it
+    measures once and keeps its choice (before, every step measured and chose again)."""
+    compressor = hvd_quant.get("auto")
+    runners = [CompressorRunner(compressor, B) for _ in range(2)]
+    for r in runners:
+        r.observe(0)
+    x = np.ones(D, np.float32)
+
+    def body(c):
+        runner = runners[c.rank]
+        sent = []
+        for _ in range(3):
+            before = c.meter.bytes_sent
+            runner.measured(x, c, "g", SEGMENTS, lambda cc: chunked_reduce(runner, x, cc, "g", SEGMENTS, 0))
+            sent.append(c.meter.bytes_sent - before)
+        return sent, compressor.choices(c)
+    for sent, choices in ThreadWorld(2).run(body):
+        assert sent[0] > 2 ** 20 > sent[1] == sent[2]  # the 1 MB rate probe, at the first step only
+        assert list(choices) == ["g"]
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "10", True, None])
 def test_bad_probe_every_is_a_clear_error(bad):
     with pytest.raises(ValueError, match="probe_every"):

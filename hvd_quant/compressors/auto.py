@@ -47,6 +47,7 @@ import numpy as np
 from ..core import costmodel
 from ..core.compressor import Compressor, get
 from ..core.compressed_allreduce import padded_size
+from ..core.metrics import untimed
 
 log = logging.getLogger("hvd_quant")
 
@@ -140,11 +141,14 @@ class AutoCompressor(Compressor):
     def world(self, B, comm):
         """This communicator's measured link and the choices made so far (measured on
         first use, and again when the world changed size)."""
-        entry = self._worlds.get(comm)
+        # Keyed by the owner's communicator, not by the timing wrapper the metrics make
+        # for each reduction: keyed by that, every step measured the link and chose again.
+        key = untimed(comm)
+        entry = self._worlds.get(key)
         if entry is None or entry["size"] != comm.size:
             link = self.link if self.link is not None else self._measure(B, comm)
             entry = {"size": comm.size, "link": link, "choices": {}}
-            self._worlds[comm] = entry
+            self._worlds[key] = entry
         return entry
 
     def _measure(self, B, comm):
@@ -193,7 +197,7 @@ class AutoCompressor(Compressor):
     def choices(self, comm):
         """``{bucket name: method}`` chosen so far on ``comm`` (empty before the first
         reduction)."""
-        entry = self._worlds.get(comm)
+        entry = self._worlds.get(untimed(comm))
         return dict(entry["choices"]) if entry else {}
 
     def reduce(self, x, ctx):

@@ -265,6 +265,16 @@ class TimedComm(Communicator):
                      else TimedComm(sub, self.clock) for sub in self.inner.subgroups(rows))
 
 
+def untimed(comm):
+    """The communicator behind ``comm``'s :class:`TimedComm` wrappers (``comm`` itself when
+    it is not one). A wrapper is made for each reduction, so what keys per-communicator
+    state (``auto``'s measured link and choices) must key it by this one, which lives as
+    long as its owner."""
+    while isinstance(comm, TimedComm):
+        comm = comm.inner
+    return comm
+
+
 class _TimedHandle:
     def __init__(self, handle, clock):
         self._handle, self._clock = handle, clock
