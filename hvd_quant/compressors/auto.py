@@ -46,6 +46,7 @@ import numpy as np
 
 from ..core import costmodel
 from ..core.compressor import Compressor, get
+from ..core.guard import default_error_bound
 from ..core.compressed_allreduce import padded_size
 from ..core.metrics import untimed
 
@@ -72,6 +73,40 @@ def link_from_timings(latency_s, probe_s, copy_s, n, probe_bytes=PROBE_BYTES, co
     return costmodel.LinkModel(rate, dict.fromkeys(costmodel.KINDS, float(latency_s)),
                                dict.fromkeys(costmodel.KINDS, 0.0), eff,
                                2.0 * copy_bytes / max(copy_s, 1e-9), "measured at start (auto)")
+
+
+def measure_link(B, comm, prefix="hvd_quant.auto"):
+    """The link figures every rank shares (module docstring, 1.): each rank's timings,
+    gathered, the slowest. Every rank of ``comm`` must call it at the same point; its
+    collectives are named ``<prefix>.start``, ``.latency``, ``.rate`` and ``.timings``.
+    (The torch optimizer's "does it pay" line measures the link with it too.)"""
+    return _gathered_link(B, comm, lambda: local_timings(B, comm, prefix), prefix)
+
+
+def _gathered_link(B, comm, timings, prefix):
+    n = comm.size
+    with getattr(B, "eager_scope", nullcontext)():
+        mine = B.constant(np.array(timings(), np.float64), "float64")
+        rows = B.to_numpy(comm.allgather(mine, prefix + ".timings")).reshape(n, 3)
+    return link_from_timings(*(float(v) for v in rows.max(axis=0)), n)
+
+
+def local_timings(B, comm, prefix="hvd_quant.auto"):
+    """This rank's ``[latency, probe, copy]`` seconds: a 4-byte allreduce (after an
+    untimed one that brings the ranks together), an allreduce of 1 MB, a 16 MB copy."""
+    tiny, probe = B.zeros(1), B.zeros(PROBE_BYTES // 4)
+    B.to_numpy(comm.allreduce(tiny, "sum", prefix + ".start"))
+    t = time.perf_counter()
+    B.to_numpy(comm.allreduce(tiny, "sum", prefix + ".latency"))
+    latency = time.perf_counter() - t
+    t = time.perf_counter()
+    B.to_numpy(comm.allreduce(probe, "sum", prefix + ".rate"))
+    rate = time.perf_counter() - t
+    src = np.ones(COPY_BYTES // 4, np.float32)
+    dst = np.empty_like(src)
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    return [latency, rate, time.perf_counter() - t]
 
 
 def choose(candidates, numel, n, link, ranks_per_node=None, segments=1):
@@ -104,6 +139,9 @@ class AutoCompressor(Compressor):
     name = "auto"
     stateful = True
     multi_hop = True  # it may choose Marsit's ring
+    #: The adapters turn the guard on for auto unless told otherwise (hvd_quant.core.guard):
+    #: a bucket whose chosen method strays falls back to fp32.
+    guard_by_default = True
 
     def __init__(self, family="any", link=None):
         if family not in FAMILIES:
@@ -115,6 +153,9 @@ class AutoCompressor(Compressor):
         self.family, self.link = family, link
         self.candidates = FAMILIES[family]
         self._methods = {m: get(m) for m in ("none",) + self.candidates}
+        # A bucket may get a method with error feedback, whose errors run higher: the
+        # guard's bound is the loosest of the candidates' (guard.default_error_bound).
+        self.guard_error_bound = max(default_error_bound(m) for m in self._methods.values())
         slots = []
         for m in self._methods.values():
             for s in (m.state_slots if m.state_slots is not None else (("residual",) if m.stateful else ())):
@@ -153,28 +194,10 @@ class AutoCompressor(Compressor):
 
     def _measure(self, B, comm):
         """The link figures every rank shares: each rank's timings, gathered, the slowest."""
-        n = comm.size
-        with getattr(B, "eager_scope", nullcontext)():
-            mine = B.constant(np.array(self._local_timings(B, comm), np.float64), "float64")
-            rows = B.to_numpy(comm.allgather(mine, "hvd_quant.auto.timings")).reshape(n, 3)
-        return link_from_timings(*(float(v) for v in rows.max(axis=0)), n)
+        return _gathered_link(B, comm, lambda: self._local_timings(B, comm), "hvd_quant.auto")
 
     def _local_timings(self, B, comm):
-        """This rank's ``[latency, probe, copy]`` seconds: a 4-byte allreduce (after an
-        untimed one that brings the ranks together), an allreduce of 1 MB, a 16 MB copy."""
-        tiny, probe = B.zeros(1), B.zeros(PROBE_BYTES // 4)
-        B.to_numpy(comm.allreduce(tiny, "sum", "hvd_quant.auto.start"))
-        t = time.perf_counter()
-        B.to_numpy(comm.allreduce(tiny, "sum", "hvd_quant.auto.latency"))
-        latency = time.perf_counter() - t
-        t = time.perf_counter()
-        B.to_numpy(comm.allreduce(probe, "sum", "hvd_quant.auto.rate"))
-        rate = time.perf_counter() - t
-        src = np.ones(COPY_BYTES // 4, np.float32)
-        dst = np.empty_like(src)
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        return [latency, rate, time.perf_counter() - t]
+        return local_timings(B, comm)
 
     def choice(self, B, comm, group, segments):
         entry = self.world(B, comm)

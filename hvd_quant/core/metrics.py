@@ -66,11 +66,12 @@ gets no extra host synchronisation.
 import math
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from .comm import Communicator, RoutedGroup
-from .costmodel import fp32_ring_bytes
+from .costmodel import Collective, comm_seconds, fp32_ring_bytes, ring_memory_bytes
 
 #: Default of ``probe_every`` (reductions of a bucket between probes): rare enough to add
 #: about 3% to a 1-bit method's bytes at 2 ranks (module docstring), often enough to see
@@ -86,6 +87,7 @@ STEP_FIGURES = {
     "decode_s": "seconds of work after the last collective returned",
     "probe_s": "seconds of the probe's extra collectives and passes (0 off probe steps)",
     "nonfinite": "1 when the reduced gradient held inf or NaN",
+    "fallback": "1 when the guard reduced the bucket in fp32 instead of the method",
 }
 #: Per bucket, probe steps only: the raw sums the probe's allgather shares.
 PROBE_FIGURES = {
@@ -298,6 +300,7 @@ class BucketMetrics:
 
     def __init__(self, index):
         self.index = index
+        self.numel = 0  # elements of the buffer (the report's fp32 cost)
         self.steps = self.since_restart = self.probes = 0
         self.collectives = None
         self.last = dict.fromkeys(STEP_FIGURES, 0.0)
@@ -329,9 +332,12 @@ class OwnerMetrics:
         ``ranges(name)`` -> context manager marking a profiler range (the adapter's).
     """
 
-    def __init__(self, probe_every=DEFAULT_PROBE_EVERY, ranges=None):
+    def __init__(self, probe_every=DEFAULT_PROBE_EVERY, ranges=None, guard=None):
         self.probe_every = check_probe_every(probe_every)
         self.ranges = ranges
+        self.guard = guard  # hvd_quant.core.guard.Guard, or None (off)
+        self.verdict = None  # the adapter's "does it pay" Verdict, once made
+        self._rank = 0  # this rank in the owner's communicator (the guard's warnings)
         self.buckets = {}  # group key -> BucketMetrics
         self.steps = 0
         self.last_step = dict.fromkeys(OWNER_FIGURES, 0.0)
@@ -352,6 +358,8 @@ class OwnerMetrics:
         elastic reset, ranks that joined start from zero, so the survivors must too."""
         for b in self.buckets.values():
             b.since_restart = 0
+        if self.guard is not None:
+            self.guard.restart()
 
     def probes_now(self, bucket):
         return bool(self.probe_every) and (bucket.since_restart + 1) % self.probe_every == 0
@@ -362,21 +370,37 @@ class OwnerMetrics:
         probe around it on probe steps. Returns the reduction's result."""
         bucket = self.bucket(group)
         B = runner.backend
-        probe = _Probe(B, comm, runner, group, segments, flat, self.ranges) if self.probes_now(bucket) else None
+        bucket.numel = int(B.numel(flat))
+        self._rank = comm.rank
+        # A bucket the guard reduces in fp32 is exact: no probe, and the method's state
+        # and random streams wait untouched (hvd_quant.core.guard).
+        fallback = self.guard is not None and self.guard.falling_back(group)
+        probe = None
+        if self.probes_now(bucket) and not fallback:
+            probe = _Probe(B, comm, runner, group, segments, flat, self.ranges)
         bytes_before = comm.meter.bytes_sent
-        clock = PhaseClock(self.ranges, bucket.collectives)
+        clock = PhaseClock(self.ranges, None if fallback else bucket.collectives)
         try:
-            mean = reduce(TimedComm(comm, clock))
+            if fallback:
+                name = f"hvd_quant.{runner.collective_prefix(group)}.fallback"
+                mean = TimedComm(comm, clock).allreduce(flat, "sum", name) * (1.0 / comm.size)
+            else:
+                mean = reduce(TimedComm(comm, clock))
         finally:
             clock.finish()
-        bucket.collectives = clock.collectives
+        if not fallback:  # the range names follow the method's own collectives
+            bucket.collectives = clock.collectives
         figures = {"bytes_sent": comm.meter.bytes_sent - bytes_before,
                    "fp32_bytes": fp32_ring_bytes(B.numel(flat), comm.size),
-                   "encode_s": clock.encode_s, "wait_s": clock.wait_s, "decode_s": clock.decode_s}
+                   "encode_s": clock.encode_s, "wait_s": clock.wait_s, "decode_s": clock.decode_s,
+                   "fallback": float(fallback)}
         probed = probe.finish(mean) if probe is not None else None
         if probe is not None:
             figures["probe_s"] = probe.seconds
         bucket.record(figures, probed)
+        if self.guard is not None:
+            rel = DERIVED["probe_rel_error"](probed) if probed is not None else None
+            self.guard.reduced(group, fallback, rel, comm.rank, _describe(bucket.numel, segments))
         with self._lock:
             # The sum, not the elements: one pass with no temporary (a float32 sum
             # overflows only past 3e38, where a gradient is lost anyway).
@@ -396,6 +420,8 @@ class OwnerMetrics:
             if bad:
                 bucket.total["nonfinite"] += 1.0
                 self.nonfinite_steps.add(step)
+            if self.guard is not None:
+                self.guard.nonfinite(step, bad, self._rank, len(self.nonfinite_steps))
 
     def record_step(self, sync_s, update_s, now=None):
         """The adapter's step ended: ``sync_s`` waiting for reductions, ``update_s`` in the
@@ -403,6 +429,10 @@ class OwnerMetrics:
         now = time.perf_counter() if now is None else now
         previous, self._step_end = self._step_end, now
         self.steps += 1
+        if self.guard is not None:
+            # The guard's non-finite warning follows the steps (a host read per bucket on
+            # a GPU, after the step has waited for the buckets anyway).
+            self._settle()
         if previous is None:
             return
         step_s = now - previous
@@ -425,11 +455,15 @@ def snapshot_of(owner):
     step, summed over buckets) and ``F.mean`` (the mean per step; for derived ratios the
     pooled ratio of all steps' sums), and per bucket ``bucket<i>/F`` and
     ``bucket<i>/F.mean``; plus ``steps``, ``probes`` and ``skipped_steps`` (steps in
-    which a bucket's reduced gradient held inf or NaN)."""
+    which a bucket's reduced gradient held inf or NaN), ``fallbacks`` (times the guard
+    sent a bucket to fp32, :mod:`hvd_quant.core.guard`) and ``saves_s`` (seconds per step
+    the method saves against fp32 on this link, once the adapter has said so: :func:`pays`)."""
     buckets = sorted(owner.buckets.values(), key=lambda b: b.index)
     out = {"steps": owner.steps or max((b.steps for b in buckets), default=0),
            "probes": max((b.probes for b in buckets), default=0),
-           "skipped_steps": len(owner.nonfinite_steps)}
+           "skipped_steps": len(owner.nonfinite_steps),
+           "fallbacks": owner.guard.fallbacks() if owner.guard is not None else 0,
+           "saves_s": owner.verdict.saves_s if owner.verdict is not None else None}
     for b in buckets:
         _put(out, f"bucket{b.index}/", {**b.last, **b.last_probe},
              _means(b.total, b.steps, b.probe_total, b.probes))
@@ -439,6 +473,13 @@ def snapshot_of(owner):
         out[k] = owner.last_step[k] if owner.timed_steps else None
         out[k + ".mean"] = owner.step_total[k] / owner.timed_steps if owner.timed_steps else None
     return out
+
+
+def _describe(numel, segments):
+    """A bucket in a warning: its size and first tensors."""
+    names = [str(n) for n, _ in segments]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{numel:,} elements: {shown}"
 
 
 def _means(total, steps, probe_total, probes):
@@ -509,3 +550,117 @@ class _Nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# --- does it pay here? --------------------------------------------------------------------
+#: Steps after which the adapter says once whether compression pays on this link (``0``:
+#: never). The per-step figures are the means over the second half of those steps: the
+#: first half pays for compiling kernels, the first-step checks and allocations.
+DEFAULT_REPORT_AFTER = 100
+#: A saving or a loss below this share of the step is "about even": the measured times
+#: move by more than that between runs on a shared machine.
+EVEN_SHARE = 0.02
+
+
+def check_report_after(value):
+    """``value`` as an int >= 0 (0: no report), else a ``ValueError``; a report needs a
+    window of at least one step after the warm-up's first half, so 1 is refused."""
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0
+            or value == 1):
+        raise ValueError(f"report_after must be a whole number >= 2 (0: no report), got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a method pays on this link (:func:`pays`): seconds per step.
+
+    ``method_s`` is the method's measured reduction (``encode_s + wait_s + decode_s``),
+    ``fp32_s`` what an fp32 ring allreduce of the same buckets is predicted to take on the
+    measured link (its collectives and its passes over memory, :mod:`~hvd_quant.core.costmodel`),
+    ``saves_s = fp32_s - method_s`` (negative: it costs), ``share`` that against the
+    measured step, and ``text`` the line rank 0 logs."""
+    method: str
+    method_s: float
+    compute_s: float
+    fp32_s: float
+    saves_s: float
+    step_s: float
+    share: float
+    text: str
+
+    @property
+    def pays(self):
+        return self.share >= EVEN_SHARE
+
+
+def fp32_seconds(buckets, world_size, link):
+    """Predicted seconds per step of an fp32 ring allreduce of each buffer in ``buckets``
+    (element counts) at ``world_size`` ranks on ``link`` (a
+    :class:`~hvd_quant.core.costmodel.LinkModel`): its collective and its passes."""
+    wire = comm_seconds([Collective("allreduce", 4.0 * b, world_size) for b in buckets], link)
+    return wire + sum(ring_memory_bytes(b, world_size) for b in buckets) / link.memory_bps
+
+
+def pays(method, per_step, buckets, world_size, link, instead=""):
+    """The verdict (:class:`Verdict`) on ``method`` from its measured figures per step,
+    ``per_step`` (``encode_s``, ``wait_s``, ``decode_s``, ``step_s``: means over a window,
+    as :func:`per_step_between` gives them), against fp32 on ``link`` for the same
+    ``buckets`` (element counts) at ``world_size`` ranks. ``instead``: what the line
+    recommends when the method does not pay (the adapter's words for fp32 and ``auto``).
+
+    Both sides are reduction times: under overlap each is partly hidden behind backward,
+    and ``wait_s`` includes waiting for the slowest rank, which fp32 would wait for too."""
+    compute = per_step["encode_s"] + per_step["decode_s"]
+    ours = compute + per_step["wait_s"]
+    fp32 = fp32_seconds(buckets, world_size, link)
+    step = max(per_step["step_s"], ours, 1e-12)
+    saves = fp32 - ours
+    share = saves / step
+    ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731 - a local format
+    measured = (f"its reduction takes {ms(ours)} per step (encode and decode {ms(compute)}, waiting on "
+                f"collectives {ms(per_step['wait_s'])}), fp32 would take about {ms(fp32)} "
+                f"({4e-6 * sum(buckets):.3g} MB in {len(buckets)} allreduce(s) at {world_size} ranks on a link "
+                f"measured at {link.rate_bps / 1e6:.0f} Mbit/s and {link.latency('allreduce', world_size) * 1e3:.2g} ms "
+                f"per collective)")
+    if share >= EVEN_SHARE:
+        text = (f"hvd_quant: `{method}` saves about {ms(saves)} per step ({100 * share:.0f}% of the "
+                f"{ms(step)} step) on this link: {measured}.")
+    elif share > -EVEN_SHARE:
+        text = (f"hvd_quant: `{method}` and fp32 cost about the same on this link ({ms(abs(saves))} per "
+                f"step apart, under {100 * EVEN_SHARE:.0f}% of the {ms(step)} step): {measured}.")
+    else:
+        text = (f"hvd_quant: `{method}` does not pay on this link: it costs about {ms(-saves)} per step "
+                f"more than fp32 ({100 * -share:.0f}% of the {ms(step)} step): {measured}.")
+        if compute >= fp32:
+            text += (" Its encoding and decoding alone take longer than fp32's whole reduction, so a "
+                     "faster link would not change this.")
+        if instead:
+            text += " " + instead
+    return Verdict(method, ours, compute, fp32, saves, step, share, text)
+
+
+#: The running sums a report's window is made of (:func:`per_step_between`).
+WINDOW_FIGURES = ("encode_s", "wait_s", "decode_s", "probe_s", "bytes_sent", "fp32_bytes", "step_s")
+
+
+def window_mark(owner):
+    """The owner's running sums now (:data:`WINDOW_FIGURES`, summed over buckets), to
+    take per-step means between two marks."""
+    mark = {k: sum(b.total[k] for b in owner.buckets.values()) for k in STEP_FIGURES}
+    mark.update(owner.step_total)
+    mark["timed_steps"] = owner.timed_steps
+    return {k: mark[k] for k in WINDOW_FIGURES + ("timed_steps",)}
+
+
+def per_step_between(start, end):
+    """Means per step of :data:`WINDOW_FIGURES` between two :func:`window_mark` marks
+    (``None`` when no step was timed between them). A probe's time is taken out of the
+    step: the probe is the monitoring's cost, not the method's."""
+    steps = end["timed_steps"] - start["timed_steps"]
+    if steps <= 0:
+        return None
+    out = {k: (end[k] - start[k]) / steps for k in WINDOW_FIGURES}
+    out["step_s"] = max(0.0, out["step_s"] - out["probe_s"])
+    out["steps"] = steps
+    return out

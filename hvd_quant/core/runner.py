@@ -374,11 +374,12 @@ class CompressorRunner:
         return self.compressor.reduce(flat, self.context(comm, group, segments, out=out))
 
     # --- metrics (hvd_quant.core.metrics) -------------------------------------------------
-    def observe(self, probe_every=DEFAULT_PROBE_EVERY, ranges=None):
+    def observe(self, probe_every=DEFAULT_PROBE_EVERY, ranges=None, guard=None):
         """Turn this owner's metrics on (:class:`~hvd_quant.core.metrics.OwnerMetrics`;
-        ``ranges``: the framework's profiler ranges) and return them. Only reductions run
-        through :meth:`measured` are recorded."""
-        self.metrics = OwnerMetrics(probe_every, ranges)
+        ``ranges``: the framework's profiler ranges; ``guard``: a
+        :class:`~hvd_quant.core.guard.Guard`, or ``None``) and return them. Only
+        reductions run through :meth:`measured` are recorded (and guarded)."""
+        self.metrics = OwnerMetrics(probe_every, ranges, guard)
         return self.metrics
 
     def measured(self, flat, comm, group, segments, reduce):

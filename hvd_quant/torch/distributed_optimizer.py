@@ -80,8 +80,11 @@ from contextlib import contextmanager
 import torch
 import horovod.torch as hvd
 
+from ..compressors.auto import AutoCompressor, measure_link
 from ..core import adaptive_check
-from ..core.metrics import DEFAULT_PROBE_EVERY, check_probe_every
+from ..core.guard import Guard, guard_settings
+from ..core.metrics import (DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, check_probe_every, check_report_after,
+                            pays, per_step_between, window_mark)
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
@@ -98,10 +101,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, op, groups, process_set,
                  bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None,
                  backward_passes_per_step=1, sparse_as_dense=True, strict=None,
-                 gradient_predivide_factor=1.0, probe_every=DEFAULT_PROBE_EVERY):
+                 gradient_predivide_factor=1.0, probe_every=DEFAULT_PROBE_EVERY, guard=None,
+                 report_after=DEFAULT_REPORT_AFTER):
         super(self.__class__, self).__init__(params)
         compression = _adopted_compression(compression)
         probe_every = check_probe_every(probe_every)
+        self._report_after = check_report_after(report_after)
+        guard = _checked_guard(guard, compression, probe_every)
         bucket_size_mb = _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb)
         self._passes = _check_passes(backward_passes_per_step)
         # hvd.broadcast_optimizer_state creates missing state with one step, on the ranks
@@ -118,8 +124,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._runner = compression.make_runner(strict=strict, device=self._device)  # this optimizer's own state
         # What compression does while training (opt.metrics(); hvd_quant.core.metrics):
         # each phase of a bucket's reduction is also a range for torch.profiler.
-        self._metrics = self._runner.observe(probe_every, ranges=torch.profiler.record_function)
+        self._metrics = self._runner.observe(probe_every, ranges=torch.profiler.record_function, guard=guard)
         self._sync_s = 0.0  # this step's time in synchronize(), for the step's metrics
+        self._window = None  # the metrics' sums where the "does it pay" window starts
         # Horovod's public attributes, read by integrations (Lightning, Ray).
         self.op, self.process_set, self.sparse_as_dense = op, process_set, bool(sparse_as_dense)
         self.backward_passes_per_step = self._passes
@@ -392,7 +399,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             out = super(self.__class__, self).step(closure)
         self._metrics.record_step(self._sync_s, time.perf_counter() - start)
         self._sync_s = 0.0
+        self._report_pays()
         return out
+
+    def _report_pays(self):
+        """After ``report_after`` steps, rank 0's one line: does compression pay on this
+        link (:func:`hvd_quant.core.metrics.pays`)? The means come from the second half of
+        those steps. Every rank takes part in measuring the link (``auto``'s measurement,
+        or the one ``auto`` made already), at the same step, between two rounds of
+        buckets (the step is over, so no bucket is in flight); only rank 0 logs."""
+        after, steps = self._report_after, self._metrics.steps
+        if not after or not self._included or self._comm.size < 2 or self._compression.name == "none":
+            return
+        if steps == after // 2:
+            self._window = window_mark(self._metrics)
+        elif steps == after and self._window is not None:
+            per_step = per_step_between(self._window, window_mark(self._metrics))
+            link = self._measured_link()
+            buckets = [b.numel for b in self._metrics.buckets.values()]
+            verdict = pays(self._compression.name, per_step, buckets, self._comm.size, link, _INSTEAD)
+            self._metrics.verdict = verdict
+            if self._comm.rank == 0:
+                log.info(verdict.text)
+
+    def _measured_link(self):
+        """The link every rank holds: ``auto``'s own measurement where it made one, else
+        one now (a 1 MB allreduce, two tiny ones and an allgather of 3 numbers)."""
+        algorithm = self._compression.algorithm
+        if isinstance(algorithm, AutoCompressor):
+            return algorithm.world(self._runner.backend, self._comm)["link"]
+        return measure_link(self._runner.backend, self._comm, "hvd_quant.report")
 
     # --- monitoring and checkpoints ---------------------------------------------------------
     def metrics(self):
@@ -432,6 +468,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state["hvd_quant"] = {"compressor": repr(self._compression),
                               "state": {k: torch.from_numpy(v) for k, v in self._runner.state_dict().items()},
                               "rng": {int(r): int(c) for r, c in self._runner.rng_state().items()}}
+        if self._metrics.guard is not None:  # plain numbers: torch.load(weights_only=True) takes them
+            state["hvd_quant"]["guard"] = self._metrics.guard.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
@@ -446,6 +484,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is not None:
             self._runner.load_state_dict(ours["state"])
             self._runner.load_rng_state(ours.get("rng", {}))
+            if self._metrics.guard is not None and "guard" in ours:
+                self._metrics.guard.load_state_dict(ours["guard"])
 
 
 #: torch's adaptive optimizers: a per-element second moment or accumulator, which a
@@ -454,6 +494,33 @@ _ADAPTIVE = tuple(getattr(torch.optim, name) for name in ("Adam", "AdamW", "Adam
                                                             "Adadelta", "RMSprop", "SparseAdam")
                   if hasattr(torch.optim, name))
 
+
+
+#: What the "does it pay" line recommends when compression does not pay.
+_INSTEAD = ("Use fp32 here (compression=hq.Compression.none), or hq.Compression.auto(), which measures "
+            "the link and chooses per bucket.")
+
+#: The guard's advice when the averaged gradient stays non-finite (hvd_quant.core.guard).
+_NONFINITE_HINT = (
+    "Without a loss scaler, the first such step already wrote inf or NaN into the parameters and every "
+    "later step follows: check the data and the loss, and lower the learning rate (or warm it up). With "
+    "torch.amp.GradScaler the scale was halved at each of these steps and no step came out finite, so "
+    "the scale is not the cause either: the same applies. Reduce before unscaling (opt.synchronize(); "
+    "scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)).")
+
+
+def _checked_guard(guard, compression, probe_every):
+    """The :class:`~hvd_quant.core.guard.Guard` that ``guard=`` asks for (``None``: the
+    compressor's default, on for ``auto``), or ``None``; a ``ValueError`` names a bad
+    setting. A guard asked for explicitly needs probes (``probe_every > 0``): it reads
+    their error; ``auto``'s default guard without probes keeps only the non-finite check."""
+    settings = guard_settings(guard, getattr(compression.algorithm, "guard_by_default", False))
+    if settings is None:
+        return None
+    if guard is not None and not probe_every:
+        raise ValueError("guard: the guard reads the probe's error, and probe_every=0 turns the probes off; "
+                         "pass probe_every > 0, or guard=False")
+    return Guard(settings, compression.algorithm, _NONFINITE_HINT)
 
 
 def _adopted_compression(compression):
@@ -568,7 +635,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=True, process_set=hvd.global_process_set,
                          bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None, strict=None,
-                         probe_every=DEFAULT_PROBE_EVERY):
+                         probe_every=DEFAULT_PROBE_EVERY, guard=None, report_after=DEFAULT_REPORT_AFTER):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients with ``compression``.
 
     Parameters mirror ``horovod.torch.DistributedOptimizer``. ``compression`` is an
@@ -620,6 +687,22 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         cosine of the compressed mean and the residual's norm. Default 1000
         (:data:`hvd_quant.core.metrics.DEFAULT_PROBE_EVERY`: about 3% more bytes for a
         1-bit method at 2 ranks); ``0``: never. Every rank must pass the same value.
+    report_after : int
+        After that many steps, rank 0 logs one line (INFO, the ``hvd_quant`` logger):
+        the method's measured communication and compute per step (the means over the
+        second half of those steps), what fp32 would cost on the link as measured then
+        (every rank takes part in one measurement: a 1 MB allreduce), and whether the
+        method saves time here (:func:`hvd_quant.core.metrics.pays`;
+        ``metrics()["saves_s"]`` after it). Default 100; ``0``: never. Every rank must
+        pass the same value.
+    guard : bool, dict or None
+        Fall back to fp32 for a bucket whose probe error stays above a bound, and warn
+        when the averaged gradient stays non-finite (:mod:`hvd_quant.core.guard`).
+        ``True``: the default settings; a dict of
+        :class:`~hvd_quant.core.guard.GuardSettings` fields (``error_bound``,
+        ``patience``, ``fallback_steps``, ``nonfinite_patience``); ``False``: off;
+        ``None`` (default): on for ``Compression.auto``, off otherwise. Every rank must
+        pass the same. Its state goes into ``state_dict()``.
 
     Returns an instance of a subclass of ``type(optimizer)`` with ``synchronize()``,
     ``skip_synchronize()``, ``set_backward_passes_per_step()``, ``bytes_sent``,
@@ -635,4 +718,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                pipeline_chunk_mb=pipeline_chunk_mb,
                backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
                strict=strict, gradient_predivide_factor=gradient_predivide_factor,
-               probe_every=probe_every)
+               probe_every=probe_every, guard=guard, report_after=report_after)
