@@ -620,7 +620,7 @@ def pays(method, per_step, buckets, world_size, link, instead=""):
     ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731 - a local format
     measured = (f"its reduction takes {ms(ours)} per step (encode and decode {ms(compute)}, waiting on "
                 f"collectives {ms(per_step['wait_s'])}), fp32 would take about {ms(fp32)} "
-                f"({4e-6 * sum(buckets):.3g} MB in {len(buckets)} allreduce(s) at {world_size} ranks on a link "
+                f"({_size(4.0 * sum(buckets))} in {len(buckets)} allreduce(s) at {world_size} ranks on a link "
                 f"measured at {link.rate_bps / 1e6:.0f} Mbit/s and {link.latency('allreduce', world_size) * 1e3:.2g} ms "
                 f"per collective)")
     if share >= EVEN_SHARE:
@@ -638,6 +638,10 @@ def pays(method, per_step, buckets, world_size, link, instead=""):
         if instead:
             text += " " + instead
     return Verdict(method, ours, compute, fp32, saves, step, share, text)
+
+
+def _size(nbytes):
+    return f"{nbytes / 1e6:.3g} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.3g} kB"
 
 
 #: The running sums a report's window is made of (:func:`per_step_between`).

@@ -1,0 +1,319 @@
+"""The guard and the "does it pay here?" line (hvd_quant.core.guard, hvd_quant.core.metrics.pays;
+issue 54).
+
+The verdict from constructed figures against the cost model's fp32; the guard on the
+thread world: an injected error makes a bucket fall back to fp32 on every rank at the
+same reduction, for the steps asked, then the method resumes; a checkpoint taken during
+a fallback restores it; runs of non-finite steps warn once; bad settings are refused.
+Then the torch adapter (hq.DistributedOptimizer on simulated ranks): the same fallback,
+training on after it, the guard in ``state_dict``, the line logged once by rank 0.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+
+import hvd_quant
+from hvd_quant.core import costmodel, guard as G, metrics as M
+from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.compressor import Compressor
+from hvd_quant.core.runner import CompressorRunner
+from hvd_quant.core.simulate import ThreadWorld
+
+from test_metrics import hq, torch_model, train_on_threads  # noqa: F401 - hq is a fixture
+
+B = NumpyBackend()
+SEGMENTS = [("w", 40), ("b", 24)]
+D = 64
+
+
+def link(rate_bps, latency_s=1e-3, memory_bps=10e9):
+    return costmodel.LinkModel(rate_bps, dict.fromkeys(costmodel.KINDS, latency_s),
+                               dict.fromkeys(costmodel.KINDS, 0.0), dict.fromkeys(costmodel.KINDS, 1.0),
+                               memory_bps)
+
+
+# --- does it pay here? ------------------------------------------------------------------------
+def test_the_verdict_on_a_slow_link_says_how_much_it_saves():
+    figures = {"encode_s": 0.004, "decode_s": 0.002, "wait_s": 0.01, "step_s": 0.5}
+    slow = link(100e6)
+    v = M.pays("ef_sign", figures, [1_000_000, 24_000], 2, slow)
+    # fp32: one ring allreduce per bucket, 2 (n - 1) / n * 4 d bytes at the rate, plus its passes
+    wire = sum(1e-3 + 8 * 4.0 * b / 100e6 for b in (1_000_000, 24_000))
+    passes = sum(costmodel.ring_memory_bytes(b, 2) for b in (1_000_000, 24_000)) / 10e9
+    assert v.fp32_s == pytest.approx(wire + passes)
+    assert v.method_s == pytest.approx(0.016) and v.compute_s == pytest.approx(0.006)
+    assert v.saves_s == pytest.approx(v.fp32_s - 0.016) and v.share == pytest.approx(v.saves_s / 0.5)
+    assert v.pays
+    assert v.text.startswith(f"hvd_quant: `ef_sign` saves about {v.saves_s * 1e3:.3g} ms per step "
+                             f"({100 * v.share:.0f}% of the 500 ms step) on this link")
+    assert "100 Mbit/s" in v.text and "2 allreduce(s)" in v.text
+
+
+def test_the_verdict_on_a_fast_link_says_what_to_use_instead():
+    figures = {"encode_s": 0.02, "decode_s": 0.01, "wait_s": 0.001, "step_s": 0.2}
+    v = M.pays("marsit", figures, [1_000_000], 4, link(100e9, 1e-4), instead="Use fp32 here.")
+    assert not v.pays and v.saves_s < 0
+    assert "`marsit` does not pay on this link" in v.text and v.text.endswith("Use fp32 here.")
+    assert "a faster link would not change this" in v.text  # its encode and decode exceed fp32's all
+    even = M.pays("marsit", {"encode_s": 0.0, "decode_s": 0.0, "wait_s": v.fp32_s, "step_s": 1.0},
+                  [1_000_000], 4, link(100e9, 1e-4), instead="Use fp32 here.")
+    assert "cost about the same" in even.text and "Use fp32" not in even.text
+
+
+def test_window_means_leave_the_probe_out_of_the_step():
+    owner = M.OwnerMetrics(0)
+    owner.record_step(0, 0, now=0.0)
+    start = M.window_mark(owner)
+    b = owner.bucket("g")
+    for t in (1.0, 2.0):
+        b.record({"encode_s": 0.1, "wait_s": 0.2, "decode_s": 0.05, "probe_s": 0.3 if t == 2.0 else 0.0}, None)
+        owner.record_step(0.0, 0.0, now=t)
+    per_step = M.per_step_between(start, M.window_mark(owner))
+    assert per_step["steps"] == 2 and per_step["wait_s"] == pytest.approx(0.2)
+    assert per_step["step_s"] == pytest.approx(1.0 - 0.15)
+    assert M.per_step_between(start, start) is None
+
+
+@pytest.mark.parametrize("bad", [1, -3, 2.5, True, "100"])
+def test_bad_report_after_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="report_after"):
+        M.check_report_after(bad)
+
+
+# --- the guard on the thread world ---------------------------------------------------------------
+class Injected(Compressor):
+    """An exact fp32 mean, negated in buffers whose name ends with "bad" on the steps in
+    ``broken`` (counted per buffer): a relative error of 2 there."""
+
+    name = "injected"
+
+    def __init__(self, broken=range(1000)):
+        self.broken, self.calls = set(broken), {}
+
+    def reduce(self, x, ctx):
+        step = self.calls[ctx.name] = self.calls.get(ctx.name, 0) + 1
+        mean = ctx.comm.allreduce(x, "sum", ctx.name) * (1.0 / ctx.comm.size)
+        return -mean if ctx.name.endswith("bad") and step in self.broken else mean
+
+    def wire_bytes(self, numel, world_size, segments=1):
+        return 0.0
+
+
+SETTINGS = G.GuardSettings(error_bound=1.5, patience=2, fallback_steps=3)
+
+
+def guarded_runners(n, settings=SETTINGS, make=Injected):
+    runners = []
+    for _ in range(n):
+        r = CompressorRunner(make(), B)
+        r.observe(1, guard=G.Guard(settings, r.compressor, hint="HINT"))
+        runners.append(r)
+    return runners
+
+
+def steps_on(world, runners, xs, buckets=("good", "bad")):
+    """Each step of ``xs[step][rank]`` through every bucket; returns per rank the list of
+    (bucket, mean, fallback flag) per step."""
+    def body(c):
+        runner, out = runners[c.rank], []
+        for step in xs:
+            row = {}
+            for key in buckets:
+                x = step[c.rank].copy()
+                mean = runner.measured(x, c, key, SEGMENTS, lambda cc: runner.reduce(x, cc, key, SEGMENTS))
+                row[key] = (mean, runner.metrics.buckets[key].last["fallback"])
+            out.append(row)
+        return out
+    return world.run(body)
+
+
+def inputs(n, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(D).astype(np.float32) for _ in range(n)] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_injected_error_falls_back_on_every_rank_at_the_same_step(n, caplog):
+    xs = inputs(n, 8)
+    runners = guarded_runners(n)
+    with caplog.at_level(logging.WARNING, logger="hvd_quant"):
+        out = steps_on(ThreadWorld(n), runners, xs)
+    # probes at steps 1 and 2 see error 2 > 1.5: steps 3-5 in fp32; 6 and 7 probe again, 8 falls back
+    expected = [0, 0, 1, 1, 1, 0, 0, 1]
+    for r in range(n):
+        assert [row["bad"][1] for row in out[r]] == expected, r
+        assert [row["good"][1] for row in out[r]] == [0] * 8
+        for step, row in enumerate(out[r]):
+            exact = np.mean(np.stack(xs[step]), axis=0)
+            sign = 1 if expected[step] else -1
+            np.testing.assert_allclose(row["bad"][0], sign * exact, rtol=1e-5, atol=1e-6)
+    warnings = [rec.getMessage() for rec in caplog.records if "guard" in rec.getMessage()]
+    assert len(warnings) == 2  # rank 0 only, one per fallback
+    assert "bucket bad (64 elements: w, b) of `injected`" in warnings[0] and "(2, 2)" in warnings[0]
+    assert "fp32 for its next 3 steps" in warnings[0]
+    for r in runners:
+        s = r.metrics.snapshot()
+        assert s["fallbacks"] == 2 and s["bucket1/fallback"] == 1.0 and s["fallback"] == 1.0
+        assert s["bucket1/fallback.mean"] == pytest.approx(4 / 8)
+        assert r.metrics.buckets["bad"].probes == 8 - 4  # no probe while a bucket is in fp32
+
+
+def test_the_fallback_sends_fp32_bytes_and_leaves_the_methods_state_alone():
+    n = 2
+    xs = inputs(n, 3, seed=1)
+    runners = [CompressorRunner(hvd_quant.get("ef_sign"), B) for _ in range(n)]
+    for r in runners:  # a bound below any sign method's error: every probe is above it
+        r.observe(1, guard=G.Guard(G.GuardSettings(error_bound=1e-6, patience=1, fallback_steps=5),
+                                   r.compressor))
+    world = ThreadWorld(n)
+    states = []
+
+    def body(c):
+        runner, sent = runners[c.rank], []
+        for step in xs:
+            before = c.meter.bytes_sent
+            runner.measured(step[c.rank], c, "g", SEGMENTS, lambda cc: runner.reduce(step[c.rank], cc, "g", SEGMENTS))
+            sent.append(c.meter.bytes_sent - before)
+            states.append((c.rank, {k: v.copy() for k, v in runner.state_dict().items()}))
+        return sent
+    sent = world.run(body)
+    fp32 = costmodel.fp32_ring_bytes(D, n)
+    assert sent[0][1] == sent[0][2] == pytest.approx(fp32)  # the fallback's allreduce, no probe
+    rank0 = [s for r, s in states if r == 0]
+    for k in rank0[0]:
+        np.testing.assert_array_equal(rank0[0][k], rank0[2][k])  # the residual waits untouched
+
+
+def test_a_checkpoint_taken_in_a_fallback_restores_the_guard():
+    n = 2
+    xs = inputs(n, 8, seed=2)
+    whole = steps_on(ThreadWorld(n), guarded_runners(n), xs)
+    first = guarded_runners(n)
+    steps_on(ThreadWorld(n), first, xs[:3])  # step 3 is the first fp32 one
+    saved = [r.metrics.guard.state_dict() for r in first]
+    assert saved[0] == saved[1] and saved[0]["buckets"]["bad"]["fallback_left"] == 2
+    restored = guarded_runners(n)
+    for r, state in zip(restored, saved):
+        r.metrics.guard.load_state_dict(state)
+    rest = steps_on(ThreadWorld(n), restored, xs[3:])
+    assert [row["bad"][1] for row in rest[0]] == [row["bad"][1] for row in whole[0][3:]] == [1, 1, 0, 0, 1]
+
+
+def test_a_run_of_nonfinite_steps_warns_once_with_the_hint(caplog):
+    n, patience = 2, 3
+    xs = inputs(n, 7, seed=3)
+    for step in (1, 2, 4, 5, 6):  # a run of 2, then a run of 3
+        xs[step][1][5] = np.inf
+    runners = guarded_runners(n, G.GuardSettings(nonfinite_patience=patience))
+    with caplog.at_level(logging.WARNING, logger="hvd_quant"):
+        steps_on(ThreadWorld(n), runners, xs, buckets=("good",))
+        for r in runners:
+            r.metrics.snapshot()  # reads the flags
+    warnings = [rec.getMessage() for rec in caplog.records if "inf or NaN" in rec.getMessage()]
+    assert len(warnings) == 1
+    assert "at 3 steps in a row (steps 5 to 7; 5 such steps so far)" in warnings[0]
+    assert warnings[0].endswith("HINT")
+
+
+def test_an_elastic_restart_drops_the_guards_state_on_every_rank():
+    runners = guarded_runners(2)
+    steps_on(ThreadWorld(2), runners, inputs(2, 3))
+    assert runners[0].metrics.guard.falling_back("bad")
+    runners[0].reset_checks(2)
+    assert not runners[0].metrics.guard.falling_back("bad") and runners[0].metrics.guard.fallbacks() == 0
+
+
+def test_default_bounds_follow_error_feedback():
+    assert G.default_error_bound(hvd_quant.get("global_qsgd")) == G.PLAIN_BOUND == 1.0
+    assert G.default_error_bound(hvd_quant.get("ef_sign")) == G.ERROR_FEEDBACK_BOUND
+    assert G.default_error_bound(hvd_quant.get("auto", family="unbiased")) == 1.0
+    assert G.default_error_bound(hvd_quant.get("auto")) == G.ERROR_FEEDBACK_BOUND
+    assert G.Guard(G.GuardSettings(error_bound=0.5), hvd_quant.get("ef_sign")).bound == 0.5
+
+
+@pytest.mark.parametrize("bad", [{"error_bound": -1.0}, {"error_bound": 0}, {"error_bound": float("nan")},
+                                 {"patience": 0}, {"fallback_steps": -5}, {"nonfinite_patience": 2.5},
+                                 {"patience": True}, {"bound": 1.0}, "yes", 3])
+def test_bad_guard_settings_are_clear_errors(bad):
+    with pytest.raises(ValueError, match="guard"):
+        G.guard_settings(bad)
+
+
+def test_guard_values():
+    assert G.guard_settings(None) is None and G.guard_settings(None, default=True) == G.GuardSettings()
+    assert G.guard_settings(False, default=True) is None
+    assert G.guard_settings({"patience": 5}).patience == 5
+
+
+# --- the torch adapter ------------------------------------------------------------------------
+def test_torch_guard_falls_back_on_every_rank_and_training_goes_on(hq):  # noqa: F811
+    import torch
+    flags, grads = {}, {}
+
+    def each_step(opt, step):
+        flags.setdefault(opt._comm.rank, []).append(opt.metrics()["fallback"])
+    guard = {"error_bound": 1e-6, "patience": 2, "fallback_steps": 2}
+    out = train_on_threads(hq, 2, 6, each_step=each_step, overlap=False, probe_every=1, guard=guard)
+    assert flags[0] == flags[1] == [0, 0, 1, 1, 0, 0]
+    for rank in range(2):  # the fallback steps' gradients are the exact fp32 mean
+        for step in (2, 3):
+            exact = torch.stack([out[r][1][step] for r in range(2)]).mean(0)
+            torch.testing.assert_close(out[rank][2][step], exact, rtol=1e-5, atol=1e-7)
+    opt = out[0][0]
+    state = opt.state_dict()["hvd_quant"]["guard"]
+    # steps 1-2 probe above the bound, 3-4 in fp32, 5-6 probe above it again: a second fallback
+    assert state["buckets"]["fused0"]["fallbacks"] == 2 and state["settings"]["patience"] == 2
+    assert opt.metrics()["fallbacks"] == 2 and not any(np.isnan(p.detach().numpy()).any()
+                                                         for p in opt.param_groups[0]["params"])
+
+
+def test_torch_guard_checkpoint_round_trip(hq):  # noqa: F811
+    import io
+    import torch
+    from solo_comm import SoloComm, set_thread_comm
+    from test_metrics import torch_optimizer
+    set_thread_comm(SoloComm())
+    model, _ = torch_model(0)
+    opt = torch_optimizer(hq, model, guard=True)
+    opt._metrics.guard._bucket("fused0").fallback_left = 7
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    other = torch_optimizer(hq, model, guard=True)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert other._metrics.guard.falling_back("fused0")
+    assert other._metrics.guard.buckets["fused0"].fallback_left == 7
+
+
+def test_torch_guard_defaults_and_bad_input(hq):  # noqa: F811
+    from solo_comm import SoloComm, set_thread_comm
+    from test_metrics import torch_optimizer
+    set_thread_comm(SoloComm())
+    model, _ = torch_model(0)
+    assert torch_optimizer(hq, model)._metrics.guard is None
+    assert torch_optimizer(hq, model, name="auto")._metrics.guard is not None
+    assert torch_optimizer(hq, model, name="auto", probe_every=0)._metrics.guard is not None
+    assert torch_optimizer(hq, model, name="auto", guard=False)._metrics.guard is None
+    for bad in ({"error_bound": -0.5}, {"patience": 0}, "on"):
+        with pytest.raises(ValueError, match="guard"):
+            torch_optimizer(hq, model, guard=bad)
+    with pytest.raises(ValueError, match="probe_every"):
+        torch_optimizer(hq, model, guard=True, probe_every=0)
+    with pytest.raises(ValueError, match="report_after"):
+        torch_optimizer(hq, model, report_after=-1)
+
+
+def test_torch_logs_whether_it_pays_once_on_rank_0(hq, caplog):  # noqa: F811
+    saves = {}
+
+    def each_step(opt, step):
+        saves.setdefault(opt._comm.rank, []).append(opt.metrics()["saves_s"])
+    with caplog.at_level(logging.INFO, logger="hvd_quant"):
+        train_on_threads(hq, 2, 5, each_step=each_step, report_after=4, probe_every=0)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hvd_quant: `ef_sign`")]
+    assert len(lines) == 1, lines
+    assert "per step" in lines[0] and "fp32 would take about" in lines[0]
+    for rank in range(2):
+        assert saves[rank][:3] == [None] * 3 and saves[rank][3] is not None and saves[rank][4] == saves[rank][3]
