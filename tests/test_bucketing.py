@@ -367,6 +367,18 @@ def test_metrics_global_figures_are_the_same_on_every_rank(ranks):
 
 
 @pytest.mark.multiprocess
+def test_guard_falls_back_on_every_rank_at_the_same_step(ranks):
+    """The guard under overlap (issue 54; tests/test_guard.py has the rest): every bucket
+    in fp32 at steps 3 and 4 on every rank, training on, the guard's state alike."""
+    first = _ok(ranks[0]["guard"])
+    assert [set(row) for row in first["flags"]] == [{0.0}, {0.0}, {1.0}, {1.0}, {0.0}, {0.0}]
+    assert first["finite"] and first["saves_s"] is not None
+    for result in ranks[1:]:
+        case = _ok(result["guard"])
+        assert case["flags"] == first["flags"] and case["guard"] == first["guard"]
+
+
+@pytest.mark.multiprocess
 def test_ranks_agree(ranks):
     first = ranks[0]["agree"]
     for other in ranks[1:]:

@@ -232,6 +232,26 @@ def metrics():
             "local": {k: m[k] for k in ("bytes_sent", "encode_s", "wait_s", "decode_s", "step_s")}}
 
 
+def guard():
+    """The guard under overlap (issue 54; tests/test_guard.py has the rest): a bound below
+    any sign method's error makes every bucket fall back to fp32 after 2 probes, for 2
+    steps; every rank must flag the same buckets at the same steps. report_after=4 also
+    runs the "does it pay" line's link measurement between two rounds of buckets."""
+    model = make_model()
+    opt = build(model, "ef_sign", True, probe_every=1, report_after=4,
+                guard={"error_bound": 1e-6, "patience": 2, "fallback_steps": 2})
+    flags = []
+    for step in range(6):
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        opt.step()
+        m = opt.metrics()
+        flags.append([m[f"bucket{i}/fallback"] for i in range(len(opt.bucket_groups))])
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return {"flags": flags, "guard": opt.state_dict()["hvd_quant"]["guard"], "finite": finite,
+            "saves_s": opt.metrics()["saves_s"]}
+
+
 def zero_grad_refused():
     model = make_model()
     opt = build(model, "ef_sign", True)
@@ -263,7 +283,7 @@ def main():
     torch.set_num_threads(1)
     result = {"compressors": every_compressor()}
     for fn in (unused_param, two_passes, grad_scaler, chunked_ef_sign, checkpoint, ring_thread_order,
-               zero_grad_refused, metrics):
+               zero_grad_refused, metrics, guard):
         result[fn.__name__] = record(fn)
     ef = result["compressors"].get("ef_sign", {})
     result["agree"] = ef.get("params") if isinstance(ef, dict) else None
