@@ -535,10 +535,8 @@ class OnebitAdam(RuleOptimizer):
                  process_set=None, amsgrad=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
                  sparse_as_dense=True, strict=None, process_group=None):
-        if amsgrad:
-            raise ValueError("1-bit Adam does not support the AMSGrad variant (as in DeepSpeed)")
-        _ignore_deepspeed_only("OnebitAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
-                               comm_backend_name)
+        _deepspeed_arguments("OnebitAdam", "1-bit Adam", amsgrad, deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
+                             comm_backend_name)
         rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction)
         _warn_short_warm_up("OnebitAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
@@ -595,10 +593,8 @@ class ZeroOneAdam(RuleOptimizer):
                  process_set=None, amsgrad=False, exact_sync=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
                  sparse_as_dense=True, strict=None, process_group=None):
-        if amsgrad:
-            raise ValueError("0/1 Adam does not support the AMSGrad variant (as in DeepSpeed)")
-        _ignore_deepspeed_only("ZeroOneAdam", deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
-                               comm_backend_name)
+        _deepspeed_arguments("ZeroOneAdam", "0/1 Adam", amsgrad, deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
+                             comm_backend_name)
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
                                exact_sync=exact_sync, scales=scales, bias_correction=bias_correction)
@@ -789,11 +785,14 @@ _DEEPSPEED_ONLY = {
 }
 
 
-def _ignore_deepspeed_only(cls_name, *values):
-    """Accept DeepSpeed's constructor arguments that mean nothing here (so that DeepSpeed
-    code ports unchanged); warn, saying why, when one is not at DeepSpeed's default."""
+def _deepspeed_arguments(cls_name, label, amsgrad, *values):
+    """Refuse AMSGrad (as DeepSpeed does), and accept DeepSpeed's constructor arguments that
+    mean nothing here (so that DeepSpeed code ports unchanged); warn, saying why, when one
+    is not at DeepSpeed's default."""
     import warnings
 
+    if amsgrad:
+        raise ValueError(f"{label} does not support the AMSGrad variant (as in DeepSpeed)")
     for (name, (default, why)), value in zip(_DEEPSPEED_ONLY.items(), values):
         if value is not default and value != default:
             warnings.warn(f"hvd_quant.torch.{cls_name}: {name}={value!r} is ignored: {why}",
