@@ -317,3 +317,17 @@ def test_torch_logs_whether_it_pays_once_on_rank_0(hq, caplog):  # noqa: F811
     assert "per step" in lines[0] and "fp32 would take about" in lines[0]
     for rank in range(2):
         assert saves[rank][:3] == [None] * 3 and saves[rank][3] is not None and saves[rank][4] == saves[rank][3]
+
+
+def test_torch_nonfinite_run_warns_once_on_rank_0(hq, caplog):  # noqa: F811
+    import torch
+
+    def each_step(opt, step):
+        if step == 0 and opt._comm.rank == 1:  # one rank's parameters go bad: every mean after is NaN
+            with torch.no_grad():
+                opt.param_groups[0]["params"][0][0, 0] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="hvd_quant"):
+        out = train_on_threads(hq, 2, 5, each_step=each_step, overlap=False, guard={"nonfinite_patience": 3})
+    warnings = [r.getMessage() for r in caplog.records if "inf or NaN at 3 steps in a row" in r.getMessage()]
+    assert len(warnings) == 1 and "lower the learning rate" in warnings[0]
+    assert out[0][0].metrics()["skipped_steps"] == 4

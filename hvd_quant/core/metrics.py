@@ -423,16 +423,20 @@ class OwnerMetrics:
             if self.guard is not None:
                 self.guard.nonfinite(step, bad, self._rank, len(self.nonfinite_steps))
 
+    def reduced_all(self):
+        """The adapter has every bucket's mean of this step (its ``synchronize()``): with
+        a guard on, read the finiteness flags now, so that its non-finite warning follows
+        the steps, also those a loss scaler skips without a ``step()`` (a host read per
+        bucket on a GPU, after the step waited for the buckets anyway)."""
+        if self.guard is not None:
+            self._settle()
+
     def record_step(self, sync_s, update_s, now=None):
         """The adapter's step ended: ``sync_s`` waiting for reductions, ``update_s`` in the
         update. ``step_s`` runs from the previous step's end (none on the first step)."""
         now = time.perf_counter() if now is None else now
         previous, self._step_end = self._step_end, now
         self.steps += 1
-        if self.guard is not None:
-            # The guard's non-finite warning follows the steps (a host read per bucket on
-            # a GPU, after the step has waited for the buckets anyway).
-            self._settle()
         if previous is None:
             return
         step_s = now - previous

@@ -362,6 +362,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         with torch.profiler.record_function("hvd_quant/synchronize"):
             self._synchronize()
+        self._metrics.reduced_all()
         self._sync_s += time.perf_counter() - start
         self._should_sync = False
 
