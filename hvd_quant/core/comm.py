@@ -204,6 +204,35 @@ def exchange_blocks(B, comm, x, name):
     return B.concat(received)
 
 
+class WrappingComm(Communicator):
+    """A communicator that wraps another (``inner``): its rank and size (an elastic reset
+    refreshes them), its meter (bytes are counted once, by ``inner``), the integer dtypes
+    it sums, and every attribute a subclass does not define (a process set, sub-groups,
+    asynchronous collectives) are ``inner``'s. Subclasses override the collectives they
+    change: :class:`hvd_quant.torch.staging.StagingComm` (host staging),
+    :class:`hvd_quant.core.metrics.TimedComm` (timing)."""
+
+    _OWN = ("inner",)  # looked up on the instance only: never forwarded to inner
+
+    def __init__(self, inner):  # no Communicator.__init__: the meter is inner's
+        self.inner = inner
+        self.meter = inner.meter
+        self.allreduce_int_dtypes = inner.allreduce_int_dtypes
+
+    @property
+    def rank(self):
+        return self.inner.rank
+
+    @property
+    def size(self):
+        return self.inner.size
+
+    def __getattr__(self, name):
+        if name in self._OWN:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 class RoutedGroup(Communicator):
     """A sub-group whose hops are routed through the parent's ``sendrecv``.
 

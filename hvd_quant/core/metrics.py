@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .comm import Communicator, RoutedGroup
+from .comm import RoutedGroup, WrappingComm
 from .costmodel import Collective, comm_seconds, fp32_ring_bytes, ring_memory_bytes
 
 #: Default of ``probe_every`` (reductions of a bucket between probes): rare enough to add
@@ -207,7 +207,7 @@ class PhaseClock:
         self._switch(None)
 
 
-class TimedComm(Communicator):
+class TimedComm(WrappingComm):
     """``inner`` with each collective reported to ``clock`` (:class:`PhaseClock`).
 
     Everything else is ``inner``'s: ``rank``, ``size``, the meter (bytes are counted once,
@@ -216,24 +216,14 @@ class TimedComm(Communicator):
 
     _ASYNC = ("allgather_async", "alltoall_async", "allreduce_async")
 
-    def __init__(self, inner, clock):  # no Communicator.__init__: the meter is inner's
-        self.inner = inner
+    _OWN = ("inner", "clock")
+
+    def __init__(self, inner, clock):
+        super().__init__(inner)
         self.clock = clock
-        self.meter = inner.meter
-        self.allreduce_int_dtypes = inner.allreduce_int_dtypes
-
-    @property
-    def rank(self):
-        return self.inner.rank
-
-    @property
-    def size(self):
-        return self.inner.size
 
     def __getattr__(self, name):
-        if name in ("inner", "clock"):
-            raise AttributeError(name)
-        value = getattr(self.inner, name)  # AttributeError where inner has no async twin
+        value = super().__getattr__(name)  # AttributeError where inner has no async twin
         if name in self._ASYNC:
             return lambda *args: _TimedHandle(self._timed(value, *args), self.clock)
         return value

@@ -45,7 +45,7 @@ import threading
 
 import torch
 
-from ..core.comm import Communicator, RoutedGroup
+from ..core.comm import Communicator, RoutedGroup, WrappingComm
 from ..core.pipeline import start_allgather, start_allreduce, start_alltoall
 
 log = logging.getLogger("hvd_quant")
@@ -130,7 +130,7 @@ class PinnedPool:
             self._count += 1
 
 
-class StagingComm(Communicator):
+class StagingComm(WrappingComm):
     """A communicator whose collectives take and return tensors on ``device`` while the
     wrapped one (``inner``) sees host memory only (module docstring).
 
@@ -145,29 +145,13 @@ class StagingComm(Communicator):
     """
 
     def __init__(self, inner, device, force=False, host_meter=None, pool=None):
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)  # rank, size, the wire meter, process_set and the like: inner's
         self.device = torch.device(device)
         self.force = bool(force)
-        self.meter = inner.meter  # the wire bytes are the wrapped communicator's
-        self.allreduce_int_dtypes = inner.allreduce_int_dtypes
         self.host_meter = host_meter if host_meter is not None else HostMeter()
         self._pool = pool if pool is not None else PinnedPool(self.device.type == "cuda", self.host_meter)
         self.wire = "host"
 
-    # rank and size follow the wrapped communicator (an elastic reset refreshes it)
-    @property
-    def rank(self):
-        return self.inner.rank
-
-    @property
-    def size(self):
-        return self.inner.size
-
-    def __getattr__(self, name):  # process_set and the like: the wrapped communicator's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def refresh(self):
         self.inner.refresh()
