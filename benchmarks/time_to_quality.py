@@ -478,8 +478,10 @@ def plot(key, by_method, path):
               if r.get("history") and math.isfinite(r["history"][-1]["val_loss"])]
     firsts = [r["history"][1]["val_loss"] for r in by_method.values()
               if len(r.get("history", [])) > 1 and math.isfinite(r["history"][1]["val_loss"])]
-    if finals and firsts:
-        ax_t.set_ylim(min(finals) - 0.1, max(firsts) + 0.1)
+    if finals and firsts:  # every finished run's whole curve after its first evaluation shows
+        done = [row["val_loss"] for r in by_method.values() if r.get("status") == "complete"
+                for row in r.get("history", [])[1:] if math.isfinite(row["val_loss"])]
+        ax_t.set_ylim(min(finals) - 0.1, max(firsts + done) + 0.1)
     ax_t.set_xlabel("training time, slowest rank (s)")
     ax_s.set_xlabel("step")
     ax_t.set_ylabel("validation loss (nats per token)")
