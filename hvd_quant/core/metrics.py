@@ -421,6 +421,12 @@ class OwnerMetrics:
         if self.guard is not None:
             self._settle()
 
+    def leave_out(self, seconds):
+        """Leave ``seconds`` spent since the last step ended out of the next ``step_s`` (the
+        monitoring's own work between steps, such as the report's link measurement)."""
+        if self._step_end is not None:
+            self._step_end += seconds
+
     def record_step(self, sync_s, update_s, now=None):
         """The adapter's step ended: ``sync_s`` waiting for reductions, ``update_s`` in the
         update. ``step_s`` runs from the previous step's end (none on the first step)."""

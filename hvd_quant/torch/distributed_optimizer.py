@@ -416,7 +416,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._window = window_mark(self._metrics)
         elif steps == after and self._window is not None:
             per_step = per_step_between(self._window, window_mark(self._metrics))
+            start = time.perf_counter()
             link = self._measured_link()
+            self._metrics.leave_out(time.perf_counter() - start)  # not the next step's time
             buckets = [b.numel for b in self._metrics.buckets.values()]
             verdict = pays(self._compression.name, per_step, buckets, self._comm.size, link, _INSTEAD)
             self._metrics.verdict = verdict
