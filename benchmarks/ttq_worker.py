@@ -240,7 +240,13 @@ def onebit_optimizer_build(cls_name, process_group=False):
             options["var_freeze_step"] = freeze
         if process_group:  # over torch.distributed (issue 55): the same rule, no Horovod in its steps
             options["process_group"] = True
-        opt = cls(model.parameters(), lr=lr, named_parameters=list(model.named_parameters()), **options)
+        params = model.parameters()
+        if ctx.args.embedding_non_freeze:  # a diagnosis: the tied embedding stays fp32 Adam (1-bit Adam)
+            rest = [p for n, p in model.named_parameters() if n != "tok.weight"]
+            params = [{"params": [model.tok.weight], "non_freeze": True}, {"params": rest}]
+            options["embedding_non_freeze"] = True
+        opt = cls(params, lr=lr, named_parameters=list(model.named_parameters()),
+                  **{k: v for k, v in options.items() if k != "embedding_non_freeze"})
         return Trainer(model, opt, lambda done: float(opt.bytes_sent), lambda done: int(opt.comm_rounds),
                        lambda done: dict(Counter(opt.step_kinds)), options)
     return build
@@ -510,6 +516,8 @@ def parser():
                    help="adam (the benchmark), sgdm (SGD with --momentum) or module:factory, "
                         "factory(params, lr) -> optimizer (diagnoses)")
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--embedding-non-freeze", action="store_true",
+                   help="1-bit Adam: the tied embedding in a non_freeze group (fp32 Adam throughout; a diagnosis)")
     p.add_argument("--tokens", choices=("words", "bytes"), default=None,
                    help="default: words where stdlib_text has word_tokens(), else bytes")
     p.add_argument("--vocab", type=int, default=MODEL["vocab"], help="word vocabulary size (--tokens words)")
