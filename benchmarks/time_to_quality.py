@@ -428,6 +428,8 @@ def table(key, by_method):
         status = r.get("status", "?")
         if status == "diverged" and hist:
             status = f"**diverged** at step {hist[-1]['step']}"
+        elif status == "mismatch":
+            status = "**mismatch**: " + r.get("error", "")
         elif status not in FINISHED:
             status = f"**{status}**" + (f" at step {hist[-1]['step']}" if hist else "")
         loss = pct = reach = speed = "–"
@@ -436,8 +438,10 @@ def table(key, by_method):
             if at is not None and at == at:
                 loss = f"{at:.4f}"
                 pct = f"{100.0 * (at - tloss) / tloss:+.1f}%"
-            t = time_to_reach(r, tloss)
-            if t is not None:
+            t = time_to_reach(r, tloss) if r.get("status") != "mismatch" else None  # no cluster time
+            if r.get("status") == "mismatch":
+                reach = "–"
+            elif t is not None:
                 reach, speed = f"{t:.1f} s", (f"{ttime / t:.2f}x" if t > 0 else "–")
             else:
                 reach = "not reached"
@@ -445,9 +449,11 @@ def table(key, by_method):
         last = hist[-1] if hist else {}
         mb = (last.get("bytes_sent", 0.0) / steps_done / 1e6) if steps_done else float("nan")
         ms = (1e3 * last.get("train_time_s", 0.0) / steps_done) if steps_done else float("nan")
+        if r.get("status") == "mismatch":
+            ms = float("nan")  # its times are the loopback run's
         kinds = ", ".join(f"{k} {v}" for k, v in (last.get("step_kinds") or {}).items())
         lines.append(f"| {name} | {status} | {loss} | {pct} | {reach} | {speed} | {mb:.2f} | "
-                     f"{last.get('comm_rounds', '–')} | {ms:.0f} | {kinds} |")
+                     f"{last.get('comm_rounds', '–')} | {'–' if ms != ms else f'{ms:.0f}'} | {kinds} |")
     return "\n".join(lines) + "\n"
 
 
