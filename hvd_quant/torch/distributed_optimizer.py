@@ -633,6 +633,7 @@ def _value_digest(params):
                            for p in params)
 
 
+# Long only by its docstring: every argument, Horovod's and ours, documented where users look.
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=hvd.Average,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
