@@ -59,14 +59,14 @@ from .xla_step import refuse_xla
 _LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "apply_fn")
 
 
-@keras.saving.register_keras_serializable(package="hvd_quant")
-
 def _adaptive_optimizers():
     """Keras' adaptive optimizers: a per-element second moment or accumulator, which a
     compressor's error feedback flattens (hvd_quant.core.adaptive_check says why)."""
     names = ("Adam", "AdamW", "Adamax", "Nadam", "Adagrad", "Adadelta", "RMSprop", "Adafactor", "Lamb")
     return tuple(getattr(keras.optimizers, n) for n in names if hasattr(keras.optimizers, n))
 
+
+@keras.saving.register_keras_serializable(package="hvd_quant")
 class DistributedOptimizer(LossScaleOptimizer):
     """Wrap a Keras 3 optimizer so that ``apply()`` first averages the gradients over
     ranks with ``compression``. A rank outside ``process_set`` reduces nothing and
@@ -146,8 +146,10 @@ class DistributedOptimizer(LossScaleOptimizer):
                 "compression=hvd_quant.tensorflow.Compression.<name>) (horovod.tensorflow.keras).")
         compression = Compression.require(compression, hvd.Compression,
                                           "hvd_quant.tensorflow.DistributedOptimizer", "Horovod's optimizers")
+        # Rank 0 says it (a Keras optimizer may be built before hvd.init(): then this process)
         adaptive_check.warn_once(compression.algorithm, type(optimizer).__name__,
-                                 isinstance(optimizer, _adaptive_optimizers()), hvd.rank())
+                                 isinstance(optimizer, _adaptive_optimizers()),
+                                 hvd.rank() if hvd.is_initialized() else 0)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != hvd.Average:
