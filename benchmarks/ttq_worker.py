@@ -244,9 +244,9 @@ def onebit_optimizer_build(cls_name, process_group=False):
         if ctx.args.embedding_non_freeze:  # a diagnosis: the tied embedding stays fp32 Adam (1-bit Adam)
             rest = [p for n, p in model.named_parameters() if n != "tok.weight"]
             params = [{"params": [model.tok.weight], "non_freeze": True}, {"params": rest}]
-            options["embedding_non_freeze"] = True
-        opt = cls(params, lr=lr, named_parameters=list(model.named_parameters()),
-                  **{k: v for k, v in options.items() if k != "embedding_non_freeze"})
+        opt = cls(params, lr=lr, named_parameters=list(model.named_parameters()), **options)
+        if ctx.args.embedding_non_freeze:
+            options = {**options, "embedding_non_freeze": True}  # recorded with the row
         return Trainer(model, opt, lambda done: float(opt.bytes_sent), lambda done: int(opt.comm_rounds),
                        lambda done: dict(Counter(opt.step_kinds)), options)
     return build

@@ -679,7 +679,7 @@ def _ranks_per_node(process_set, process_group):
     if process_group is not None:
         from .dist_comm import DistComm
 
-        return DistComm(None if process_group is True else process_group).ranks_per_node()
+        return DistComm(_group(process_group)).ranks_per_node()
     from .comm import HorovodTorchComm
 
     return HorovodTorchComm(process_set).ranks_per_node()
@@ -701,6 +701,11 @@ def _refuse_other_device(params, device, mixed, cls_name):
                 "the host).")
 
 
+def _group(process_group):
+    """The torch.distributed group ``process_group=`` names (``True``: the world, ``None``)."""
+    return None if process_group is True else process_group
+
+
 def _transport(cls_name, process_set, process_group, device):
     """``(communicator, broadcaster)`` of an optimizer: over Horovod (``process_set``, the
     default) or over a ``torch.distributed`` process group (``process_group``; Horovod is
@@ -711,7 +716,7 @@ def _transport(cls_name, process_set, process_group, device):
                              "(torch.distributed), not both")
         from .dist_comm import DistComm  # raises the clear error when torch.distributed is not set up
 
-        group = None if process_group is True else process_group
+        group = _group(process_group)
         return DistComm(group), _GroupBroadcast(group)
     if hvd is None:
         from .._requirements import check
