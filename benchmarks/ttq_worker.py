@@ -238,6 +238,8 @@ def onebit_optimizer_build(cls_name, process_group=False):
             options["freeze_step"] = freeze
         elif freeze is not None and cls_name == "ZeroOneAdam":
             options["var_freeze_step"] = freeze
+        if ctx.args.optimizer_options:  # non-default settings of the 1-bit optimizer (recorded)
+            options.update(json.loads(ctx.args.optimizer_options))
         if process_group:  # over torch.distributed (issue 55): the same rule, no Horovod in its steps
             options["process_group"] = True
         params = model.parameters()
@@ -507,6 +509,8 @@ def parser():
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--compression-options", default="",
                    help="compressor rows: options as JSON, e.g. '{\"compensation\": false}' (recorded)")
+    p.add_argument("--optimizer-options", default="",
+                   help="JSON dict of keyword arguments for the 1-bit optimizer, e.g. '{\"variance_floor\": 0}'")
     p.add_argument("--compressor", default="",
                    help="compressor rows: use this registered compressor instead of the method's own "
                         "(e.g. a variant registered by --import)")

@@ -48,6 +48,19 @@ def test_config_round_trip_rebuilds_the_compression(keras, hq):
     assert isinstance(clone, hq.DistributedOptimizer)
 
 
+def test_onebit_adams_save_their_variance_floor(keras, hq):
+    """``variance_floor`` (issue 51) is in the Keras config, and a config saved before it
+    existed loads with the default."""
+    for cls, options in ((hq.OnebitAdam, dict(freeze_step=10)), (hq.ZeroOneAdam, dict(var_freeze_step=10))):
+        opt = cls(variance_floor=0.5, **options)
+        config = opt.get_config()
+        assert config["variance_floor"] == 0.5 and cls.from_config(config)._hq_rule.variance_floor == 0.5
+        config.pop("variance_floor")
+        assert cls.from_config(config)._hq_rule.variance_floor == 0.01
+        with pytest.raises(ValueError, match="variance_floor"):
+            cls(variance_floor=-1.0, **options)
+
+
 def test_keras_does_not_wrap_it_in_a_second_loss_scale_optimizer(keras, hq):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:

@@ -18,6 +18,7 @@ from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from hvd_quant.optimizers.base import non_freeze_flag
 from hvd_quant.optimizers.oracle import OracleOptimizer, OracleParamGroups
+from hvd_quant.optimizers.compressed_rounds import floored_variance
 
 BACKENDS = [NumpyBackend()] + ([NumpyKernelBackend()] if kernels.enabled() else [])
 BACKEND_IDS = [b.name for b in BACKENDS]
@@ -163,7 +164,7 @@ def test_onebit_adam_equals_deepspeed(backend, n, wd, masked):
     grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
     mask = (np.arange(d) % 7 != 0).astype(np.float32) if masked else None
     hp = dict(HP, weight_decay=wd)
-    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze, bias_correction=False), n, grads,
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze, bias_correction=False, variance_floor=0), n, grads,
                         [1e-2] * steps, hp, backend, mask)
     ref = ds.OnebitAdam([x0] * n, 1e-2, freeze, weight_decay=wd, mask=mask)
     for s in range(steps):
@@ -197,7 +198,7 @@ def test_zero_one_adam_equals_deepspeed(backend, n, wd, masked):
     lrs = [1e-2 * (1.0 - s / (2 * steps)) for s in range(steps)]  # a scheduler: lr changes
     mask = (np.arange(d) % 5 != 0).astype(np.float32) if masked else None
     hp = dict(HP, weight_decay=wd)
-    opts, x0 = run_rule(lambda: ZeroOneAdamRule(bias_correction=False, **options), n, grads, lrs, hp,
+    opts, x0 = run_rule(lambda: ZeroOneAdamRule(bias_correction=False, variance_floor=0, **options), n, grads, lrs, hp,
                         backend, mask)
     ref = ds.ZeroOneAdam([x0] * n, lrs[0], weight_decay=wd, mask=mask, **options)
     for s in range(steps):
@@ -251,7 +252,7 @@ def test_per_tensor_scales_equal_deepspeed_per_tensor(backend, n, which):
     per_tensor = reference(list(zip(bounds[:-1], bounds[1:])))
     flat = reference([(0, d)])
     for scales, expected in (("tensor", per_tensor), ("group", flat)):
-        opts, _ = run_rule(lambda: Rule(scales=scales, bias_correction=False, **options), n, grads, lrs,
+        opts, _ = run_rule(lambda: Rule(scales=scales, bias_correction=False, variance_floor=0, **options), n, grads, lrs,
                            backend=backend,
                            x0=x0, counts=counts)
         for rank, opt in enumerate(opts):
@@ -266,7 +267,7 @@ def test_zero_one_adam_one_rank_is_local_adam_with_the_schedule():
     d, steps = 64, 30
     options = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
     grads = [[dyadic(d, s) for s in range(steps)]]
-    opts, x0 = run_rule(lambda: ZeroOneAdamRule(bias_correction=False, **options), 1, grads, [1e-2] * steps)
+    opts, x0 = run_rule(lambda: ZeroOneAdamRule(bias_correction=False, variance_floor=0, **options), 1, grads, [1e-2] * steps)
     ref = ds.ZeroOneAdam([x0], 1e-2, one_rank_updates_momentum=True, **options)
     for s in range(steps):
         ref.step([grads[0][s]])
@@ -277,7 +278,7 @@ def test_zero_one_adam_one_rank_is_local_adam_with_the_schedule():
 
 def test_onebit_adam_one_rank_sends_nothing():
     grads = [[dyadic(32, s) for s in range(8)]]
-    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=3, bias_correction=False), 1, grads, [1e-2] * 8)
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=3, bias_correction=False, variance_floor=0), 1, grads, [1e-2] * 8)
     ref = ds.OnebitAdam([x0], 1e-2, 3)
     for s in range(8):
         ref.step([grads[0][s]])
@@ -394,6 +395,8 @@ def test_zero_one_adam_sync_after_zero_learning_rates_keeps_the_momentum(backend
     momentum keeps its value instead; the parameters are DeepSpeed's, and training goes on."""
     n, d, steps, zero = 2, 64, 12, 6  # freeze after step 4; step 7 (index 6) syncs at lr 0
     options = dict(var_freeze_step=3, var_update_scaler=1)
+    if not bias_correction:  # DeepSpeed's rule: compared with its code below
+        options["variance_floor"] = 0
     grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
     lrs = [1e-2] * zero + [0.0] + [1e-2] * (steps - zero - 1)
     before, _ = run_rule(lambda: ZeroOneAdamRule(bias_correction=bias_correction, **options), n, grads,
@@ -410,7 +413,7 @@ def test_zero_one_adam_sync_after_zero_learning_rates_keeps_the_momentum(backend
         assert np.isfinite(a.x).all() and np.isfinite(a.state.slots["exp_avg"]).all()
         assert not np.array_equal(a.x, b.x)  # the steps after it were kept
     if not bias_correction:  # DeepSpeed's parameters at the zero-lr sync; its momentum is not finite
-        ref = ds.ZeroOneAdam([dyadic(d, 7)] * n, lrs[0], **options)
+        ref = ds.ZeroOneAdam([dyadic(d, 7)] * n, lrs[0], var_freeze_step=3, var_update_scaler=1)
         with np.errstate(divide="ignore", invalid="ignore"):
             for s in range(zero + 1):
                 ref.step([grads[r][s] for r in range(n)], lrs[s])
@@ -560,7 +563,7 @@ def test_two_param_groups_follow_their_own_lr_schedules(backend, n, which):
     x0 = [dyadic(size, 7 + gi) for gi, size in enumerate(sizes)]
 
     def body(comm):
-        opt = OracleParamGroups(Rule(scales="group", bias_correction=False, **options), x0, comm, [HP, HP],
+        opt = OracleParamGroups(Rule(scales="group", bias_correction=False, variance_floor=0, **options), x0, comm, [HP, HP],
                                 backend=backend,
                                 counts=[list(c) for c in counts])
         gammas = [[], []]
@@ -830,7 +833,7 @@ def test_onebit_adam_non_freeze_group_equals_deepspeed(backend, in_place, n):
     grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
     mask = (np.arange(d) % 7 != 0).astype(np.float32)  # ignored, as by DeepSpeed
     hp = dict(HP, weight_decay=0.01, non_freeze=True)
-    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze, bias_correction=False), n, grads,
+    opts, x0 = run_rule(lambda: OnebitAdamRule(freeze_step=freeze, bias_correction=False, variance_floor=0), n, grads,
                         [1e-2] * steps, hp, backend, mask, in_place=in_place)
     ref = ds.OnebitAdam([x0] * n, 1e-2, freeze, non_freeze=True, weight_decay=0.01, mask=mask)
     for s in range(steps):
@@ -856,7 +859,7 @@ def test_onebit_adam_non_freeze_beside_a_frozen_group(backend, in_place, n):
     steps, freeze = 14, 5
     grads, lrs = group_inputs(2, n, steps)
     hps = [HP, dict(HP, non_freeze=True)]
-    results = run_groups(lambda: OnebitAdamRule(freeze_step=freeze, scales="group", bias_correction=False),
+    results = run_groups(lambda: OnebitAdamRule(freeze_step=freeze, scales="group", bias_correction=False, variance_floor=0),
                          n, grads, lrs,
                          backend, hps, in_place=in_place)
     x0 = [dyadic(sum(c), 7 + g) for g, c in enumerate(GROUP_COUNTS[2])]
@@ -937,7 +940,7 @@ def test_bias_corrected_warm_up_is_torch_adam(backend, which):
         np.testing.assert_allclose(xs[s], adam[s - 1], rtol=0, atol=2e-6, err_msg=f"step {s + 1}")
     assert set(opt.state.kinds) == {"init", "full"}
     # DeepSpeed's rule on the same gradients moves much further (v is far from warm).
-    plain, _ = run_rule(lambda: type(rule)(**dict(rule.options(), bias_correction=False)), 1, grads,
+    plain, _ = run_rule(lambda: type(rule)(**dict(rule.options(), bias_correction=False, variance_floor=0)), 1, grads,
                         [lr] * steps, x0=x0, backend=backend)
     assert np.abs(plain[0].x - x0).max() > 3 * np.abs(xs[-1] - x0).max()
 
@@ -976,7 +979,7 @@ def test_frozen_moments_are_bias_corrected(backend, n, which):
     kinds = plain.state.kinds
     k = kinds.count("full")
     t = len(kinds) - 1  # every step but the initialisation step updated the momentum
-    assert k == Rule(bias_correction=False, **options).frozen_variance_updates()
+    assert k == Rule(bias_correction=False, variance_floor=0, **options).frozen_variance_updates()
     if which == "zero_one_adam":
         assert k < t  # the 1-bit rounds update the momentum only
     v_hat = plain.state.slots["exp_avg_sq"] / (1.0 - beta2 ** k)
@@ -994,7 +997,7 @@ def test_frozen_moments_are_bias_corrected(backend, n, which):
 def test_zero_one_adam_variance_count_follows_the_schedule():
     """``k = var_update_scaler * log2(var_interval) + var_counter`` counts the full rounds
     (what checkpoints of every version hold), step by step."""
-    rule = ZeroOneAdamRule(var_freeze_step=60, var_update_scaler=3, bias_correction=False)
+    rule = ZeroOneAdamRule(var_freeze_step=60, var_update_scaler=3, bias_correction=False, variance_floor=0)
     grads = [[dyadic(16, s) for s in range(60)]]
     opts, _ = run_rule(lambda: rule, 1, grads, [1e-3] * 60)
     kinds = opts[0].state.kinds
@@ -1008,19 +1011,87 @@ def test_short_warm_up_warning_for_deepspeeds_rule():
     a long enough warm-up are silent."""
     from hvd_quant.optimizers.compressed_rounds import short_warm_up_warning
     betas = HP["betas"]
-    message = short_warm_up_warning(OnebitAdamRule(freeze_step=80, bias_correction=False), betas)
+    message = short_warm_up_warning(OnebitAdamRule(freeze_step=80, bias_correction=False, variance_floor=0), betas)
     assert "7.6% warm" in message and "3.63x Adam's" in message and "bias_correction=True" in message
     assert "freeze_step" in message and "2000" in message and "diverged" in message
     message = short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=80, var_update_scaler=16,
-                                                    bias_correction=False), betas)
+                                                    bias_correction=False, variance_floor=0), betas)
     assert "after 40 update(s)" in message and "3.9% warm" in message and "5.05x" in message
     assert "var_freeze_step" in message and "var_update_scaler" in message
     # DeepSpeed's own 0/1 Adam defaults freeze after 201 variance updates: 18% warm.
-    assert "18.2% warm" in short_warm_up_warning(ZeroOneAdamRule(var_update_scaler=16, bias_correction=False),
+    assert "18.2% warm" in short_warm_up_warning(ZeroOneAdamRule(var_update_scaler=16, bias_correction=False, variance_floor=0),
                                                   betas)
     assert short_warm_up_warning(OnebitAdamRule(freeze_step=80), betas) is None
     assert short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=80), betas) is None
-    assert short_warm_up_warning(OnebitAdamRule(freeze_step=2100, bias_correction=False), betas) is None
-    assert short_warm_up_warning(OnebitAdamRule(freeze_step=80, bias_correction=False), (0.9, 0.95)) is None
+    assert short_warm_up_warning(OnebitAdamRule(freeze_step=2100, bias_correction=False, variance_floor=0), betas) is None
+    assert short_warm_up_warning(OnebitAdamRule(freeze_step=80, bias_correction=False, variance_floor=0), (0.9, 0.95)) is None
     assert short_warm_up_warning(ZeroOneAdamRule(var_freeze_step=2100, var_update_scaler=4000,
-                                                 bias_correction=False), betas) is None
+                                                 bias_correction=False, variance_floor=0), betas) is None
+
+
+# --- variance_floor: the held variance of an element with no gradient yet (issue 51) ------------
+def test_floored_variance_per_tensor():
+    """``max(v, ratio * mean(v))`` with the mean per tensor; ratio 0 is ``v`` itself; a NaN stays."""
+    B = NumpyBackend()
+    v = np.array([0.0, 1.0, 3.0, 0.0, 100.0, 300.0, np.nan], np.float32)
+    out = floored_variance(B, v[:6], [3, 3], 0.5)
+    np.testing.assert_array_equal(out, np.array([2 / 3, 1.0, 3.0, 200 / 3, 100.0, 300.0], np.float32))
+    assert floored_variance(B, v, [7], 0.0) is v
+    assert np.isnan(floored_variance(B, v, [7], 0.5)[6])
+    for bad in (-0.1, float("nan"), float("inf"), True, "0.01"):
+        with pytest.raises(ValueError, match="variance_floor"):
+            OnebitAdamRule(variance_floor=bad)
+        with pytest.raises(ValueError, match="variance_floor"):
+            ZeroOneAdamRule(variance_floor=bad)
+
+
+def _unseen_row_grads(d, steps, first_seen, n=1):
+    """Gradients where elements ``[0, 8)`` (an embedding row of a word not yet seen) are
+    zero until step ``first_seen`` and as large as the others from then on."""
+    grads = [[dyadic(d, 1000 * r + s) for s in range(steps)] for r in range(n)]
+    for r in range(n):
+        for s in range(first_seen):
+            grads[r][s][:8] = 0.0
+    return grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("which", ["onebit_adam", "zero_one_adam"])
+def test_variance_floor_bounds_the_step_of_an_element_first_seen_after_the_freeze(backend, which):
+    """Frozen at step 6; the unseen elements get their first gradient at step 9. Without
+    the floor (DeepSpeed's rule) their frozen variance is 0 and they step by ``m / eps``,
+    about 1e6 here; with the default floor every step is at most a few ``lr`` (Adam's own
+    bound is ``(1 - beta1) / sqrt(1 - beta2)``, 3.2 ``lr``), and the elements whose variance
+    is above the floor move exactly as without it."""
+    d, steps, first_seen, lr = 64, 12, 8, 1e-2
+    grads = _unseen_row_grads(d, steps, first_seen)
+    Rule, options = ((OnebitAdamRule, dict(freeze_step=6)) if which == "onebit_adam"
+                     else (ZeroOneAdamRule, dict(var_freeze_step=5, var_update_scaler=100, local_step_clipper=1)))
+    (bare,), x0 = run_rule(lambda: Rule(variance_floor=0, **options), 1, grads, [lr] * steps, backend=backend)
+    (floored,), _ = run_rule(lambda: Rule(**options), 1, grads, [lr] * steps, backend=backend)
+    assert Rule(**options).variance_floor == 0.01
+    assert np.abs(bare.x[:8] - x0[:8]).max() > 1e4  # DeepSpeed's rule: m / eps
+    assert np.abs(floored.x - x0).max() < 10 * lr * steps
+    v = floored.state.slots["exp_avg_sq"]
+    above = np.arange(d) >= 8
+    floor = 0.01 * v[above].sum(dtype=np.float64) / d  # the mean of v frozen: 0 for the unseen
+    np.testing.assert_allclose(v[:8], floor, rtol=1e-5)  # the unseen elements sit on the floor
+    assert (v[above] > floor).all()  # every other element is above it here, so unchanged:
+    np.testing.assert_array_equal(floored.x[above], bare.x[above])
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=BACKEND_IDS)
+def test_zero_one_adam_full_rounds_use_their_fresh_variance(backend):
+    """Phase A's full rounds are Adam's steps: the floor touches only the variance a 1-bit
+    round reuses, and the stored average until the freeze. With every step a full round
+    (``var_update_scaler`` past the run) the floor changes nothing before the freeze."""
+    d, steps = 64, 8
+    grads = _unseen_row_grads(d, steps, 4, n=2)
+    options = dict(var_freeze_step=100, var_update_scaler=100)
+    bare, _ = run_rule(lambda: ZeroOneAdamRule(variance_floor=0, **options), 2, grads, [1e-2] * steps,
+                       backend=backend)
+    floored, _ = run_rule(lambda: ZeroOneAdamRule(**options), 2, grads, [1e-2] * steps, backend=backend)
+    for a, b in zip(floored, bare):
+        assert set(a.state.kinds) == {"init", "full"}
+        np.testing.assert_array_equal(a.x, b.x)
+        np.testing.assert_array_equal(a.state.slots["exp_avg_sq"], b.state.slots["exp_avg_sq"])

@@ -33,6 +33,7 @@ import math
 
 from ..core.compressed_allreduce import compressed_allreduce_bytes, compressed_allreduce_compensated, padded_size
 from ..core.costmodel import even_sizes, onebit_collectives
+from ..core.segments import compensate_sums, expand_segments, segment_means
 from .base import Rule, compressed_counts, full_precision_bytes, full_precision_mean, tensor_sizes
 from .elementwise import adam_descend
 
@@ -40,6 +41,40 @@ from .elementwise import adam_descend
 #: The warmth (``1 - beta2**k``) below which a variance frozen without bias correction
 #: gets a warning: ``k < 2 / (1 - beta2)`` updates, 86% warm, later steps 1.08x Adam's.
 WARM_ENOUGH = 1.0 - math.exp(-2.0)
+
+
+#: The default ``variance_floor`` of 1-bit Adam and 0/1 Adam (:func:`floored_variance`),
+#: chosen on the time-to-quality model (docs/guide/optimizers.md, "Large embeddings").
+DEFAULT_VARIANCE_FLOOR = 0.01
+
+
+def variance_floor_option(value):
+    """``variance_floor`` checked: a finite float >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"variance_floor must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def floored_variance(B, exp_avg_sq, counts, ratio):
+    """``max(v, ratio * mean(v))`` element-wise, the mean taken over each tensor of the
+    group (``counts``): ``v`` itself when ``ratio`` is 0.
+
+    Why: a variance held fixed while it is used (1-bit Adam's after its freeze, 0/1
+    Adam's between its full-precision rounds and after its freeze) is 0 for every element
+    that had no gradient while it was last updated: an embedding row of a word not yet
+    seen. When that word turns up, Adam's own step is at most ``(1 - beta1) / sqrt(1 -
+    beta2)`` (about 3.2) times ``lr``, because ``v`` takes the new gradient in the same
+    step; with the fixed ``v`` the step is ``m / eps``, 1e7 times the gradient, and the
+    model diverges (issue 51: 1-bit Adam with one rank, so no compression at all,
+    diverged 20 steps after its freeze on a 16,384-word embedding). The floor bounds such
+    a step by the tensor's typical second moment and leaves every element whose variance
+    is at least ``ratio`` times its tensor's mean unchanged. A NaN stays NaN (the step is
+    skipped anyway)."""
+    if ratio == 0:
+        return exp_avg_sq
+    means = segment_means(B, compensate_sums(B, exp_avg_sq, None, counts), counts)
+    floor = expand_segments(B, means * ratio, counts)
+    return B.where(B.less(exp_avg_sq, floor), floor, exp_avg_sq)
 
 
 def inverse_bias(B, beta, count):
@@ -66,6 +101,8 @@ class OnebitRoundsRule(Rule):
     bias_correction = True
     #: How the variance gets more updates before the freeze, for the warning.
     warm_up_advice = ""
+    #: The held variance's floor, as a fraction of its tensor's mean (:func:`floored_variance`); set by subclasses.
+    variance_floor = 0.0
 
     #: The allreduce's state: worker error, server state and server scales (per rank).
     error_slots = ("worker_error", "server_error", "server_scale")
@@ -129,6 +166,11 @@ class OnebitRoundsRule(Rule):
         """The number of variance updates before the freeze, ``k`` (assuming no skipped
         steps): the variance is then ``1 - beta2**k`` warm without bias correction."""
         raise NotImplementedError
+
+    def held_variance(self, ctx, exp_avg_sq):
+        """``exp_avg_sq`` as it is stored to be used unchanged for several steps: floored
+        at ``variance_floor`` times its tensor's mean (:func:`floored_variance`)."""
+        return floored_variance(ctx.B, exp_avg_sq, ctx.counts, self.variance_floor)
 
     def bias_corrected(self, ctx, exp_avg, exp_avg_sq, t, k):
         """``(m / (1 - beta1**t), v / (1 - beta2**k))``, Adam's bias-corrected moments

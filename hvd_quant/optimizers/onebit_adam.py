@@ -73,7 +73,8 @@ Deliberate departures from DeepSpeed, and why:
 from ..core.costmodel import MethodCost, onebit_memory_bytes, register_cost
 from .base import keep_if, scales_option
 from .elementwise import ema
-from .compressed_rounds import OnebitRoundsRule, compressed_round_collectives
+from .compressed_rounds import (DEFAULT_VARIANCE_FLOOR, OnebitRoundsRule, compressed_round_collectives,
+                                variance_floor_option)
 
 
 class OnebitAdamRule(OnebitRoundsRule):
@@ -93,6 +94,12 @@ class OnebitAdamRule(OnebitRoundsRule):
     bias_correction : bool
         ``True`` (default): Adam's bias correction in the warm-up, and the corrected
         variance frozen. ``False``: DeepSpeed's code, which has none (module docstring).
+    variance_floor : float
+        The frozen variance of each element is at least this fraction of its tensor's mean
+        frozen variance (:func:`~hvd_quant.optimizers.compressed_rounds.floored_variance`):
+        an element with no gradient in the warm-up (a word not yet seen) would otherwise
+        step by ``m / eps`` when it gets one. ``0``: none, as DeepSpeed (which, with
+        ``bias_correction=False``, is its code exactly).
     """
 
     name = "onebit_adam"
@@ -101,14 +108,17 @@ class OnebitAdamRule(OnebitRoundsRule):
     per_rank_slots = OnebitRoundsRule.error_slots
     non_freeze_refusal = None  # DeepSpeed's OnebitAdam.step reads group['non_freeze']
 
-    def __init__(self, freeze_step=100000, scales="tensor", bias_correction=True):
+    def __init__(self, freeze_step=100000, scales="tensor", bias_correction=True,
+                 variance_floor=DEFAULT_VARIANCE_FLOOR):
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 0:
             raise ValueError(f"freeze_step must be an int >= 0, got {freeze_step!r}")
         super().__init__(freeze_step=freeze_step, scales=scales_option(scales),
-                         bias_correction=bool(bias_correction))
+                         bias_correction=bool(bias_correction),
+                         variance_floor=variance_floor_option(variance_floor))
         self.freeze_step = freeze_step
         self.scales = scales
         self.bias_correction = bool(bias_correction)
+        self.variance_floor = float(variance_floor)
 
     def variance_updates(self, B, state):
         """Warm-up steps so far, ``step - 1`` (the initialisation step updates nothing;
@@ -187,16 +197,17 @@ class OnebitAdamRule(OnebitRoundsRule):
         freezing = step >= self.freeze_step
         ctx.state.commit(ok, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
                          {"step": step, "frozen": B.select(freezing, 1, 0)})
-        if not self.bias_correction:
-            return keep_if(B, ok, self.adam_update(ctx, exp_avg, exp_avg_sq, ok), ctx.x)
         # Moment updates so far, this one included: a non_freeze group's initialisation
         # step updated them too.
         non_freeze = ctx.hp.get("non_freeze", False)
         t = step if non_freeze else step - 1
         m_hat, v_hat = self.bias_corrected(ctx, exp_avg, exp_avg_sq, t, t)
-        if not non_freeze:  # the freeze keeps the corrected moments (module docstring)
+        if not non_freeze and (self.bias_correction or self.variance_floor > 0):
+            # The freeze keeps the corrected moments, the variance floored (module docstring).
             B.cond(B.logical_and(ok, freezing),
-                   lambda: ctx.state.commit(True, {"exp_avg": m_hat, "exp_avg_sq": v_hat}), lambda: None)
+                   lambda: ctx.state.commit(True, {"exp_avg": m_hat,
+                                                   "exp_avg_sq": self.held_variance(ctx, v_hat)}),
+                   lambda: None)
         return keep_if(B, ok, self.adam_update(ctx, m_hat, v_hat, ok), ctx.x)
 
     def _compression_stage(self, ctx, step):

@@ -111,7 +111,8 @@ widens its float32 learning rates exactly before adding them.
 from ..core.costmodel import MethodCost, onebit_memory_bytes, register_cost
 from .base import keep_if, scales_option, tensor_sizes
 from .elementwise import adam_descend, ema, precondition, zero_one_sync_input, zero_one_sync_result
-from .compressed_rounds import OnebitRoundsRule, compressed_round_collectives
+from .compressed_rounds import (DEFAULT_VARIANCE_FLOOR, OnebitRoundsRule, compressed_round_collectives,
+                                variance_floor_option)
 
 
 def _plus_lr(B, total, lr):
@@ -174,6 +175,15 @@ class ZeroOneAdamRule(OnebitRoundsRule):
     bias_correction : bool
         ``True`` (default): Adam's bias correction in Phase A, and the corrected
         variance frozen. ``False``: DeepSpeed's code, which has none (module docstring).
+    variance_floor : float
+        The variance as Phase A's 1-bit rounds use it (the last full round's) and as it is
+        frozen is at least this fraction of its tensor's mean; full rounds use their own
+        fresh variance, as Adam does, and the stored average is not changed until the
+        freeze
+        (:func:`~hvd_quant.optimizers.compressed_rounds.floored_variance`): an element
+        with no gradient in the last full round (a word not yet seen) would otherwise
+        step by ``m / eps`` when it gets one. ``0``: none, as DeepSpeed (which, with
+        ``bias_correction=False``, is its code exactly).
     """
 
     name = "zero_one_adam"
@@ -188,7 +198,8 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         "other; drop the flag, or use OnebitAdam")
 
     def __init__(self, var_freeze_step=100000, var_update_scaler=64, local_step_scaler=32678,
-                 local_step_clipper=16, exact_sync=False, scales="tensor", bias_correction=True):
+                 local_step_clipper=16, exact_sync=False, scales="tensor", bias_correction=True,
+                 variance_floor=DEFAULT_VARIANCE_FLOOR):
         if isinstance(var_freeze_step, bool) or not isinstance(var_freeze_step, int) or var_freeze_step < 0:
             raise ValueError(f"var_freeze_step must be an int >= 0, got {var_freeze_step!r}")
         super().__init__(var_freeze_step=var_freeze_step,
@@ -196,7 +207,8 @@ class ZeroOneAdamRule(OnebitRoundsRule):
                          local_step_scaler=_positive_int("local_step_scaler", local_step_scaler),
                          local_step_clipper=_positive_int("local_step_clipper", local_step_clipper),
                          exact_sync=bool(exact_sync), scales=scales_option(scales),
-                         bias_correction=bool(bias_correction))
+                         bias_correction=bool(bias_correction),
+                         variance_floor=variance_floor_option(variance_floor))
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -204,6 +216,7 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         self.exact_sync = bool(exact_sync)
         self.scales = scales
         self.bias_correction = bool(bias_correction)
+        self.variance_floor = float(variance_floor)
 
     def variance_updates(self, B, state):
         """Full rounds so far, from the variance schedule: ``var_counter`` restarts
@@ -298,7 +311,10 @@ class ZeroOneAdamRule(OnebitRoundsRule):
             done = self.variance_updates(B, state)
             k = B.select(full_round, done + 1, done)
             m_hat, v_hat = self.bias_corrected(ctx, exp_avg, exp_avg_sq, step - 1, k)
-        x = self.adam_update(ctx, m_hat, v_hat, ok)
+        v_used = v_hat
+        if self.variance_floor > 0:  # a 1-bit round uses the last full round's variance: floored
+            v_used = B.cond(full_round, lambda: v_hat, lambda: self.held_variance(ctx, v_hat))
+        x = self.adam_update(ctx, m_hat, v_used, ok)
         scalars = {"step": step, **self._variance_schedule(B, state, full_round)}
         state.commit(ok, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, scalars)
         B.cond(B.logical_and(ok, step > self.var_freeze_step),
@@ -347,6 +363,8 @@ class ZeroOneAdamRule(OnebitRoundsRule):
                  for name in ("worker_error", "server_error", "server_scale")}
         if self.bias_correction:
             slots.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        if self.variance_floor > 0:  # frozen for good: floored (variance_floor)
+            slots["exp_avg_sq"] = self.held_variance(ctx, exp_avg_sq)
         if self.exact_sync:  # Phase B starts from these (identical) parameters
             slots["synced_params"] = x
         state.commit(True, slots, {"frozen": 1})

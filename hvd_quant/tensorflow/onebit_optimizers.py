@@ -63,7 +63,7 @@ from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
 from ..optimizers.binsgdm import single_beta
-from ..optimizers.compressed_rounds import short_warm_up_warning
+from ..optimizers.compressed_rounds import DEFAULT_VARIANCE_FLOOR, short_warm_up_warning
 from . import kernels
 from .backend import TFBackend
 from .compression import variable_name
@@ -365,12 +365,17 @@ class OnebitAdam(RuleOptimizer):
     language model where Adam converged); it warns at construction when ``k < 2 / (1 -
     beta2)``. A configuration saved before this option existed loads with the default:
     until the freeze the state is the same under both, after it the frozen variance is
-    used as it was saved."""
+    used as it was saved.
+
+    ``variance_floor=0.01``: the frozen variance of each element is at least that fraction
+    of its tensor's mean (``0``: DeepSpeed's rule); see ``hvd_quant.torch.OnebitAdam``."""
 
     def __init__(self, learning_rate=1e-3, freeze_step=100000, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, process_set=None, name="onebit_adam", scales="tensor",
-                 exp_avg_mask=None, sparse_as_dense=True, bias_correction=True, **kwargs):
-        rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction)
+                 exp_avg_mask=None, sparse_as_dense=True, bias_correction=True,
+                 variance_floor=DEFAULT_VARIANCE_FLOOR, **kwargs):
+        rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction,
+                              variance_floor=variance_floor)
         _warn_short_warm_up("OnebitAdam", rule, betas)
         super().__init__(rule, learning_rate,
                          adam_hyperparameters(betas, eps, weight_decay), name, process_set,
@@ -385,15 +390,18 @@ class ZeroOneAdam(RuleOptimizer):
     ``bias_correction``: as in :class:`OnebitAdam`, for Phase A, whose variance is
     updated only on its full-precision rounds (40 of them by step 80 with DeepSpeed's
     ``var_update_scaler=16``: 5x Adam's steps afterwards without the correction).
-    ``var_update_scaler`` defaults to 64, not DeepSpeed's 16: see the torch class."""
+    ``var_update_scaler`` defaults to 64, not DeepSpeed's 16, and ``variance_floor`` to
+    0.01, not DeepSpeed's none: see the torch class."""
 
     def __init__(self, learning_rate=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  var_freeze_step=100000, var_update_scaler=64, local_step_scaler=32678,
                  local_step_clipper=16, exact_sync=False, process_set=None, name="zero_one_adam",
-                 scales="tensor", exp_avg_mask=None, sparse_as_dense=True, bias_correction=True, **kwargs):
+                 scales="tensor", exp_avg_mask=None, sparse_as_dense=True, bias_correction=True,
+                 variance_floor=DEFAULT_VARIANCE_FLOOR, **kwargs):
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                                local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper,
-                               exact_sync=exact_sync, scales=scales, bias_correction=bias_correction)
+                               exact_sync=exact_sync, scales=scales, bias_correction=bias_correction,
+                               variance_floor=variance_floor)
         _warn_short_warm_up("ZeroOneAdam", rule, betas)
         super().__init__(rule, learning_rate, adam_hyperparameters(betas, eps, weight_decay), name,
                          process_set, exp_avg_mask, sparse_as_dense, **kwargs)
