@@ -58,6 +58,7 @@ curve by.
 import argparse
 import hashlib
 import json
+import logging
 import math
 import os
 import sys
@@ -551,6 +552,10 @@ def main(argv=None):
     if args.tokens is None:
         args.tokens = "words" if words_available() else "bytes"
     args.lr_given = args.lr is not None
+    # hvd_quant's INFO lines (auto's choice per bucket with its predicted times, the "does it
+    # pay" line) in the job's output, as a user who turns logging on sees them.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("hvd_quant").setLevel(logging.INFO)
     for module in args.imports:
         __import__(module)
     train(args)

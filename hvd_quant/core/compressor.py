@@ -104,6 +104,13 @@ class Compressor:
     #: otherwise runs :meth:`reduce`).
     chunkable = False
 
+    def for_adaptive_optimizer(self):
+        """The compressor to run for an adaptive optimizer (Adam and its kin: a per-element
+        second moment that error feedback flattens, :mod:`hvd_quant.core.adaptive_check`):
+        this one. A compressor that chooses among methods may leave out those with error
+        feedback (``auto``). The optimizer adapters ask it (``make_runner(adaptive=...)``)."""
+        return self
+
     def buffer_state_sizes(self, numel, world_size):
         """``{key: number of elements}`` of each of :attr:`buffer_slots` for a buffer of
         ``numel`` elements reduced over ``world_size`` ranks."""

@@ -107,12 +107,15 @@ class CompressorHandle:
         options = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in self._options.items()}
         return {"name": self.name, "options": options, "seed": self.seed}
 
-    def make_runner(self, make_variable=None, strict=None, device=None):
+    def make_runner(self, make_variable=None, strict=None, device=None, adaptive=False):
         """A new runner (fresh state and random streams) for a new owner; ``strict``: see
         :func:`~hvd_quant.core.runner.strict_default`; ``device``: where the runner's
-        state lives (a framework that places tensors, torch: ``make_backend(device)``)."""
+        state lives (a framework that places tensors, torch: ``make_backend(device)``);
+        ``adaptive``: the owner is an adaptive optimizer, and the runner runs
+        ``algorithm.for_adaptive_optimizer()``."""
         backend = self.make_backend() if device is None else self.make_backend(device)
-        return CompressorRunner(self.algorithm, backend, seed=self.seed,
+        algorithm = self.algorithm.for_adaptive_optimizer() if adaptive else self.algorithm
+        return CompressorRunner(algorithm, backend, seed=self.seed,
                                 make_variable=make_variable, scope=new_scope(), strict=strict)
 
     # --- owners of the stock path and the TF tapes ----------------------------------------

@@ -146,10 +146,12 @@ class DistributedOptimizer(LossScaleOptimizer):
                 "compression=hvd_quant.tensorflow.Compression.<name>) (horovod.tensorflow.keras).")
         compression = Compression.require(compression, hvd.Compression,
                                           "hvd_quant.tensorflow.DistributedOptimizer", "Horovod's optimizers")
-        # Rank 0 says it (a Keras optimizer may be built before hvd.init(): then this process)
-        adaptive_check.warn_once(compression.algorithm, type(optimizer).__name__,
-                                 isinstance(optimizer, _adaptive_optimizers()),
-                                 hvd.rank() if hvd.is_initialized() else 0)
+        # An adaptive optimizer (Adam and kin) may get another method from a compressor that
+        # chooses (auto: none with error feedback). Rank 0 says it when error feedback feeds
+        # one (a Keras optimizer may be built before hvd.init(): then this process).
+        adaptive = isinstance(optimizer, _adaptive_optimizers())
+        adaptive_check.warn_once(compression.algorithm.for_adaptive_optimizer() if adaptive else compression.algorithm,
+                                 type(optimizer).__name__, adaptive, hvd.rank() if hvd.is_initialized() else 0)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != hvd.Average:
@@ -169,6 +171,7 @@ class DistributedOptimizer(LossScaleOptimizer):
         self._inner_loss_scale_factor = inner_factor
         self._inner_communicates = communicates
         self._compression = compression
+        self._hq_adaptive = adaptive
         self._op = op
         self._fuse_groups = groups if groups is not None else int(num_groups or 0)
         self.process_set = process_set
@@ -221,7 +224,7 @@ class DistributedOptimizer(LossScaleOptimizer):
         # Made on every rank, so that owners are numbered alike everywhere (their collective
         # names); a rank outside the process set reduces nothing and keeps no state.
         runner = self._compression.make_runner(make_variable=self._make_state_variable,
-                                               strict=self._strict)
+                                               strict=self._strict, adaptive=self._hq_adaptive)
         if not includes_this_rank(self.process_set):
             return
         self._compression.prepare()  # Horovod is initialised now: the ranks on this host are known

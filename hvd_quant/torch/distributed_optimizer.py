@@ -121,7 +121,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         # The fused buffers and the compressor's state live on the parameters' device.
         self._device, _ = home_device(all_params, "hvd_quant.torch.DistributedOptimizer")
-        self._runner = compression.make_runner(strict=strict, device=self._device)  # this optimizer's own state
+        # This optimizer's own state; an adaptive one (Adam and kin) may get another method
+        # from a compressor that chooses (auto: none with error feedback).
+        self._runner = compression.make_runner(strict=strict, device=self._device,
+                                               adaptive=isinstance(self, _ADAPTIVE))
         # What compression does while training (opt.metrics(); hvd_quant.core.metrics):
         # each phase of a bucket's reduction is also a range for torch.profiler.
         self._metrics = self._runner.observe(probe_every, ranges=torch.profiler.record_function, guard=guard)
@@ -137,7 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._included = includes_this_rank(process_set)
         self._comm = make_comm(process_set, self._device) if self._included else None
         if self._included:  # rank 0 of its ranks says it once (hvd_quant.core.adaptive_check)
-            adaptive_check.warn_once(compression.algorithm, type(self).__name__, isinstance(self, _ADAPTIVE),
+            adaptive_check.warn_once(self._runner.compressor, type(self).__name__, isinstance(self, _ADAPTIVE),
                                      self._comm.rank)
         self._param_name = _parameter_names(all_params, named_parameters)
         if bucket_size_mb:
