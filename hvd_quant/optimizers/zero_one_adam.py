@@ -177,12 +177,11 @@ class ZeroOneAdamRule(OnebitRoundsRule):
         variance frozen. ``False``: DeepSpeed's code, which has none (module docstring).
     variance_floor : float
         The variance as Phase A's 1-bit rounds use it (the last full round's) and as it is
-        frozen is at least this fraction of its tensor's mean; full rounds use their own
-        fresh variance, as Adam does, and the stored average is not changed until the
-        freeze
-        (:func:`~hvd_quant.optimizers.compressed_rounds.floored_variance`): an element
-        with no gradient in the last full round (a word not yet seen) would otherwise
-        step by ``m / eps`` when it gets one. ``0``: none, as DeepSpeed (which, with
+        frozen is at least this fraction of its tensor's mean
+        (:func:`~hvd_quant.optimizers.compressed_rounds.floored_variance`); full rounds use
+        their own fresh variance, as Adam does, and the stored average is not changed
+        until the freeze. An element with no gradient in the last full round (a word not
+        yet seen) would otherwise step by ``m / eps`` when it gets one. ``0``: none, as DeepSpeed (which, with
         ``bias_correction=False``, is its code exactly).
     """
 

@@ -107,7 +107,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compression = _adopted_compression(compression)
         probe_every = check_probe_every(probe_every)
         self._report_after = check_report_after(report_after)
-        guard = _checked_guard(guard, compression, probe_every)
+        adaptive = isinstance(self, _ADAPTIVE)
+        guard = _checked_guard(guard, compression, probe_every, adaptive)
         bucket_size_mb = _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb)
         self._passes = _check_passes(backward_passes_per_step)
         # hvd.broadcast_optimizer_state creates missing state with one step, on the ranks
@@ -123,8 +124,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._device, _ = home_device(all_params, "hvd_quant.torch.DistributedOptimizer")
         # This optimizer's own state; an adaptive one (Adam and kin) may get another method
         # from a compressor that chooses (auto: none with error feedback).
-        self._runner = compression.make_runner(strict=strict, device=self._device,
-                                               adaptive=isinstance(self, _ADAPTIVE))
+        self._runner = compression.make_runner(strict=strict, device=self._device, adaptive=adaptive)
         # What compression does while training (opt.metrics(); hvd_quant.core.metrics):
         # each phase of a bucket's reduction is also a range for torch.profiler.
         self._metrics = self._runner.observe(probe_every, ranges=torch.profiler.record_function, guard=guard)
@@ -140,7 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._included = includes_this_rank(process_set)
         self._comm = make_comm(process_set, self._device) if self._included else None
         if self._included:  # rank 0 of its ranks says it once (hvd_quant.core.adaptive_check)
-            adaptive_check.warn_once(self._runner.compressor, type(self).__name__, isinstance(self, _ADAPTIVE),
+            adaptive_check.warn_once(self._runner.compressor, type(self).__name__, adaptive,
                                      self._comm.rank)
         self._param_name = _parameter_names(all_params, named_parameters)
         if bucket_size_mb:
@@ -431,7 +431,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _measured_link(self):
         """The link every rank holds: ``auto``'s own measurement where it made one, else
         one now (a 1 MB allreduce, two tiny ones and an allgather of 3 numbers)."""
-        algorithm = self._compression.algorithm
+        algorithm = self._runner.compressor  # for Adam and kin, auto's own runner's (not the handle's)
         if isinstance(algorithm, AutoCompressor):
             return algorithm.world(self._runner.backend, self._comm)["link"]
         return measure_link(self._runner.backend, self._comm, "hvd_quant.report")
@@ -515,18 +515,19 @@ _NONFINITE_HINT = (
     "scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)).")
 
 
-def _checked_guard(guard, compression, probe_every):
+def _checked_guard(guard, compression, probe_every, adaptive=False):
     """The :class:`~hvd_quant.core.guard.Guard` that ``guard=`` asks for (``None``: the
     compressor's default, on for ``auto``), or ``None``; a ``ValueError`` names a bad
     setting. A guard asked for explicitly needs probes (``probe_every > 0``): it reads
     their error; ``auto``'s default guard without probes keeps only the non-finite check."""
-    settings = guard_settings(guard, getattr(compression.algorithm, "guard_by_default", False))
+    algorithm = compression.algorithm.for_adaptive_optimizer() if adaptive else compression.algorithm
+    settings = guard_settings(guard, getattr(algorithm, "guard_by_default", False))
     if settings is None:
         return None
     if guard is not None and not probe_every:
         raise ValueError("guard: the guard reads the probe's error, and probe_every=0 turns the probes off; "
                          "pass probe_every > 0, or guard=False")
-    return Guard(settings, compression.algorithm, _NONFINITE_HINT)
+    return Guard(settings, algorithm, _NONFINITE_HINT)
 
 
 def _adopted_compression(compression):
