@@ -107,8 +107,8 @@ class Compressor:
     def for_adaptive_optimizer(self):
         """The compressor to run for an adaptive optimizer (Adam and its kin: a per-element
         second moment that error feedback flattens, :mod:`hvd_quant.core.adaptive_check`):
-        this one. A compressor that chooses among methods may leave out those with error
-        feedback (``auto``). The optimizer adapters ask it (``make_runner(adaptive=...)``)."""
+        this one. A compressor that chooses among methods may return one that leaves out
+        those with error feedback. The optimizer adapters ask it (``make_runner(adaptive=...)``)."""
         return self
 
     def buffer_state_sizes(self, numel, world_size):
