@@ -72,15 +72,23 @@ def test_the_torch_optimizer_runs_auto_without_error_feedback_under_adam():
     hvd = pytest.importorskip("horovod.torch")
     import hvd_quant.torch as hq
 
+    # Shut down again when started here: later tests read the rank from the environment
+    # (as tests/test_bucketing.py's fixture does).
+    started_here = not hvd.is_initialized()
     hvd.init()
-    model = torch.nn.Linear(4, 2)
-    runs = {}
-    for name, inner in (("adam", torch.optim.Adam(model.parameters())),
-                        ("sgd", torch.optim.SGD(model.parameters(), lr=0.1))):
-        opt = hq.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
-                                      compression=hq.Compression.auto)
-        runs[name] = opt._runner.compressor
-    assert runs["adam"].family == "no_feedback" and runs["sgd"].family == "any"
-    explicit = hq.DistributedOptimizer(torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(),
-                                       compression=hq.Compression.auto(family="onebit_ef"))
-    assert explicit._runner.compressor.family == "onebit_ef"
+    try:
+        model = torch.nn.Linear(4, 2)
+        runs = {}
+        for name, inner in (("adam", torch.optim.Adam(model.parameters())),
+                            ("sgd", torch.optim.SGD(model.parameters(), lr=0.1))):
+            opt = hq.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                          compression=hq.Compression.auto)
+            runs[name] = opt._runner.compressor
+        assert runs["adam"].family == "no_feedback" and runs["sgd"].family == "any"
+        explicit = hq.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                           named_parameters=model.named_parameters(),
+                                           compression=hq.Compression.auto(family="onebit_ef"))
+        assert explicit._runner.compressor.family == "onebit_ef"
+    finally:
+        if started_here:
+            hvd.shutdown()
