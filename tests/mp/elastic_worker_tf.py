@@ -84,9 +84,9 @@ tapes = {"exact": hq.Compression.none, "ef_sign": hq.Compression.ef_sign,
 opts = {k: keras.optimizers.SGD(LR[k]) for k in tapes}
 opts["onebit_opt"] = hq.DistributedOptimizer(keras.optimizers.SGD(LR["onebit_opt"]),
                                              compression=hq.Compression.onebit)
-# DeepSpeed's rule (bias_correction=False): the job checks the elastic path, and its loss
+# DeepSpeed's rule (bias_correction=False, variance_floor=0): the job checks the elastic path, and its loss
 # bound was set with that rule's larger early steps.
-ZEROONE = dict(var_freeze_step=1000, var_update_scaler=1, bias_correction=False)
+ZEROONE = dict(var_freeze_step=1000, var_update_scaler=1, bias_correction=False, variance_floor=0)
 opts["zeroone"] = hq.ZeroOneAdam(learning_rate=0.003, **ZEROONE)
 initial = {k: eval_loss(m) for k, m in models.items()}
 state = elastic.KerasState([models[k] for k in NAMES], [opts[k] for k in NAMES],

@@ -51,7 +51,7 @@ if METHOD == "onebit":
 else:
     # DeepSpeed's rule, as this job's loss bound was set with (the elastic path is what it checks)
     optimizer = hq.ZeroOneAdam(learning_rate=0.02, var_freeze_step=1000, var_update_scaler=1,
-                               bias_correction=False)
+                               bias_correction=False, variance_floor=0)
 model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
 state = elastic.KerasState(model, epoch=0)
 initial = float(np.mean((model(X).numpy() - Y) ** 2))
