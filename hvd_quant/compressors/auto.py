@@ -109,10 +109,10 @@ def local_timings(B, comm, prefix="hvd_quant.auto"):
     rate = time.perf_counter() - t
     src = np.ones(COPY_BYTES // 4, np.float32)
     dst = np.empty_like(src)
-    # The first copy writes fresh pages and pays their page faults: measured so, the memory
-    # looked 0.2 GB/s instead of 7.5 on a cluster host (2026-12-02), every compressor's
-    # passes over memory looked dear, and auto chose fp32 for every bucket. Time the best
-    # of two copies after an untimed one.
+    # The first copy writes fresh pages and pays their page faults (149 ms against 4.3 for
+    # later copies on a cluster host, 2026-12-02): measured so, the memory looked as slow as
+    # 0.2 GB/s instead of 7.5, every compressor's passes over memory looked dear, and auto
+    # chose fp32 for every bucket at 1 Gbit/s. Time the best of two copies after an untimed one.
     np.copyto(dst, src)
     copies = []
     for _ in range(2):
