@@ -201,9 +201,12 @@ def compressor_build(name):
         compression = hq.Compression.get(chosen)
         if options:
             compression = compression(**options)
+        # --optimizer-options: hq.DistributedOptimizer's own keywords (monitoring: metrics,
+        # probe_every), recorded with the method's options.
+        settings = json.loads(ctx.args.optimizer_options) if ctx.args.optimizer_options else {}
         opt = hq.DistributedOptimizer(adam(model.parameters(), lr, ctx.args), named_parameters=model.named_parameters(),
-                                      compression=compression)
-        recorded = {**({"compressor": chosen} if chosen != name else {}), **options}
+                                      compression=compression, **settings)
+        recorded = {**({"compressor": chosen} if chosen != name else {}), **options, **settings}
         return Trainer(model, opt, lambda done: float(opt.bytes_sent), lambda done: done,
                        every_step(name), recorded)
     return build
@@ -358,6 +361,21 @@ def log(rank, label, text):
         print(f"[ttq {label}] {text}", flush=True)
 
 
+#: What --record-probes keeps of each probe step (hq.DistributedOptimizer.metrics()).
+PROBE_KEPT = ("probe_rel_error", "probe_cosine", "residual_ratio", "grad_norm", "residual_norm")
+
+
+def record_probe(result, opt, done):
+    """After a step that probed (``metrics()["probes"]`` grew), keep its figures in
+    ``result["probes"]``: the Monitoring page's curves (docs/guide/monitoring.md)."""
+    if not callable(getattr(opt, "metrics", None)):
+        return
+    snap = opt.metrics()
+    probes = result.setdefault("probes", [])
+    if snap["probes"] > (probes[-1]["probes"] if probes else 0):
+        probes.append({"step": done, "probes": snap["probes"], **{k: snap[k] for k in PROBE_KEPT}})
+
+
 def train(args):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -458,6 +476,8 @@ def train(args):
         losses.append(loss.item())
         done = step + 1
         seen = count_kind(by_kind, seen, trainer.kinds(done), elapsed)
+        if args.record_probes:
+            record_probe(result, trainer.opt, done)
         if done % args.eval_every == 0 or done == last_step:
             if record(done, current_lr):
                 diverged = True
@@ -467,6 +487,8 @@ def train(args):
     kind_times = slowest_by_kind(hvd.allgather_object(by_kind))
     final_digests = hvd.allgather_object(stdlib_text.weights_digest([p.detach().numpy() for p in model.parameters()]))
     last = result["history"][-1]
+    if callable(getattr(trainer.opt, "metrics", None)):  # hq.DistributedOptimizer's figures at the end
+        result["metrics"] = {k: v for k, v in trainer.opt.metrics().items() if not k.startswith("bucket")}
     result.update(
         status="diverged" if diverged else "complete",
         steps_done=done,
@@ -511,7 +533,8 @@ def parser():
     p.add_argument("--compression-options", default="",
                    help="compressor rows: options as JSON, e.g. '{\"compensation\": false}' (recorded)")
     p.add_argument("--optimizer-options", default="",
-                   help="JSON dict of keyword arguments for the 1-bit optimizer, e.g. '{\"variance_floor\": 0}'")
+                   help="JSON dict of keyword arguments for the 1-bit optimizer, e.g. '{\"variance_floor\": 0}', "
+                        "or for hq.DistributedOptimizer in compressor rows, e.g. '{\"probe_every\": 100}'")
     p.add_argument("--compressor", default="",
                    help="compressor rows: use this registered compressor instead of the method's own "
                         "(e.g. a variant registered by --import)")
@@ -538,6 +561,9 @@ def parser():
                         "(time_to_quality.py --time-curves: the first steps of a run, timed on the cluster)")
     p.add_argument("--diverge-factor", type=float, default=2.0,
                    help="a validation loss above this times the initial one is divergence")
+    p.add_argument("--record-probes", action="store_true",
+                   help="keep each probe step's figures (hq.DistributedOptimizer rows; set probe_every "
+                        "with --optimizer-options)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: threads_per_rank())")
     p.add_argument("--setting", default="", help="recorded (the driver's setting name)")
     p.add_argument("--label", default="")

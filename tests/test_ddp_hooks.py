@@ -192,6 +192,28 @@ def _worker(outdir):
         # (buffers seen, buffers in use): DDP rebuilt its buckets after the first step.
         results["train"][method] = (losses, flat, (len(st._layouts), len(st._live)))
 
+    # Metrics (issue 54): the probe's error on the known gradients (every step), and the
+    # figures after DDP rebuilt its buckets (the stale buffers dropped).
+    model = DDP(Probe())
+    st, hook = hqddp.comm_hook(Compression.ef_sign, model=model, probe_every=1)
+    model.register_comm_hook(st, hook)
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        model([torch.from_numpy(probe_grad(rank, step, 0, i)) for i in range(len(PROBE_SHAPES))]).backward()
+    estimate = torch.cat([getattr(model.module, nm).grad.reshape(-1) for nm in reversed(probe_names())])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8),
+                              torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    trained = DDP(net, bucket_cap_mb=0.0003)
+    tst = hqddp.register(trained, Compression.ef_sign, probe_every=2)
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(rank))
+    for _ in range(4):
+        trained.zero_grad()
+        trained(x).pow(2).mean().backward()
+    snap = tst.metrics()
+    results["metrics"] = {"probe": st.metrics(), "estimate": estimate.double(), "train": snap,
+                          "buckets": len(tst.runner.metrics.buckets), "live": len(tst._live)}
+
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -447,6 +469,25 @@ def test_ranks_per_node_from_host_names():
 def test_nan_on_one_rank_is_nonfinite_everywhere(job):
     n, results = job
     assert all(results[r]["nan"] for r in range(n))
+
+
+def test_hook_metrics_probe_the_exact_mean_and_follow_rebuilt_buckets(job):
+    """Issue 54: the hook's probe error equals the one computed from the known gradients,
+    on every rank; after DDP rebuilt its buckets the figures count the buffers in use."""
+    n, ranks = job
+    exact = np.mean([np.concatenate([probe_grad(r, 1, 0, i).ravel() for i in reversed(range(len(PROBE_SHAPES)))])
+                     for r in range(n)], axis=0, dtype=np.float64)
+    for r in ranks:
+        m = r["metrics"]
+        probe = m["probe"]
+        rel = np.linalg.norm(m["estimate"].numpy() - exact) / np.linalg.norm(exact)
+        assert probe["steps"] == 2 and probe["probes"] == 2 and probe["skipped_steps"] == 0
+        assert probe["probe_rel_error"] == pytest.approx(rel, rel=1e-5)
+        assert probe["probe_rel_error"] == ranks[0]["metrics"]["probe"]["probe_rel_error"]
+        assert probe["compression_ratio"] > 5 and probe["step_s"] > probe["sync_s"] > 0 and probe["update_s"] == 0
+        # 4 steps; DDP rebuilt the buckets after the first, and the new ones probed at their second.
+        assert m["buckets"] == m["live"] > 1 and m["train"]["steps"] == 4 and m["train"]["probes"] == 1
+        assert m["train"]["bytes_sent"] == sum(m["train"][f"bucket{b}/bytes_sent"] for b in range(m["buckets"]))
 
 
 @pytest.mark.parametrize("method", ALL)

@@ -114,6 +114,33 @@ def test_bad_arguments_are_refused(keras, hq):
         hq.DistributedOptimizer(SelfReducing(0.1), compression=hq.Compression.ef_sign)
 
 
+def test_bad_monitoring_arguments_are_clear_errors_at_construction(keras, hq):
+    import tensorflow as tf
+    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    bad = [(dict(metrics="yes"), "metrics must be"), (dict(metrics=True, probe_every=-1), "probe_every"),
+           (dict(metrics=True, report_after=1), "report_after"), (dict(guard=True), "metrics=True"),
+           (dict(metrics=True, guard={"bogus": 1}), "unknown settings"),
+           (dict(metrics=True, probe_every=0, guard=True), "probe_every=0")]
+    for options, message in bad:
+        with pytest.raises(ValueError, match=message):
+            hq.DistributedOptimizer(sgd(), compression=hq.Compression.ef_sign, **options)
+        with pytest.raises(ValueError, match=message):
+            hq.DistributedGradientTape(tf.GradientTape(), compression=hq.Compression.ef_sign, **options)
+    with pytest.raises(ValueError, match="summary_every"):
+        hq.DistributedGradientTape(tf.GradientTape(), metrics=True, summary_every=0)
+    for options, message in ((dict(figures="probe_rel_error"), "figures"), (dict(every=-1), "every"),
+                             (dict(optimizer=sgd()), "DistributedOptimizer"),
+                             (dict(optimizer=hq.DistributedOptimizer(sgd())), "metrics=True")):
+        with pytest.raises(ValueError, match=message):
+            hq.callbacks.MetricsCallback(**options)
+    opt = hq.DistributedOptimizer(sgd(), compression=hq.Compression.ef_sign, metrics=True, probe_every=7,
+                                  guard={"patience": 2}, report_after=0)
+    again = hq.DistributedOptimizer.from_config(opt.get_config())
+    assert (again._metrics_on, again._probe_every, again._guard_option, again._report_after) == (
+        True, 7, {"patience": 2}, 0)
+    assert opt.metrics() == {} and hq.DistributedOptimizer(sgd()).metrics() == {}
+
+
 def test_groups_as_lists_of_variables(keras, hq):
     """Horovod's ``groups=[[v1, v2], ...]``: those variables fused together, the rest in
     one more buffer; a variable in two groups is refused."""
@@ -328,6 +355,48 @@ def test_loss_scale_optimizer_outside_is_refused_on_every_rank(keras_job):
     for rank in keras_job["ranks"]:
         err = rank["loss_scale_outside"]
         assert err["error"] == "TypeError" and "loss_scale=True" in err["message"], err
+
+
+@pytest.mark.multiprocess
+def test_keras_metrics_change_no_bits_and_reach_history_and_csv(keras_job):
+    """Issue 54: ``metrics=True`` runs the reduction in a py_function with the same bits;
+    the callback's figures reach History and CSVLogger; global figures agree everywhere."""
+    ranks = [_ok(rank["metrics"]) for rank in keras_job["ranks"]]
+    assert len({r["plain"]["digest"] for r in ranks} | {r["measured"]["digest"] for r in ranks}) == 1
+    for r in ranks:
+        m, history = r["measured"]["metrics"], r["measured"]["history"]
+        assert m["steps"] == 2 * STEPS and m["probes"] == STEPS  # probe_every=2
+        assert 0 < m["probe_rel_error"] < 10 and -1 <= m["probe_cosine"] <= 1 and m["residual_ratio"] > 0
+        assert m["compression_ratio"] > 1 and m["encode_s"] > 0 and m["wait_s"] > 0 and m["step_s"] > 0
+        assert m["saves_s"] is not None, "the 'does it pay' verdict after report_after=4 steps"
+        assert len(history["hvd_quant/compression_ratio"]) == 2 and np.isfinite(history["hvd_quant/probe_rel_error"]).all()
+        assert "hvd_quant/probe_rel_error" in r["measured"]["csv_header"]
+        assert r["plain"]["history"] == {}
+    for key in ("probe_rel_error", "probe_cosine", "residual_ratio", "compression_ratio", "steps", "probes"):
+        assert len({r["measured"]["metrics"][key] for r in ranks}) == 1, key
+    guarded = [r["guarded"] for r in ranks]
+    assert guarded[0]["metrics"]["fallbacks"] >= 1 and guarded[0]["guard_state"]
+    assert len({g["digest"] for g in guarded}) == 1 and len({g["metrics"]["fallbacks"] for g in guarded}) == 1
+
+
+@pytest.mark.multiprocess
+def test_tf_tape_probe_equals_an_exact_allreduce_and_has_profiler_ranges(keras_job):
+    for rank in keras_job["ranks"]:
+        tape = _ok(rank["metrics"])["tape"]
+        assert tape["steps"] == 2 and tape["probes"] == 2
+        assert tape["probe_rel_error"] == pytest.approx(tape["rel_error"], rel=1e-4)
+        assert tape["ranges"] == ["hvd_quant/decode", "hvd_quant/encode", "hvd_quant/probe", "hvd_quant/wait"]
+
+
+@pytest.mark.multiprocess
+def test_tf_tape_summaries_are_read_back_from_the_event_files(keras_job):
+    for rank in keras_job["ranks"]:
+        summaries = _ok(rank["metrics"])["summaries"]
+        assert summaries["traces"] == 1 and summaries["steps"] == 4
+        read = summaries["read"]
+        assert [s for s, _ in read["hvd_quant/compression_ratio"]] == [2, 4]
+        assert [s for s, _ in read["hvd_quant/probe_rel_error"]] == [2, 4]
+        assert all(v > 0 for _, v in read["hvd_quant/probe_rel_error"])
 
 
 @pytest.mark.multiprocess

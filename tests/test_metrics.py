@@ -396,6 +396,27 @@ def test_bad_monitoring_arguments_are_clear_errors_at_construction(hq):
         TensorBoardWriter(torch.optim.SGD(model.parameters(), lr=0.1), None)
     with pytest.raises(ValueError, match="every"):
         TensorBoardWriter(opt, None, every=0)
+    with pytest.raises(ValueError, match="metrics must be"):
+        torch_optimizer(hq, model, metrics="no")
+    with pytest.raises(ValueError, match="metrics=True"):
+        torch_optimizer(hq, model, metrics=False, guard=True)
+
+
+def test_torch_metrics_off_keeps_the_bits_and_the_steps_times_only(hq):
+    """``metrics=False`` (the overhead benchmark's baseline): the same reduced gradients,
+    no figure per bucket, no probe; the step's own times still recorded."""
+    on = train_on_threads(hq, 2, 3, overlap=False, probe_every=1)
+    off = train_on_threads(hq, 2, 3, overlap=False, metrics=False)
+    for (_, _, a), (opt, _, b) in zip(on, off):
+        assert all(torch_equal(x, y) for x, y in zip(a, b))
+        snap = opt.metrics()
+        assert snap["steps"] == 3 and snap["probes"] == 0 and snap["step_s"] is not None
+        assert snap["bytes_sent"] is None and not any(k.startswith("bucket") for k in snap)
+
+
+def torch_equal(x, y):
+    import torch
+    return torch.equal(x, y)
 
 
 def test_tensorboard_event_files_read_back(hq, tmp_path):

@@ -118,6 +118,31 @@ def _ok(value):
     return value
 
 
+def test_torch_rounds_are_measured_without_changing_a_bit(job):
+    """Issue 54: ``opt.metrics()`` of the 1-bit optimizers, a probe every 4 rounds of a
+    kind: the parameters of the unmeasured run, the measured bytes those the optimizer
+    counts, the probe's figures are the same on every rank; BinSGDM's sign sums and the
+    fp32 rounds are never probed."""
+    for name in cases.CONFIGS:
+        runs = [rank[f"metrics/{name}"] for rank in job["ranks"]]
+        for rank, run in zip(job["ranks"], runs):
+            assert "error" not in run, run
+            m = run["metrics"]
+            assert run["x"] == rank[f"train/{name}"]["x"]
+            # The meter counts this rank's bytes, bytes_sent the cost model's mean over ranks
+            # (equal at 2 ranks; a ring's uneven chunks differ by a few bytes at 3).
+            assert m["steps"] == cases.STEPS and run["measured_bytes"] == pytest.approx(run["bytes"], rel=0.01)
+            assert m["sync_s.mean"] > 0 and m["update_s.mean"] > 0
+            if name == "binsgdm" or job["size"] == 1:
+                continue
+            assert m["probes"] >= 2 and 0 < m["probe_rel_error"] < 10 and m["residual_ratio"] > 0
+            assert all(m[f"bucket{i}/probe_rel_error"] is None for i, b in enumerate(run["buckets"]) if b.endswith(".grad"))
+        for key in ("probes", "probe_rel_error", "probe_cosine", "residual_ratio"):
+            assert len({run["metrics"][key] for run in runs}) == 1, (name, key)
+        if name == "binsgdm":
+            assert all(run["metrics"]["probes"] == 0 for run in runs)
+
+
 @pytest.mark.parametrize("name", list(cases.CONFIGS))
 def test_on_a_process_group_the_same_bits_as_on_horovod(job, name):
     """Issue 55: ``process_group=`` runs the same rule over torch.distributed (Gloo): fed

@@ -257,3 +257,14 @@ class AutoCompressor(Compressor):
     def wire_bytes(self, numel, world_size, segments=1):
         """Unknown before the link is measured: the most any candidate may send."""
         return max(m.wire_bytes(numel, world_size, segments) for m in self._methods.values())
+
+
+def link_for_report(runner, comm):
+    """The link for an owner's "does it pay" line (:class:`~hvd_quant.core.metrics.PaysReport`),
+    the same on every rank: ``auto``'s own measurement where the owner's method is
+    ``auto`` (for Adam and kin, ``auto``'s own runner's, not the handle's), else one now
+    (:func:`measure_link`: a 1 MB allreduce, two tiny ones and an allgather of 3 numbers)."""
+    algorithm = runner.compressor
+    if isinstance(algorithm, AutoCompressor):
+        return algorithm.world(runner.backend, comm)["link"]
+    return measure_link(runner.backend, comm, "hvd_quant.report")

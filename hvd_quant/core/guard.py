@@ -117,6 +117,23 @@ def guard_settings(value, default=False):
                      f"or a GuardSettings, got {value!r}")
 
 
+def make_guard(guard, algorithm, probe_every, hint=""):
+    """The :class:`Guard` that an owner's ``guard=`` asks for (``None``: ``algorithm``'s
+    default, on for ``auto``), or ``None`` when it is off; a ``ValueError`` names a bad
+    setting. A guard asked for explicitly needs probes (``probe_every > 0``): it reads
+    their error; ``auto``'s default guard without probes keeps only the non-finite check.
+    ``algorithm`` is the method the owner's buckets run (for an adaptive optimizer,
+    ``compressor.for_adaptive_optimizer()``); ``hint``: the adapter's words for the
+    non-finite warning."""
+    settings = guard_settings(guard, getattr(algorithm, "guard_by_default", False))
+    if settings is None:
+        return None
+    if guard is not None and not probe_every:
+        raise ValueError("guard: the guard reads the probe's error, and probe_every=0 turns the probes off; "
+                         "pass probe_every > 0, or guard=False")
+    return Guard(settings, algorithm, hint)
+
+
 class _BucketState:
     def __init__(self):
         self.errors = []  # the probe errors above the bound, in a row (the last `patience`)

@@ -63,6 +63,7 @@ device lazily (at :meth:`OwnerMetrics.snapshot`, or once 64 are waiting), so a G
 gets no extra host synchronisation.
 """
 
+import logging
 import math
 import threading
 import time
@@ -72,6 +73,8 @@ import numpy as np
 
 from .comm import RoutedGroup, WrappingComm
 from .costmodel import Collective, comm_seconds, fp32_ring_bytes, ring_memory_bytes
+
+log = logging.getLogger("hvd_quant")
 
 #: Default of ``probe_every`` (reductions of a bucket between probes): rare enough to add
 #: about 3% to a 1-bit method's bytes at 2 ranks (module docstring), often enough to see
@@ -293,11 +296,13 @@ class BucketMetrics:
         self.numel = 0  # elements of the buffer (the report's fp32 cost)
         self.steps = self.since_restart = self.probes = 0
         self.collectives = None
+        self.fresh = False  # reduced since the owner's last step ended (record_step)
         self.last = dict.fromkeys(STEP_FIGURES, 0.0)
         self.total = dict.fromkeys(STEP_FIGURES, 0.0)
         self.last_probe, self.probe_total = {}, {}
 
     def record(self, figures, probe):
+        self.fresh = True
         self.steps += 1
         self.since_restart += 1
         for k in STEP_FIGURES:
@@ -340,8 +345,15 @@ class OwnerMetrics:
 
     def bucket(self, group):
         if group not in self.buckets:
-            self.buckets[group] = BucketMetrics(len(self.buckets))
+            used = {b.index for b in self.buckets.values()}
+            self.buckets[group] = BucketMetrics(min(set(range(len(used) + 1)) - used))
         return self.buckets[group]
+
+    def forget(self, group):
+        """Drop buffer ``group``'s figures: the owner no longer reduces it (DDP rebuilt its
+        buckets after the first step), so its last step must not count in the sums. Its
+        number goes to the next new bucket."""
+        self.buckets.pop(group, None)
 
     def restart(self):
         """Count reductions towards the next probe from zero on every bucket: after an
@@ -354,10 +366,13 @@ class OwnerMetrics:
     def probes_now(self, bucket):
         return bool(self.probe_every) and (bucket.since_restart + 1) % self.probe_every == 0
 
-    def measure(self, runner, flat, comm, group, segments, reduce):
+    def measure(self, runner, flat, comm, group, segments, reduce, probing=True):
         """``reduce(comm)``, the reduction of buffer ``group`` (``flat``, made of
         ``segments``) by ``runner``, run on a :class:`TimedComm` and recorded, with a
-        probe around it on probe steps. Returns the reduction's result."""
+        probe around it on probe steps (``probing=False``: never, for an exact round).
+        Returns the reduction's result. ``runner`` is a
+        :class:`~hvd_quant.core.runner.CompressorRunner`, or anything with its
+        ``backend``, ``collective_prefix(group)`` and ``residual(group, segments)``."""
         bucket = self.bucket(group)
         B = runner.backend
         bucket.numel = int(B.numel(flat))
@@ -366,7 +381,7 @@ class OwnerMetrics:
         # and random streams wait untouched (hvd_quant.core.guard).
         fallback = self.guard is not None and self.guard.falling_back(group)
         probe = None
-        if self.probes_now(bucket) and not fallback:
+        if probing and self.probes_now(bucket) and not fallback:
             probe = _Probe(B, comm, runner, group, segments, flat, self.ranges)
         bytes_before = comm.meter.bytes_sent
         clock = PhaseClock(self.ranges, None if fallback else bucket.collectives)
@@ -429,10 +444,16 @@ class OwnerMetrics:
 
     def record_step(self, sync_s, update_s, now=None):
         """The adapter's step ended: ``sync_s`` waiting for reductions, ``update_s`` in the
-        update. ``step_s`` runs from the previous step's end (none on the first step)."""
+        update. ``step_s`` runs from the previous step's end (none on the first step). A
+        buffer the step did not reduce (a 1-bit optimizer's warm-up round after its
+        freeze, 0/1 Adam on a local step) counts zeros as its last figures."""
         now = time.perf_counter() if now is None else now
         previous, self._step_end = self._step_end, now
         self.steps += 1
+        for b in self.buckets.values():  # a buffer this step did not reduce sent nothing in it
+            if not b.fresh:
+                b.last = dict.fromkeys(STEP_FIGURES, 0.0)
+            b.fresh = False
         if previous is None:
             return
         step_s = now - previous
@@ -668,3 +689,39 @@ def per_step_between(start, end):
     out["step_s"] = max(0.0, out["step_s"] - out["probe_s"])
     out["steps"] = steps
     return out
+
+
+class PaysReport:
+    """The adapter's one "does it pay here?" line (:func:`pays`), after ``after`` steps
+    (``0``: never; :func:`check_report_after`). The per-step figures are the means over the
+    second half of those steps; the link is measured when the line is made, by every rank
+    at the same step (``measure_link()``, which issues collectives), between two steps so
+    that no bucket is in flight; only rank 0 logs it. ``instead``: the adapter's words for
+    what to use when the method does not pay."""
+
+    def __init__(self, after, instead=""):
+        self.after = check_report_after(after)
+        self.instead = instead
+        self._window = None  # the metrics' sums where the window starts
+
+    def step_ended(self, metrics, method, comm, measure_link):
+        """Called by every rank after each recorded step (``metrics.steps`` counts them);
+        returns the :class:`Verdict` at the step it is made (also kept in
+        ``metrics.verdict``), else ``None``."""
+        after, steps = self.after, metrics.steps
+        if not after or comm.size < 2 or method == "none":
+            return None
+        if steps == after // 2:
+            self._window = window_mark(metrics)
+            return None
+        if steps != after or self._window is None:
+            return None
+        per_step = per_step_between(self._window, window_mark(metrics))
+        start = time.perf_counter()
+        link = measure_link()
+        metrics.leave_out(time.perf_counter() - start)  # not the next step's time
+        buckets = [b.numel for b in metrics.buckets.values()]
+        metrics.verdict = pays(method, per_step, buckets, comm.size, link, self.instead)
+        if comm.rank == 0:
+            log.info(metrics.verdict.text)
+        return metrics.verdict

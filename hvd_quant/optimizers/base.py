@@ -151,16 +151,32 @@ class StepContext:
         elements (default: the group's size) that the adapter keeps from step to step
         for the temporary called ``name`` (zeros, never to be written, when ``zero``).
         See :meth:`buffer`.
+    metrics : OwnerMetrics or None
+        The optimizer's metrics (:mod:`hvd_quant.core.metrics`) where the adapter
+        measures its rounds (eagerly: torch), else None. See :meth:`measured`.
     """
 
     def __init__(self, B, comm, state, g, x, lr, hp, name, rng=None, mask=None, counts=None,
-                 x_writable=False, scratch=None):
+                 x_writable=False, scratch=None, metrics=None):
         self.B, self.comm, self.state = B, comm, state
         self.g, self.x, self.lr, self.hp = g, x, lr, hp
         self.name, self.rng, self.mask = name, rng, mask
         self.counts = [B.numel(x)] if counts is None else [int(c) for c in counts]
         self.x_writable = bool(x_writable)
         self._scratch = scratch
+        self.metrics = metrics
+
+    def measured(self, phase, value, reduce, residual=None, probe=True):
+        """``reduce(comm)``: a round that averages ``value`` over the ranks, run on
+        ``comm`` (or the metrics' timing wrapper of it) and recorded in :attr:`metrics`
+        as the buffer ``<name>.<phase>`` when the adapter measures: bytes, phase times,
+        and on probe steps (``probe``) the error against an exact fp32 mean of ``value``,
+        with ``residual()`` (this rank's error buffer after the round) for the residual's
+        norm. The round's result must be the mean of ``value``."""
+        if self.metrics is None:
+            return reduce(self.comm)
+        return self.metrics.measure(_Round(self.B, residual), value, self.comm, f"{self.name}.{phase}",
+                                    [(phase, self.B.numel(value))], reduce, probing=probe)
 
     def buffer(self, name, numel=None):
         """Where a fused kernel may write the step's temporary ``name`` (one full-size
@@ -219,6 +235,20 @@ class StepContext:
 
     def collective_name(self, phase):
         return f"hvd_quant.{self.name}.{phase}"
+
+
+class _Round:
+    """What :meth:`~hvd_quant.core.metrics.OwnerMetrics.measure` reads of its owner, for a
+    rule's round (:meth:`StepContext.measured`): the round's key names its collectives."""
+
+    def __init__(self, backend, residual):
+        self.backend, self._residual = backend, residual
+
+    def collective_prefix(self, group):
+        return group
+
+    def residual(self, group, segments):
+        return self._residual() if self._residual is not None else None
 
 
 class Rule:

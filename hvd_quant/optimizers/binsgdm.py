@@ -112,13 +112,18 @@ class BinSGDMRule(Rule):
         m, b, bits = binary_randomize(B, ctx.g, st.slot("exp_avg"), st.slot("exp_avg_abs"), beta, encode_key,
                                       out=(ctx.buffer("m"), ctx.buffer("b")))
         local_ok = B.all_finite(ctx.g)
+        held = {}
+
+        def reduce(comm):  # the signs' sum, not a mean: measured (bytes, times), never probed
+            held["sum"] = sign_sum(B, comm, bits, d, self.ranks_per_node if n > 1 else None, sum_key,
+                                   ctx.collective_name("signs"), finite=local_ok)
+            return held["sum"][0]
+
+        ctx.measured("signs", ctx.g, reduce, probe=False)
+        q_sum, count, ok = held["sum"]
         if n > 1:
-            q_sum, count, ok = sign_sum(B, comm, bits, d, self.ranks_per_node, sum_key,
-                                        ctx.collective_name("signs"), finite=local_ok)
             st.count("onebit", self.wire_bytes("onebit", d, n))
         else:
-            q_sum, count, ok = sign_sum(B, comm, bits, d, None, sum_key, ctx.collective_name("signs"),
-                                        finite=local_ok)
             st.count("local", 0.0)
         st.commit(ok, {"exp_avg": m, "exp_avg_abs": b},
                   {"step": st.scalar("step") + 1, "draws": calls + 2})

@@ -131,10 +131,18 @@ class OnebitRoundsRule(Rule):
         into ``into`` where the allreduce can (``value``'s own memory is allowed). On a
         step that is not finite on some rank the error buffers are left as they were and
         ``finite`` is False on every rank."""
-        out, worker, server, server_scale, finite = compressed_allreduce_compensated(
-            ctx.B, ctx.comm, value, ctx.writable_slot("worker_error"),
-            ctx.writable_slot("server_error"), ctx.writable_slot("server_scale"),
-            ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts), out=into)
+        held = {}
+
+        def reduce(comm):
+            out, *held["state"] = compressed_allreduce_compensated(
+                ctx.B, comm, value, ctx.writable_slot("worker_error"),
+                ctx.writable_slot("server_error"), ctx.writable_slot("server_scale"),
+                ctx.collective_name(phase), compressed_counts(self.scales, ctx.counts), out=into)
+            return out
+
+        # The worker error after the round is what the probe reports as the residual.
+        out = ctx.measured(phase, value, reduce, residual=lambda: held["state"][0])
+        worker, server, server_scale, finite = held["state"]
         # Kept whatever the verdict: a non-finite step returned the buffers unchanged.
         ctx.state.commit(True, {"worker_error": worker, "server_error": server,
                                 "server_scale": server_scale})
@@ -143,7 +151,9 @@ class OnebitRoundsRule(Rule):
     def full_precision_round(self, ctx):
         """The fp32 average of the gradient over ranks (bit-identical on every rank),
         recorded as a ``"full"`` step: 1-bit Adam's warm-up, 0/1 Adam's variance rounds."""
-        grad = full_precision_mean(ctx.B, ctx.comm, ctx.g, ctx.collective_name("grad"))
+        # Measured, never probed: the round is exact.
+        grad = ctx.measured("grad", ctx.g, lambda comm: full_precision_mean(ctx.B, comm, ctx.g, ctx.collective_name("grad")),
+                            probe=False)
         ctx.state.count("full", self.wire_bytes("full", ctx.counts, ctx.comm.size))
         return grad
 

@@ -13,9 +13,14 @@
   since its last sync, so every rank ends with the same model.
 * :class:`JitCompileCallback`: ``jit_compile=True`` works: XLA compiles the forward and
   backward pass, the collectives run outside it.
+* :class:`MetricsCallback`: what compression does (an optimizer made with
+  ``metrics=True``) added to ``logs``, for the progress bar, ``History``, ``CSVLogger``
+  and Keras's ``TensorBoard`` callback.
 
-Put :class:`MetricAverageCallback` before callbacks that read the logs
-(``ModelCheckpoint(monitor=...)``, ``EarlyStopping``), so that they see averaged values.
+Put :class:`MetricAverageCallback` and :class:`MetricsCallback` before callbacks that read
+the logs (``ModelCheckpoint(monitor=...)``, ``EarlyStopping``, ``TensorBoard``,
+``CSVLogger``), so that they see what these add; Keras appends its progress bar and
+``History`` after the user's callbacks.
 """
 
 import keras
@@ -25,6 +30,7 @@ import horovod.tensorflow as hvd
 
 from ..core.runner import check_agreement, digest63
 from ..core.watchdog import WATCHDOG
+from .monitoring import TAG
 from .tape import broadcast_variables
 
 
@@ -285,3 +291,72 @@ class JitCompileCallback(keras.callbacks.Callback):
         model.jit_compile = True
         model.train_function = None  # the next fit builds (and splits) it again
         self._split = False
+
+
+#: What :class:`MetricsCallback` adds by default: the last step's figures, summed over the
+#: optimizer's buffers, that say most at a glance (``opt.metrics()`` has them all).
+DEFAULT_LOGGED = ("compression_ratio", "encode_s", "wait_s", "decode_s", "step_s",
+                  "probe_rel_error", "probe_cosine", "residual_ratio", "skipped_steps", "fallbacks")
+
+
+class MetricsCallback(keras.callbacks.Callback):
+    """Add the optimizer's compression metrics to ``logs`` as ``hvd_quant/<figure>``, so
+    that Keras's own callbacks after this one show them: the progress bar, ``History``,
+    ``CSVLogger`` and ``TensorBoard`` (epoch logs; batch logs with its ``update_freq``).
+
+    Parameters
+    ----------
+    figures : sequence of str
+        Names of ``optimizer.metrics()`` (default :data:`DEFAULT_LOGGED`; e.g.
+        ``"bucket0/probe_rel_error"`` or ``"wait_s.mean"`` also work). A figure not
+        measured yet is NaN, so that every epoch has the same columns (``CSVLogger``
+        fixes them at the first epoch).
+    every : int
+        Add them to the batch logs every ``every`` batches (0: only at the end of each
+        epoch). Reading them costs a few microseconds, without a collective.
+    optimizer : hvd_quant.tensorflow.DistributedOptimizer or None
+        Default: the model's (made with ``metrics=True``; else a ``ValueError`` when
+        training starts).
+    """
+
+    def __init__(self, figures=DEFAULT_LOGGED, every=1, optimizer=None):
+        super().__init__()
+        if isinstance(figures, str) or not all(isinstance(f, str) for f in figures) or not figures:
+            raise ValueError(f"figures must be a non-empty sequence of metric names, got {figures!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"every must be a whole number >= 0 (0: epoch logs only), got {every!r}")
+        if optimizer is not None:
+            _metrics_of(optimizer)
+        self.figures, self.every, self._optimizer = tuple(figures), every, optimizer
+
+    def on_train_begin(self, logs=None):
+        if self._optimizer is None:
+            _metrics_of(self.model.optimizer)
+
+    def _add(self, logs):
+        if logs is None:
+            return
+        snapshot = _metrics_of(self._optimizer or self.model.optimizer)()
+        for name in self.figures:
+            value = snapshot.get(name)
+            logs[f"{TAG}/{name}"] = float("nan") if value is None else float(value)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every and (batch + 1) % self.every == 0:
+            self._add(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._add(logs)
+
+
+def _metrics_of(optimizer):
+    """``optimizer.metrics`` of an hvd_quant optimizer made with ``metrics=True``, or the
+    ``ValueError`` that says what to pass."""
+    measured = getattr(optimizer, "_metrics_on", None)
+    if measured is None:
+        raise ValueError("MetricsCallback reads an hvd_quant.tensorflow.DistributedOptimizer's metrics, "
+                         f"got {type(optimizer).__name__}")
+    if not measured:
+        raise ValueError("MetricsCallback: the optimizer measures nothing; make it with "
+                         "hq.DistributedOptimizer(..., metrics=True)")
+    return optimizer.metrics

@@ -39,6 +39,7 @@ How it fits Keras
   :class:`RuntimeError` saying so on every rank, before any collective.
 """
 
+import dataclasses
 import sys
 
 import keras
@@ -48,12 +49,14 @@ from keras.optimizers import LossScaleOptimizer
 from keras.src.utils import tracking
 
 from ..core import adaptive_check
+from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER
 from ..process_sets import includes_this_rank
+from . import monitoring
 from .comm import HorovodTFComm
 from .compression import Compression
 from .onebit_optimizers import resize_keras_variable
 from .tape import (check_agreement_once, divide_gradient, group_segments, keras_layers,
-                   note_sparse_reduced_dense, reduce_gradients)
+                   note_sparse_reduced_dense, reduce_gradients, reduce_when_the_graph_runs)
 from .xla_step import refuse_xla
 
 _LSO_FRAMES = ("_stateful_handle_finite_grads", "_common_apply", "_tf_apply", "apply_fn")
@@ -116,6 +119,18 @@ class DistributedOptimizer(LossScaleOptimizer):
         :class:`~hvd_quant.core.runner.RankDisagreement` together; ``False``: training goes
         on, as under Horovod, and rank 0 warns once if they still differ at the next trace.
         ``None``: ``HVD_QUANT_STRICT`` (unset: ``False``).
+    metrics : bool
+        ``True``: measure what compression does (:meth:`metrics`, read in ``fit`` by
+        :class:`~hvd_quant.tensorflow.callbacks.MetricsCallback`): the figures of the torch
+        ``hq.DistributedOptimizer.metrics()``. In ``fit``'s compiled step the reduction then
+        runs as one ``tf.py_function`` per step (the eager code, the same bits), which is
+        why it is asked for (:mod:`hvd_quant.tensorflow.monitoring`). Default False.
+    probe_every, guard, report_after :
+        As the torch ``hq.DistributedOptimizer``'s, with ``metrics=True``: a probe step
+        (one extra fp32 allreduce) every ``probe_every`` reductions of a buffer; the guard
+        that sends a buffer whose compressed mean stays far from the exact one to fp32
+        (``None``: on for ``auto``; :meth:`guard_state_dict` for checkpoints); rank 0's
+        "does it pay here?" line after ``report_after`` steps (``0``: none).
     """
 
     # The 1-bit optimizers accept this LossScaleOptimizer around them (see apply).
@@ -126,7 +141,8 @@ class DistributedOptimizer(LossScaleOptimizer):
                  initial_scale=2.0 ** 15, dynamic_growth_steps=2000, device_dense="",
                  device_sparse="", sparse_as_dense=True, gradient_predivide_factor=1.0,
                  backward_passes_per_step=1, average_aggregated_gradients=False,
-                 scale_local_gradients=True, strict=None):
+                 scale_local_gradients=True, strict=None, metrics=False,
+                 probe_every=DEFAULT_PROBE_EVERY, guard=None, report_after=DEFAULT_REPORT_AFTER):
         if keras.backend.backend() != "tensorflow":
             raise RuntimeError("hvd_quant.tensorflow.DistributedOptimizer needs Keras' TensorFlow "
                                f"backend (KERAS_BACKEND=tensorflow), not {keras.backend.backend()!r}")
@@ -154,6 +170,7 @@ class DistributedOptimizer(LossScaleOptimizer):
                                  type(optimizer).__name__, adaptive, hvd.rank() if hvd.is_initialized() else 0)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+        monitoring.check_options(metrics, probe_every, guard, report_after, compression, adaptive)
         if gradient_predivide_factor != 1.0 and op != hvd.Average:
             raise ValueError("gradient_predivide_factor only applies to op=hvd.Average")
         if (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
@@ -187,6 +204,9 @@ class DistributedOptimizer(LossScaleOptimizer):
         self._runner = None
         self._comm = None
         self._per_rank = []
+        self._metrics_on, self._probe_every, self._guard_option = metrics, probe_every, guard
+        self._report_after = report_after
+        self._monitor = None  # made with the runner (build)
         with tf.init_scope():
             self._bytes = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="hvd_quant_bytes_sent")
 
@@ -232,6 +252,10 @@ class DistributedOptimizer(LossScaleOptimizer):
         self._runner = runner
         self._runner.build(self._comm.rank, group_segments(self._shared(var_list), self._fuse_groups),
                            size=self._comm.size)
+        if self._metrics_on:
+            self._monitor = monitoring.make_monitor(self._runner, self._comm, self._compression,
+                                                    self._probe_every, self._guard_option,
+                                                    self._report_after, self._hq_adaptive)
 
     # --- model parallelism (Horovod's register_local_var) ---------------------------------
     def register_local_var(self, var):
@@ -330,6 +354,25 @@ class DistributedOptimizer(LossScaleOptimizer):
             out[f"hvd_quant.rng/{rank}/calls"] = calls
         return out
 
+    # --- monitoring -------------------------------------------------------------------------
+    def metrics(self):
+        """What compression did, as the torch ``hq.DistributedOptimizer.metrics()`` gives it
+        (a dict of plain numbers, ``None`` where not measured yet; ``{}`` without
+        ``metrics=True`` or before the first step). The figures:
+        :mod:`hvd_quant.core.metrics` and docs/guide/monitoring.md."""
+        return self._monitor.snapshot() if self._monitor is not None else {}
+
+    def guard_state_dict(self):
+        """The guard's state (plain numbers) for a checkpoint; ``{}`` without a guard."""
+        return self._monitor.guard_state_dict() if self._monitor is not None else {}
+
+    def load_guard_state_dict(self, state):
+        """Restore :meth:`guard_state_dict`'s output (once the optimizer is built)."""
+        if self._monitor is None:
+            raise ValueError("load_guard_state_dict: the guard exists once the optimizer is built "
+                             "(model.optimizer.build(model.trainable_variables)) with metrics=True")
+        self._monitor.load_guard_state_dict(state)
+
     # --- the step ---------------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
@@ -386,10 +429,12 @@ class DistributedOptimizer(LossScaleOptimizer):
         reduced = [None if g is None else r for g, r in zip(grads, reduced)]
         if not scaling:
             self.inner_optimizer.apply(reduced, trainable_variables)
-            return
-        # Every rank sees the same reduced values, so every rank takes the same branch.
-        keras.ops.cond(finite, lambda: self._apply_finite(reduced, trainable_variables),
-                       self._stateful_handle_non_finite_grads)
+        else:
+            # Every rank sees the same reduced values, so every rank takes the same branch.
+            keras.ops.cond(finite, lambda: self._apply_finite(reduced, trainable_variables),
+                           self._stateful_handle_non_finite_grads)
+        if self._monitor is not None:
+            monitoring.step_ended(self._monitor)
 
     def _reduce(self, grads, variables, scaling):
         """The gradients of the shared variables averaged over ranks, those of the local
@@ -400,11 +445,16 @@ class DistributedOptimizer(LossScaleOptimizer):
         check_agreement_once(self._runner, self._comm, shared_vars, self._fuse_groups)
         if not self._sparse_as_dense:
             note_sparse_reduced_dense(shared_grads, shared_vars, "DistributedOptimizer", self._comm.rank)
-        before = self._comm.meter.bytes_sent
-        reduced, finite = reduce_gradients(self._runner, self._comm, shared_grads,
-                                           shared_vars, self._fuse_groups, self._op,
-                                           scale=self.dynamic_scale if scaling else None)
-        self._bytes.assign_add(self._comm.meter.bytes_sent - before)
+        scale = [self.dynamic_scale] if scaling else []
+        if self._monitor is None:
+            reduced, finite = self._reduce_shared(shared_grads, shared_vars, self._fuse_groups, *scale)
+        elif tf.executing_eagerly():
+            reduced, finite = self._monitor.reduce(self._reduce_shared, shared_grads, shared_vars,
+                                                   self._fuse_groups, *scale)
+        else:  # measured: the eager reduction, run when the graph runs (monitoring's docstring)
+            reduced, finite = reduce_when_the_graph_runs(
+                lambda *args: self._monitor.reduce(self._reduce_shared, *args), shared_grads, shared_vars,
+                self._fuse_groups, self._sparse_as_dense, "DistributedOptimizer", owner=self, extra=scale)
         if len(shared) == len(variables):
             return reduced, finite
         divisor = float(self._comm.size) if self.scale_local_gradients else 1.0
@@ -418,6 +468,13 @@ class DistributedOptimizer(LossScaleOptimizer):
             some_rank_not_finite = self._comm.allreduce(flag, "max", "hvd_quant.local_finite")
             finite = tf.logical_and(finite, some_rank_not_finite[0] < 0.5)
         return out, finite
+
+    def _reduce_shared(self, grads, variables, groups, scale=None):
+        """:func:`reduce_gradients` of the shared variables, its bytes counted."""
+        before = self._comm.meter.bytes_sent
+        out = reduce_gradients(self._runner, self._comm, grads, variables, groups, self._op, scale=scale)
+        self._bytes.assign_add(self._comm.meter.bytes_sent - before)
+        return out
 
     def _local_gradients(self, grads, scaling, divisor):
         """This rank's own gradients (unscaled from the loss scale, divided by
@@ -496,6 +553,10 @@ class DistributedOptimizer(LossScaleOptimizer):
             "loss_scale": self._loss_scale_option if self._loss_scale_on is None else self._loss_scale_on,
             "initial_scale": self.initial_scale,
             "dynamic_growth_steps": self.dynamic_growth_steps,
+            "metrics": self._metrics_on,
+            "probe_every": self._probe_every,
+            "guard": _guard_config(self._guard_option),
+            "report_after": self._report_after,
         }
 
     @classmethod
@@ -507,6 +568,11 @@ class DistributedOptimizer(LossScaleOptimizer):
         compression = Compression.get(comp["name"], seed=comp["seed"], **comp["options"])
         op = {int(hvd.Average): hvd.Average, int(hvd.Sum): hvd.Sum}[int(config.pop("op"))]
         return cls(inner, compression=compression, op=op, **config)
+
+
+def _guard_config(guard):
+    """``guard=`` as plain data for ``get_config`` (settings as their dict)."""
+    return guard if guard is None or isinstance(guard, (bool, dict)) else dataclasses.asdict(guard)
 
 
 def PartialDistributedOptimizer(optimizer, name=None, compression=Compression.none, op=hvd.Average,

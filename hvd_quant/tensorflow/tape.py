@@ -24,9 +24,10 @@ import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
+from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER
 from ..core.runner import digest63, values_digest63
 from ..process_sets import includes_this_rank
-from . import kernels
+from . import kernels, monitoring
 from .comm import HorovodTFComm
 from .compression import Compression, variable_name
 
@@ -59,15 +60,30 @@ class DistributedGradientTape:
     ``scale_local_gradients``, Horovod's default), and :func:`PartialDistributedGradientTape`
     registers every trainable variable of ``local_layers``. Unlike Horovod's own (horovod
     #4290), both work on Keras 3 variables. A rank outside ``process_set`` reduces nothing.
+
+    Monitoring (:mod:`hvd_quant.tensorflow.monitoring`, docs/guide/monitoring.md):
+    ``metrics=True`` measures what compression does (:meth:`metrics`; inside a
+    ``tf.function`` the reduction then runs as one ``tf.py_function``, the eager code and
+    bits) and writes it as ``tf.summary`` scalars under the default writer every
+    ``summary_every`` steps. ``probe_every``, ``guard`` and ``report_after`` are
+    ``hq.DistributedOptimizer``'s (torch): probe steps against the exact fp32 mean, the
+    guard that falls back to fp32, the "does it pay" line. The metrics, like the
+    compressor's state, belong to the variables the tape reduces, so they go on across
+    the tapes of successive steps.
     """
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
                  sparse_as_dense=True, op=hvd.Average, gradient_predivide_factor=1.0,
                  num_groups=0, groups=None, process_set=hvd.global_process_set,
-                 scale_local_gradients=True, strict=None):
+                 scale_local_gradients=True, strict=None, metrics=False,
+                 probe_every=DEFAULT_PROBE_EVERY, guard=None, report_after=DEFAULT_REPORT_AFTER,
+                 summary_every=100):
         compression = Compression.require(compression, hvd.Compression,
                                           "hvd_quant.tensorflow.DistributedGradientTape",
                                           "Horovod's hvd.DistributedGradientTape")
+        monitoring.check_options(metrics, probe_every, guard, report_after, compression)
+        self._monitoring = (probe_every, guard, report_after) if metrics else None
+        self._summary_every = monitoring.check_summary_every(summary_every)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedGradientTape supports op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != hvd.Average:
@@ -114,6 +130,32 @@ class DistributedGradientTape:
         once per trace."""
         return self._comm.meter.bytes_sent if self._comm is not None else 0.0
 
+    def metrics(self):
+        """What compression did for the variables this tape reduces, as
+        ``hq.DistributedOptimizer.metrics()`` (torch) gives it: a dict of plain numbers
+        (``{}`` before the first reduction; ``metrics=True`` turns them on)."""
+        monitor = self._monitor()
+        return monitor.snapshot() if monitor is not None else {}
+
+    def _monitor(self):
+        if self._monitoring is None or self._variables is None:
+            return None
+        owned = self._compression.owned(self._variables)
+        return monitoring.attach(owned.runner, lambda: monitoring.make_monitor(
+            owned.runner, self._comm, self._compression, *self._monitoring))
+
+    def guard_state_dict(self):
+        """The guard's state (plain numbers) for a checkpoint, ``{}`` without a guard."""
+        monitor = self._monitor()
+        return monitor.guard_state_dict() if monitor is not None else {}
+
+    def load_guard_state_dict(self, state):
+        """Restore :meth:`guard_state_dict`'s output (after the first reduction)."""
+        monitor = self._monitor()
+        if monitor is None:
+            raise ValueError("the guard is made at the first gradient() with metrics=True: call it first")
+        monitor.load_guard_state_dict(state)
+
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
         grads = self._tape.gradient(target, sources, output_gradients)
         flat_sources = tf.nest.flatten(sources)
@@ -149,13 +191,17 @@ class DistributedGradientTape:
             if not self._sparse_as_dense:
                 note_sparse_reduced_dense(shared_grads, self._variables, "DistributedGradientTape",
                                           self._comm.rank)
-            if building_graph():
-                reduced, _ = reduce_when_the_graph_runs(
+            measured = self._monitoring is not None
+            if building_graph() or (measured and not tf.executing_eagerly()):
+                reduced, finite = reduce_when_the_graph_runs(
                     self._reduce_eagerly, shared_grads, self._variables, self._groups,
                     self._sparse_as_dense, "DistributedGradientTape",
                     owner=(self._compression, tuple(id(v) for v in self._variables)))
             else:
-                reduced, _ = self._reduce_eagerly(shared_grads, self._variables, self._groups)
+                reduced, finite = self._reduce_eagerly(shared_grads, self._variables, self._groups)
+            if measured:
+                with tf.control_dependencies([finite]):  # after the reduction, also in a TF1 graph
+                    monitoring.write_summaries(self._monitor, self._summary_every)
             for i, g in zip(shared, reduced):
                 out[i] = g
         if self.scale_local_gradients and len(shared) < len(variables):
@@ -172,7 +218,14 @@ class DistributedGradientTape:
         owned = self._compression.owned(self._variables)
         if self._strict is not None:
             owned.runner.values.strict = bool(self._strict)
-        return reduce_gradients(owned.runner, self._comm, grads, variables, groups, self._op)
+        monitor = self._monitor()
+        if monitor is None:
+            return reduce_gradients(owned.runner, self._comm, grads, variables, groups, self._op)
+        # A tape sees no update: the step ends with its reduction (the update is in the
+        # next step's rest_s).
+        out = monitor.reduce(reduce_gradients, owned.runner, self._comm, grads, variables, groups, self._op)
+        monitor.step_ended()
+        return out
 
     # --- checkpoints ------------------------------------------------------------------------
     def compression_state_dict(self):
@@ -195,16 +248,18 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
                                    compression=Compression.none, sparse_as_dense=True,
                                    op=hvd.Average, gradient_predivide_factor=1.0, num_groups=0,
                                    groups=None, process_set=hvd.global_process_set,
-                                   local_layers=None, scale_local_gradients=True, strict=None):
+                                   local_layers=None, scale_local_gradients=True, strict=None,
+                                   **monitoring_options):
     """A :class:`DistributedGradientTape` whose ``local_layers`` keep their gradients
     local (Horovod's ``PartialDistributedGradientTape``, working on Keras 3 layers):
     every trainable variable of those layers is registered with
-    :meth:`~DistributedGradientTape.register_local_source`. Other arguments as
-    :class:`DistributedGradientTape`."""
+    :meth:`~DistributedGradientTape.register_local_source`. Other arguments (the
+    monitoring ones too: ``metrics``, ``probe_every``, ...) as :class:`DistributedGradientTape`."""
     layers = keras_layers(local_layers, "PartialDistributedGradientTape")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense,
                                    op, gradient_predivide_factor, num_groups, groups, process_set,
-                                   scale_local_gradients=scale_local_gradients, strict=strict)
+                                   scale_local_gradients=scale_local_gradients, strict=strict,
+                                   **monitoring_options)
     for layer in layers:
         for var in layer.trainable_weights:
             tape.register_local_source(var)
@@ -258,7 +313,8 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
                                  where)
         if scale is not None:
             flat = flat / tf.cast(scale, tf.float32)
-        mean = runner.reduce(flat, comm, key, segments)
+        mean = runner.measured(flat, comm, key, segments,
+                               lambda c, flat=flat, key=key, segments=segments: runner.reduce(flat, c, key, segments))
         if op == hvd.Sum:
             mean = mean * float(comm.size)
         finite.append(runner.backend.all_finite(mean))
@@ -267,6 +323,8 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
             out[i] = tf.cast(tf.reshape(mean[offset:offset + n], variables[i].shape), variables[i].dtype)
             offset += n
     all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+    if runner.metrics is not None:
+        runner.metrics.reduced_all()
     return out, all_finite
 
 
@@ -293,11 +351,14 @@ class _VariableValue:
         return self._value.numpy()
 
 
-def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_as_dense, where, owner):
-    """A reduction built into a TF1-style graph (:func:`building_graph`): one
-    ``tf.py_function`` that runs ``reduce_eagerly(grads, views, view_groups)`` (which
-    returns ``(reduced gradients, all_finite)``, as :func:`reduce_gradients`) when the
-    graph runs, so that the code and the bits are eager mode's.
+def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_as_dense, where, owner,
+                               extra=()):
+    """A reduction built into a TF1-style graph (:func:`building_graph`), or into a
+    ``tf.function`` whose owner measures its steps (:mod:`hvd_quant.tensorflow.monitoring`):
+    one ``tf.py_function`` that runs ``reduce_eagerly(grads, views, view_groups, *extra)``
+    (which returns ``(reduced gradients, all_finite)``, as :func:`reduce_gradients`;
+    ``extra``: more tensors it reads, such as a loss scale) when the graph runs, so that
+    the code and the bits are eager mode's.
 
     At build time nothing can run: the first-step agreement check reads the variables'
     values (``.numpy()``), and the compressor's state variables would be graph variables
@@ -317,19 +378,21 @@ def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_
     dense = [tf.zeros(v.shape, tf.as_dtype(v.dtype)) if g is None else tf.convert_to_tensor(g)
              for g, v in zip(grads, variables)]
     values = [tf.convert_to_tensor(v) for v in variables]
+    extra = [tf.convert_to_tensor(x) for x in extra]
     index_groups = split_groups(variables, groups)
     count = len(variables)
 
     def reduce_now(*tensors):
-        views = [_VariableValue(v, value) for v, value in zip(variables, tensors[count:])]
+        views = [_VariableValue(v, value) for v, value in zip(variables, tensors[count:2 * count])]
         out, finite = reduce_eagerly(list(tensors[:count]), views,
-                                     [[views[i] for i in index] for index in index_groups])
+                                     [[views[i] for i in index] for index in index_groups],
+                                     *tensors[2 * count:])
         return list(out) + [finite]
 
     built = _graph_reductions.setdefault(tf.compat.v1.get_default_graph(), {})
     previous = built.get(owner)
     with tf.control_dependencies([previous] if previous is not None else []):
-        results = tf.py_function(reduce_now, dense + values,
+        results = tf.py_function(reduce_now, dense + values + extra,
                                  [tf.as_dtype(v.dtype) for v in variables] + [tf.bool],
                                  name="hvd_quant_reduce")
     built[owner] = results[-1]

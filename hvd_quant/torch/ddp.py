@@ -70,15 +70,27 @@ Non-finite gradients: as on the Horovod path, a NaN or inf on any rank makes the
 reduced buffer non-finite on every rank (the compressors' contract), so
 ``torch.amp.GradScaler`` skips the same step everywhere.
 
+Metrics (``state.metrics()``, the figures of ``hq.DistributedOptimizer.metrics()``,
+:mod:`hvd_quant.core.metrics`): per bucket and summed, the bytes, the phases' times (also
+``torch.profiler`` ranges ``hvd_quant/encode|wait|decode|probe``), the non-finite steps,
+and on probe steps (``probe_every``) the error against the exact fp32 mean and the
+residual's norm. A step ends with the iteration's last bucket (``bucket.is_last()``):
+``step_s`` runs from one iteration's last bucket to the next one's, ``sync_s`` is the time
+in the hook, and ``update_s`` is 0 (a hook does not see the optimizer; its update is in
+``rest_s``). When DDP rebuilds its buckets, the figures of the buffers it no longer uses
+are dropped, and the new ones count their reductions towards a probe from zero.
+
 ``no_sync()`` (gradient accumulation), ``gradient_as_bucket_view=True``,
 ``static_graph=True`` and ``find_unused_parameters=True`` need nothing special: the hook
 sees the bucket as DDP fills it.
 """
 
 import itertools
+import time
 
 import torch
 
+from ..core.metrics import DEFAULT_PROBE_EVERY, check_probe_every
 from ..core.pipeline import chunked_reduce
 from ..core.runner import digest63
 from ..core.state import StateStore, layout_digest
@@ -105,6 +117,9 @@ class CompressorHookState:
         collectives are in flight while the next chunk is encoded (the same bits).
     strict : bool or None
         As ``hq.DistributedOptimizer``'s (the first-step agreement check).
+    probe_every : int
+        As ``hq.DistributedOptimizer``'s: every ``probe_every``-th reduction of a bucket
+        also sums it in fp32 once, to measure the compressed mean's error (``0``: never).
 
     Attributes
     ----------
@@ -116,8 +131,9 @@ class CompressorHookState:
     """
 
     def __init__(self, compression, process_group=None, model=None, pipeline_chunk_mb=None,
-                 strict=None):
+                 strict=None, probe_every=DEFAULT_PROBE_EVERY):
         self.compression = _compressor(compression)
+        self.probe_every = check_probe_every(probe_every)
         self.process_group = process_group
         self.pipeline_chunk_mb = pipeline_chunk_mb
         self.strict = strict
@@ -129,6 +145,7 @@ class CompressorHookState:
         self._layouts = {}    # tuple of parameter ids -> _Layout
         self._live = {}       # group key -> set of parameter names, of the buffers in use
         self._pending = None  # a checkpoint loaded before the runner existed
+        self._sync_s = 0.0    # this iteration's time in the hook (the metrics' sync_s)
         if model is not None:
             self.name_parameters(model)
 
@@ -167,6 +184,7 @@ class CompressorHookState:
         # exists on its members only): an empty scope keeps the first-step check comparing
         # the model, not how many hook states each process made before.
         self.runner.scope = ""
+        self.runner.observe(self.probe_every, ranges=torch.profiler.record_function)
         if self._pending is not None:
             self._apply(self._pending)
             self._pending = None
@@ -184,11 +202,21 @@ class CompressorHookState:
             self.runner.store.load_state_dict(saved)  # waits per parameter for the new buffers
         for g in stale:
             del self._live[g]
+            self.runner.metrics.forget(g)
         self._live[layout.group] = names
 
     # --- the reduction ----------------------------------------------------------------------
     def reduce_bucket(self, bucket):
         """The mean over ranks of ``bucket``'s buffer, in DDP's layout and dtype."""
+        start = time.perf_counter()
+        mean = self._reduce(bucket)
+        self._sync_s += time.perf_counter() - start
+        if bucket.is_last():  # the iteration's last bucket: its step ends
+            self.runner.metrics.record_step(self._sync_s, 0.0)
+            self._sync_s = 0.0
+        return mean
+
+    def _reduce(self, bucket):
         buf = bucket.buffer()
         layout = self._layout(bucket.parameters())
         self._ensure_runner(buf.device)
@@ -197,8 +225,10 @@ class CompressorHookState:
         self.runner.check_once(self.comm, layout.group, lambda: (layout.structure, 0))
         # The mean is written over ``flat`` where the compressor can (ReduceContext.out):
         # DDP's own buffer when the bucket is float32 and already in canonical order.
-        mean = chunked_reduce(self.runner, flat, self.comm, layout.group, layout.segments,
-                              self._chunk_numel, out=flat)
+        mean = self.runner.measured(
+            flat, self.comm, layout.group, layout.segments,
+            lambda comm: chunked_reduce(self.runner, flat, comm, layout.group, layout.segments,
+                                        self._chunk_numel, out=flat))
         return layout.restore(mean, buf)
 
     # --- monitoring and checkpoints ---------------------------------------------------------
@@ -206,6 +236,11 @@ class CompressorHookState:
     def bytes_sent(self):
         """Bytes this rank has sent for the gradients (the cost model of ``WireMeter``)."""
         return self.comm.meter.bytes_sent if self.comm is not None else 0.0
+
+    def metrics(self):
+        """What compression did, as ``hq.DistributedOptimizer.metrics()`` gives it (a dict of
+        plain numbers, ``None`` where not measured yet; empty before the first bucket)."""
+        return self.runner.metrics.snapshot() if self.runner is not None else {}
 
     def state_dict(self):
         """This rank's compressor state: error feedback per parameter and the random
@@ -236,10 +271,11 @@ class CompressorHookState:
     def __getstate__(self):
         # As PowerSGD's state: everything but the process group (and what is bound to it).
         return {"compression": self.compression, "pipeline_chunk_mb": self.pipeline_chunk_mb,
-                "strict": self.strict, "saved": self.state_dict()}
+                "strict": self.strict, "probe_every": self.probe_every, "saved": self.state_dict()}
 
     def __setstate__(self, d):
-        self.__init__(d["compression"], None, None, d["pipeline_chunk_mb"], d["strict"])
+        self.__init__(d["compression"], None, None, d["pipeline_chunk_mb"], d["strict"],
+                      d.get("probe_every", DEFAULT_PROBE_EVERY))
         self.load_state_dict(d["saved"])
 
 
@@ -290,7 +326,7 @@ def compressor_hook(state, bucket):
 
 
 def comm_hook(compression=Compression.ef_sign, process_group=None, model=None,
-              pipeline_chunk_mb=None, strict=None):
+              pipeline_chunk_mb=None, strict=None, probe_every=DEFAULT_PROBE_EVERY):
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     ``compression``: ``hq.Compression.<name>`` (or its name); ``process_group``: the one
@@ -298,7 +334,8 @@ def comm_hook(compression=Compression.ef_sign, process_group=None, model=None,
     that key the state (recommended; see the module docstring). The other arguments are
     :class:`CompressorHookState`'s."""
     state = CompressorHookState(compression, process_group=process_group, model=model,
-                                pipeline_chunk_mb=pipeline_chunk_mb, strict=strict)
+                                pipeline_chunk_mb=pipeline_chunk_mb, strict=strict,
+                                probe_every=probe_every)
     return state, compressor_hook
 
 

@@ -80,11 +80,10 @@ from contextlib import contextmanager
 import torch
 import horovod.torch as hvd
 
-from ..compressors.auto import AutoCompressor, measure_link
+from ..compressors.auto import link_for_report
 from ..core import adaptive_check
-from ..core.guard import Guard, guard_settings
-from ..core.metrics import (DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, check_probe_every, check_report_after,
-                            pays, per_step_between, window_mark)
+from ..core.guard import make_guard
+from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, OwnerMetrics, PaysReport, check_probe_every
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
 from ..optimizers.base import same_memory
@@ -102,13 +101,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None,
                  backward_passes_per_step=1, sparse_as_dense=True, strict=None,
                  gradient_predivide_factor=1.0, probe_every=DEFAULT_PROBE_EVERY, guard=None,
-                 report_after=DEFAULT_REPORT_AFTER):
+                 report_after=DEFAULT_REPORT_AFTER, metrics=True):
         super(self.__class__, self).__init__(params)
         compression = _adopted_compression(compression)
         probe_every = check_probe_every(probe_every)
-        self._report_after = check_report_after(report_after)
+        self._report = PaysReport(report_after, _INSTEAD)
         adaptive = isinstance(self, _ADAPTIVE)
-        guard = _checked_guard(guard, compression, probe_every, adaptive)
+        guard = _checked_guard(guard, compression, probe_every, adaptive, metrics)
         bucket_size_mb = _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb)
         self._passes = _check_passes(backward_passes_per_step)
         # hvd.broadcast_optimizer_state creates missing state with one step, on the ranks
@@ -127,9 +126,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._runner = compression.make_runner(strict=strict, device=self._device, adaptive=adaptive)
         # What compression does while training (opt.metrics(); hvd_quant.core.metrics):
         # each phase of a bucket's reduction is also a range for torch.profiler.
-        self._metrics = self._runner.observe(probe_every, ranges=torch.profiler.record_function, guard=guard)
+        # metrics=False: the step's own times only (nothing per bucket, no probe, no report).
+        self._metrics = (self._runner.observe(probe_every, ranges=torch.profiler.record_function, guard=guard)
+                         if metrics else OwnerMetrics(0))
+        if not metrics:
+            self._report = PaysReport(0)
         self._sync_s = 0.0  # this step's time in synchronize(), for the step's metrics
-        self._window = None  # the metrics' sums where the "does it pay" window starts
         # Horovod's public attributes, read by integrations (Lightning, Ray).
         self.op, self.process_set, self.sparse_as_dense = op, process_set, bool(sparse_as_dense)
         self.backward_passes_per_step = self._passes
@@ -408,33 +410,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _report_pays(self):
         """After ``report_after`` steps, rank 0's one line: does compression pay on this
-        link (:func:`hvd_quant.core.metrics.pays`)? The means come from the second half of
-        those steps. Every rank takes part in measuring the link (``auto``'s measurement,
-        or the one ``auto`` made already), at the same step, between two rounds of
-        buckets (the step is over, so no bucket is in flight); only rank 0 logs."""
-        after, steps = self._report_after, self._metrics.steps
-        if not after or not self._included or self._comm.size < 2 or self._compression.name == "none":
-            return
-        if steps == after // 2:
-            self._window = window_mark(self._metrics)
-        elif steps == after and self._window is not None:
-            per_step = per_step_between(self._window, window_mark(self._metrics))
-            start = time.perf_counter()
-            link = self._measured_link()
-            self._metrics.leave_out(time.perf_counter() - start)  # not the next step's time
-            buckets = [b.numel for b in self._metrics.buckets.values()]
-            verdict = pays(self._compression.name, per_step, buckets, self._comm.size, link, _INSTEAD)
-            self._metrics.verdict = verdict
-            if self._comm.rank == 0:
-                log.info(verdict.text)
-
-    def _measured_link(self):
-        """The link every rank holds: ``auto``'s own measurement where it made one, else
-        one now (a 1 MB allreduce, two tiny ones and an allgather of 3 numbers)."""
-        algorithm = self._runner.compressor  # for Adam and kin, auto's own runner's (not the handle's)
-        if isinstance(algorithm, AutoCompressor):
-            return algorithm.world(self._runner.backend, self._comm)["link"]
-        return measure_link(self._runner.backend, self._comm, "hvd_quant.report")
+        link (:class:`~hvd_quant.core.metrics.PaysReport`)?"""
+        if self._included:
+            self._report.step_ended(self._metrics, self._compression.name, self._comm,
+                                    lambda: link_for_report(self._runner, self._comm))
 
     # --- monitoring and checkpoints ---------------------------------------------------------
     def metrics(self):
@@ -515,19 +494,17 @@ _NONFINITE_HINT = (
     "scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)).")
 
 
-def _checked_guard(guard, compression, probe_every, adaptive=False):
-    """The :class:`~hvd_quant.core.guard.Guard` that ``guard=`` asks for (``None``: the
-    compressor's default, on for ``auto``), or ``None``; a ``ValueError`` names a bad
-    setting. A guard asked for explicitly needs probes (``probe_every > 0``): it reads
-    their error; ``auto``'s default guard without probes keeps only the non-finite check."""
-    algorithm = compression.algorithm.for_adaptive_optimizer() if adaptive else compression.algorithm
-    settings = guard_settings(guard, getattr(algorithm, "guard_by_default", False))
-    if settings is None:
+def _checked_guard(guard, compression, probe_every, adaptive=False, metrics=True):
+    """:func:`~hvd_quant.core.guard.make_guard` for this optimizer's buckets (an adaptive
+    optimizer's get ``for_adaptive_optimizer()``'s method); none without metrics."""
+    if not isinstance(metrics, bool):
+        raise ValueError(f"metrics must be True or False, got {metrics!r}")
+    if not metrics:
+        if guard:
+            raise ValueError("guard: the guard reads the metrics' probes; it needs metrics=True")
         return None
-    if guard is not None and not probe_every:
-        raise ValueError("guard: the guard reads the probe's error, and probe_every=0 turns the probes off; "
-                         "pass probe_every > 0, or guard=False")
-    return Guard(settings, algorithm, _NONFINITE_HINT)
+    algorithm = compression.algorithm.for_adaptive_optimizer() if adaptive else compression.algorithm
+    return make_guard(guard, algorithm, probe_every, _NONFINITE_HINT)
 
 
 def _adopted_compression(compression):
@@ -643,7 +620,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=True, process_set=hvd.global_process_set,
                          bucket_size_mb=None, overlap=None, pipeline_chunk_mb=None, strict=None,
-                         probe_every=DEFAULT_PROBE_EVERY, guard=None, report_after=DEFAULT_REPORT_AFTER):
+                         probe_every=DEFAULT_PROBE_EVERY, guard=None, report_after=DEFAULT_REPORT_AFTER,
+                         metrics=True):
     """Wrap ``optimizer`` so that ``step()`` first averages gradients with ``compression``.
 
     Parameters mirror ``horovod.torch.DistributedOptimizer``. ``compression`` is an
@@ -689,6 +667,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     Monitoring (``opt.metrics()``, docs/guide/monitoring.md):
 
+    metrics : bool
+        Default True: measure each bucket's reduction (bytes, phase times, non-finite
+        steps, probes; one sum over the mean per bucket and step). ``False``: only the
+        step's own times, no probe, no "does it pay" line and no guard (the benchmark
+        ``benchmarks/monitoring_overhead.py`` compares the two).
     probe_every : int
         Every that many steps, each bucket's exact fp32 mean is computed as well, by one
         extra fp32 allreduce (and a 6-number allgather), for the relative error and
@@ -726,4 +709,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                pipeline_chunk_mb=pipeline_chunk_mb,
                backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
                strict=strict, gradient_predivide_factor=gradient_predivide_factor,
-               probe_every=probe_every, guard=guard, report_after=report_after)
+               probe_every=probe_every, guard=guard, report_after=report_after, metrics=metrics)

@@ -96,6 +96,8 @@ this rank's overflow, so the ranks' loss scales drift apart after such a step;
 verdict instead and keeps the scales identical on every rank.
 """
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -104,6 +106,7 @@ try:
 except ImportError:  # torch.distributed only (process_group=); the Horovod path says what to install
     hvd = None
 
+from ..core.metrics import DEFAULT_PROBE_EVERY, OwnerMetrics
 from ..core.runner import (RankDisagreement, ValueAgreement, check_agreement, digest63,
                            disagreeing_groups, values_digest63)
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
@@ -179,8 +182,11 @@ class RuleOptimizer(torch.optim.Optimizer):
     reuse_buffers = True
 
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0,
-                 sparse_as_dense=True, strict=None, process_group=None):
+                 sparse_as_dense=True, strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY):
         super().__init__(params, defaults)
+        # What the rounds do (opt.metrics(); hvd_quant.core.metrics): each group's rounds
+        # are buffers "opt.g<i>.<phase>", a compressed one probed every probe_every.
+        self._metrics = OwnerMetrics(probe_every, ranges=torch.profiler.record_function)
         # State and buffers on the parameters' device (the host when they are on several).
         self._device, self._mixed = home_device([p for g in self.param_groups for p in g["params"]],
                                                 f"hvd_quant.torch.{type(self).__name__}")
@@ -315,6 +321,7 @@ class RuleOptimizer(torch.optim.Optimizer):
                                  "the model's parameters", self._comm.rank)
         inv_scale = self._inv_scale()
         groups = self.param_groups
+        started, rounds_before = time.perf_counter(), _round_seconds(self._metrics)
         states = [self._group_state(gi, group) for gi, group in enumerate(groups)]
         before = [(len(st.kinds), st.bytes_sent) for st in states]
         new_xs, kept = step_groups(self._rule, lambda gi: self._step_context(gi, inv_scale),
@@ -330,7 +337,27 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.comm_rounds += int(any(kind != "local" for kind in kinds))
         self.last_step_skipped = not kept  # the verdict of every rank together (see GradScaler)
         self.skipped_steps += int(not kept)
+        rounds = _round_seconds(self._metrics) - rounds_before
+        self._metrics.record_step(rounds, max(0.0, time.perf_counter() - started - rounds))
         return loss
+
+    def metrics(self):
+        """What the rounds did, as ``hq.DistributedOptimizer.metrics()`` gives it (a dict of
+        plain numbers, ``None`` where not measured yet). Each group's rounds are buffers of
+        their own, named by kind: bucket ``i`` is the ``i``-th kind of round seen
+        (``opt.g<i>.grad``, the fp32 rounds; ``.momentum``, 1-bit Adam's; 0/1 Adam's
+        compressed rounds; BinSGDM's ``.signs``). ``sync_s`` is the step's time in rounds,
+        ``update_s`` the rest of ``step()``. Probes (``probe_every``) compare a 1-bit
+        round's mean with the exact fp32 mean of what it averaged (the momentum for 1-bit
+        Adam), and report the worker error buffer as the residual; the fp32 rounds and
+        BinSGDM's are never probed (the first is exact, the second sums signs).
+        Details: docs/guide/monitoring.md."""
+        return self._metrics.snapshot()
+
+    @property
+    def metrics_steps(self):
+        """Steps taken so far (``metrics()["steps"]``), for the TensorBoard writer."""
+        return self._metrics.steps
 
     def _inv_scale(self):
         """``1 / grad_scale`` (set by ``torch.amp.GradScaler``), or None: a Python float,
@@ -356,7 +383,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         return StepContext(self._B, self._comm, st, g, x, group["lr"], _hyper(group, self._rule, gi),
                            f"opt.g{gi}", mask=self._group_mask(gi, group),
                            counts=[p.numel() for p in group["params"]], x_writable=True,
-                           scratch=self._scratch_of(gi, x.numel()))
+                           scratch=self._scratch_of(gi, x.numel()), metrics=self._metrics)
 
     def _group_params(self, gi, params):
         """Group ``gi``'s parameters as one flat float32 tensor the rule may write into.
@@ -466,6 +493,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._rule.validate(new[1])
         self._groups = {}
         self._checked = False
+        self._metrics.restart()  # ranks that joined count towards probes from zero
         for gi, group in enumerate(self.param_groups):
             saved = self.state.get(_STATE_KEY.format(gi))
             if saved is None:
@@ -543,7 +571,7 @@ class OnebitAdam(RuleOptimizer):
                  process_set=None, amsgrad=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
                  sparse_as_dense=True, strict=None, process_group=None,
-                 variance_floor=DEFAULT_VARIANCE_FLOOR):
+                 variance_floor=DEFAULT_VARIANCE_FLOOR, probe_every=DEFAULT_PROBE_EVERY):
         _deepspeed_arguments("OnebitAdam", "1-bit Adam", amsgrad, deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                              comm_backend_name)
         rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction,
@@ -551,7 +579,7 @@ class OnebitAdam(RuleOptimizer):
         _warn_short_warm_up("OnebitAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict,
-                         process_group=process_group)
+                         process_group=process_group, probe_every=probe_every)
 
 
 class ZeroOneAdam(RuleOptimizer):
@@ -606,7 +634,7 @@ class ZeroOneAdam(RuleOptimizer):
                  process_set=None, amsgrad=False, exact_sync=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
                  sparse_as_dense=True, strict=None, process_group=None,
-                 variance_floor=DEFAULT_VARIANCE_FLOOR):
+                 variance_floor=DEFAULT_VARIANCE_FLOOR, probe_every=DEFAULT_PROBE_EVERY):
         _deepspeed_arguments("ZeroOneAdam", "0/1 Adam", amsgrad, deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                              comm_backend_name)
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
@@ -616,7 +644,7 @@ class ZeroOneAdam(RuleOptimizer):
         _warn_short_warm_up("ZeroOneAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict,
-                         process_group=process_group)
+                         process_group=process_group, probe_every=probe_every)
 
 
     @torch.no_grad()
@@ -676,7 +704,7 @@ class BinSGDM(RuleOptimizer):
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
                  weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True,
-                 strict=None, process_group=None):
+                 strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:  # the layout of the ranks this optimizer reduces over, not of the world
@@ -684,11 +712,17 @@ class BinSGDM(RuleOptimizer):
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
                          named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense,
-                         strict=strict, process_group=process_group)
+                         strict=strict, process_group=process_group, probe_every=probe_every)
         self._auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 
 # --- helpers ---------------------------------------------------------------------------------
+def _round_seconds(metrics):
+    """Seconds spent in measured rounds so far (every bucket's encode, wait, decode and
+    probe): a step's ``sync_s`` is the difference across it."""
+    return sum(b.total[k] for b in metrics.buckets.values() for k in ("encode_s", "wait_s", "decode_s", "probe_s"))
+
+
 def _ranks_per_node(process_set, process_group):
     """BinSGDM's hierarchy: ranks per host of the ranks it reduces over."""
     if process_group is not None:

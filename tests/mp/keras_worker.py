@@ -467,6 +467,93 @@ def graph_tapes():
     return out
 
 
+def metrics_behave():
+    """Issue 54 on TensorFlow. ``model.fit`` with ``metrics=True`` (the reduction in a
+    ``py_function``) ends with the weights of ``metrics=False``; ``MetricsCallback`` puts
+    the figures into ``History`` and a ``CSVLogger``; a guard with a bound no probe can
+    meet falls back on every rank. A tape run eagerly measures the relative error that an
+    exact Horovod allreduce of the same gradients gives, under a profiler that records its
+    ranges; a tape in a ``tf.function`` writes ``tf.summary`` scalars, read back."""
+    keras = keras3()
+    x, y = data(seed=3)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, options in (("plain", {}), ("measured", dict(metrics=True, probe_every=2, report_after=4)),
+                          ("guarded", dict(metrics=True, probe_every=1, report_after=0,
+                                           guard={"error_bound": 1e-9, "patience": 1, "fallback_steps": 2}))):
+        model = make_model(keras)
+        opt = hq.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression=hq.Compression.ef_sign,
+                                      **options)
+        model.compile(optimizer=opt, loss=loss_fn, jit_compile=False)
+        csv = OUT / f"{name}{RANK}.csv"
+        callbacks = [hq.callbacks.MetricsCallback(), keras.callbacks.CSVLogger(str(csv))] if options else []
+        with captured_warnings() as messages:
+            hist = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+        snap = opt.metrics()
+        out[name] = {"digest": digest(weights(model)),
+                     "history": {k: v for k, v in hist.history.items() if k.startswith("hvd_quant/")},
+                     "metrics": {k: v for k, v in snap.items() if not k.startswith("bucket")},
+                     "csv_header": csv.read_text().splitlines()[0] if csv.exists() else "",
+                     "guard_state": opt.guard_state_dict(), "bytes": opt.bytes_sent,
+                     "messages": [m for m in messages if "hvd_quant" in m][:5]}
+
+    # A tape, eagerly, probing every step, under the profiler.
+    model = make_model(keras)
+    variables = model.trainable_variables
+    comp = hq.Compression.ef_sign
+    logdir = OUT / f"profile{RANK}"
+    tf.profiler.experimental.start(str(logdir))
+    for step in range(2):
+        xb, yb = x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
+        with tf.GradientTape() as plain:
+            local = plain.gradient(loss_fn(yb, model(xb)), variables)
+        with hq.DistributedGradientTape(tf.GradientTape(), compression=comp, metrics=True,
+                                        probe_every=1) as tape:
+            loss = loss_fn(yb, model(xb))
+        reduced = tape.gradient(loss, variables)
+        for v, g in zip(variables, reduced):
+            v.assign_sub(0.1 * g)
+    tf.profiler.experimental.stop()
+    exact = np.concatenate([hvd.allreduce(g, op=hvd.Average, name=f"exact{i}").numpy().ravel()
+                            for i, g in enumerate(local)]).astype(np.float64)
+    estimate = np.concatenate([g.numpy().ravel() for g in reduced]).astype(np.float64)
+    traces = b"".join(p.read_bytes() for p in logdir.rglob("*.pb"))
+    snap = tape.metrics()
+    out["tape"] = {"rel_error": float(np.linalg.norm(estimate - exact) / np.linalg.norm(exact)),
+                   "probe_rel_error": snap["probe_rel_error"], "steps": snap["steps"], "probes": snap["probes"],
+                   "ranges": sorted(r for r in ("hvd_quant/encode", "hvd_quant/wait", "hvd_quant/decode",
+                                                "hvd_quant/probe") if r.encode() in traces)}
+
+    # A tape in a tf.function, writing summaries every 2 steps under the default writer.
+    model = make_model(keras)
+    variables = model.trainable_variables
+    comp, made = hq.Compression.ef_sign, []
+
+    @tf.function
+    def step(xb, yb):
+        tape = hq.DistributedGradientTape(tf.GradientTape(), compression=comp, metrics=True, probe_every=1,
+                                          summary_every=2)
+        made.append(tape)
+        with tape:
+            loss = loss_fn(yb, model(xb))
+        for v, g in zip(variables, tape.gradient(loss, variables)):
+            v.assign_sub(0.1 * g)
+
+    writer = tf.summary.create_file_writer(str(OUT / f"tb{RANK}"))
+    with writer.as_default():
+        for i in range(4):
+            step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+    writer.flush()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(OUT / f"tb{RANK}"), size_guidance={"tensors": 0})
+    events.Reload()
+    tags = [t for t in events.Tags()["tensors"] if t.startswith("hvd_quant/")]
+    read = {t: [[e.step, float(tf.make_ndarray(e.tensor_proto))] for e in events.Tensors(t)] for t in tags}
+    out["summaries"] = {"traces": len(made), "steps": made[-1].metrics()["steps"], "read": read}
+    return out
+
+
 def legacy_fit():
     """tf-keras model.fit with Horovod's own Keras DistributedOptimizer and our compressors."""
     import horovod.tensorflow.keras as hvdk
@@ -502,9 +589,13 @@ if MODE == "keras3":
     record("process_set", outside_the_process_set)
     record("aggregated", aggregated_passes)
     record("graph_tapes", graph_tapes)
-elif MODE == "keras3_fit":  # 3 ranks: fit, and the tapes in TF1-style graphs
+    record("metrics", metrics_behave)
+elif MODE == "keras3_fit":  # 3 ranks: fit, the tapes in TF1-style graphs, the metrics
     record("fit", fit_every_compressor)
     record("graph_tapes", graph_tapes)
+    record("metrics", metrics_behave)
+elif MODE == "metrics":  # the metrics alone, for a quick look at them
+    record("metrics", metrics_behave)
 elif MODE == "legacy":
     assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
     record("legacy_fit", legacy_fit)

@@ -96,6 +96,18 @@ def train(name):
             "rounds": opt.comm_rounds, "calls": per_step}
 
 
+def metrics_of(name):
+    """Issue 54: the rounds measured, a probe every 4 rounds of a kind: the same parameters
+    as :func:`train`, the figures at the end (bucket names in order), the totals."""
+    params = make_params()
+    opt = make_optimizer(name, params, probe_every=4)
+    run(name, opt=opt, params=params)
+    snap = opt.metrics()
+    totals = sum(b.total["bytes_sent"] for b in opt._metrics.buckets.values())
+    return {"x": flat_params(params), "metrics": snap, "buckets": list(opt._metrics.buckets),
+            "bytes": opt.bytes_sent, "measured_bytes": totals}
+
+
 def train_staged(name):
     """:func:`train` with every collective's tensors staged through separate host buffers
     (``HVD_QUANT_WIRE=staged``: what a GPU model gets from a Horovod without GPU
@@ -389,6 +401,7 @@ def sparse_gradients(sparse_as_dense=False):
 
 for name in cases.CONFIGS:
     record(f"train/{name}", lambda: train(name))
+    record(f"metrics/{name}", lambda: metrics_of(name))
     if RANKS_PER_NODE is None:
         record(f"train_staged/{name}", lambda: train_staged(name))
         record(f"group/{name}", lambda: train_on_group(name))
