@@ -80,6 +80,10 @@ class ThreadComm(Communicator):
         self._torus = {}
 
     def _exchange(self, kind, name, payload):
+        # Callers deposit copies (np.array): the other ranks read a contribution after the
+        # exchange returns, when its owner may already write that memory again (a torch
+        # optimizer writes the mean into the gradient buffer it sent), as a real
+        # collective, which copies its input, allows.
         items = self._rv.exchange(self.rank, (kind, name, payload))
         keys = {(k, nm) for k, nm, _ in items}
         if len(keys) != 1:
@@ -87,7 +91,7 @@ class ThreadComm(Communicator):
         return [p for _, _, p in items]
 
     def allreduce(self, x, op, name):
-        x = np.asarray(x)
+        x = np.array(x)  # a copy: see _exchange
         self._count_allreduce(x.nbytes)
         parts = self._exchange("allreduce:" + op, name, x)
         if op == "sum":
@@ -100,7 +104,7 @@ class ThreadComm(Communicator):
         raise ValueError(f"unknown reduction {op!r}")
 
     def allgather(self, x, name):
-        x = np.asarray(x)
+        x = np.array(x)  # a copy: see _exchange
         self._count_allgather(x.nbytes)
         parts = self._exchange("allgather", name, x)
         if len({p.shape for p in parts}) != 1:
@@ -108,7 +112,7 @@ class ThreadComm(Communicator):
         return np.concatenate(parts)
 
     def alltoall(self, x, name):
-        x = np.asarray(x)
+        x = np.array(x)  # a copy: see _exchange
         if x.size % self.size:
             raise ValueError(f"alltoall {name!r}: {x.size} elements do not split into {self.size} chunks")
         self._count_alltoall(x.nbytes)
@@ -119,7 +123,7 @@ class ThreadComm(Communicator):
         return np.concatenate([p[self.rank * k:(self.rank + 1) * k] for p in parts])
 
     def sendrecv(self, x, dest, source, name, recv_numel=None):
-        x = np.asarray(x)
+        x = np.array(x)  # a copy: see _exchange
         self._count_send(x.nbytes, dest)
         parts = self._exchange("sendrecv", name, (dest, x))
         dests = sorted(d for d, _ in parts)

@@ -356,7 +356,7 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     @property
     def metrics_steps(self):
-        """Steps taken so far (``metrics()["steps"]``), for the TensorBoard writer."""
+        """Steps taken so far: ``metrics()["steps"]`` without building the snapshot."""
         return self._metrics.steps
 
     def _inv_scale(self):
