@@ -107,6 +107,11 @@ class CompressorHandle:
         options = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in self._options.items()}
         return {"name": self.name, "options": options, "seed": self.seed}
 
+    def algorithm_for(self, adaptive=False):
+        """The method an owner's buckets run: ``algorithm``, or for an adaptive optimizer
+        (Adam and kin) ``algorithm.for_adaptive_optimizer()``."""
+        return self.algorithm.for_adaptive_optimizer() if adaptive else self.algorithm
+
     def make_runner(self, make_variable=None, strict=None, device=None, adaptive=False):
         """A new runner (fresh state and random streams) for a new owner; ``strict``: see
         :func:`~hvd_quant.core.runner.strict_default`; ``device``: where the runner's
@@ -114,8 +119,7 @@ class CompressorHandle:
         ``adaptive``: the owner is an adaptive optimizer, and the runner runs
         ``algorithm.for_adaptive_optimizer()``."""
         backend = self.make_backend() if device is None else self.make_backend(device)
-        algorithm = self.algorithm.for_adaptive_optimizer() if adaptive else self.algorithm
-        return CompressorRunner(algorithm, backend, seed=self.seed,
+        return CompressorRunner(self.algorithm_for(adaptive), backend, seed=self.seed,
                                 make_variable=make_variable, scope=new_scope(), strict=strict)
 
     # --- owners of the stock path and the TF tapes ----------------------------------------

@@ -697,11 +697,13 @@ class PaysReport:
     second half of those steps; the link is measured when the line is made, by every rank
     at the same step (``measure_link()``, which issues collectives), between two steps so
     that no bucket is in flight; only rank 0 logs it. ``instead``: the adapter's words for
-    what to use when the method does not pay."""
+    what to use when the method does not pay; ``compresses=False``: the owner reduces in
+    fp32 (nothing to compare, no line)."""
 
-    def __init__(self, after, instead=""):
+    def __init__(self, after, instead="", compresses=True):
         self.after = check_report_after(after)
         self.instead = instead
+        self.compresses = bool(compresses)
         self._window = None  # the metrics' sums where the window starts
 
     def step_ended(self, metrics, method, comm, measure_link):
@@ -709,7 +711,7 @@ class PaysReport:
         returns the :class:`Verdict` at the step it is made (also kept in
         ``metrics.verdict``), else ``None``."""
         after, steps = self.after, metrics.steps
-        if not after or comm.size < 2 or method == "none":
+        if not after or comm.size < 2 or not self.compresses:
             return None
         if steps == after // 2:
             self._window = window_mark(metrics)

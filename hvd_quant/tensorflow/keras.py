@@ -166,7 +166,7 @@ class DistributedOptimizer(LossScaleOptimizer):
         # chooses (auto: none with error feedback). Rank 0 says it when error feedback feeds
         # one (a Keras optimizer may be built before hvd.init(): then this process).
         adaptive = isinstance(optimizer, _adaptive_optimizers())
-        adaptive_check.warn_once(compression.algorithm.for_adaptive_optimizer() if adaptive else compression.algorithm,
+        adaptive_check.warn_once(compression.algorithm_for(adaptive),
                                  type(optimizer).__name__, adaptive, hvd.rank() if hvd.is_initialized() else 0)
         if op not in (hvd.Average, hvd.Sum):
             raise ValueError("hvd_quant.tensorflow.DistributedOptimizer supports op=hvd.Average or hvd.Sum")

@@ -81,7 +81,7 @@ class Monitor:
     def __init__(self, runner, comm, method, probe_every, guard, report_after):
         self.runner, self.comm, self.method = runner, comm, method
         self.metrics = runner.observe(probe_every, ranges=tf.profiler.experimental.Trace, guard=guard)
-        self.report = PaysReport(report_after, INSTEAD)
+        self.report = PaysReport(report_after, INSTEAD, compresses=method != "none")
         self._sync_s = 0.0  # this step's time in reductions
         self._reduced_at = None  # when the last reduction of this step returned
 
@@ -126,11 +126,10 @@ def _number(value):
 def make_monitor(runner, comm, compressor, probe_every, guard, report_after, adaptive=False):
     """The :class:`Monitor` of an owner whose buckets ``runner`` reduces on ``comm``;
     ``adaptive``: the owner feeds an adaptive optimizer (its buckets may run another
-    method: ``compressor.for_adaptive_optimizer()``). Arguments were checked already
+    method: ``compressor.algorithm_for(adaptive)``). Arguments were checked already
     (:func:`check_options`)."""
-    algorithm = compressor.algorithm.for_adaptive_optimizer() if adaptive else compressor.algorithm
     return Monitor(runner, comm, compressor.name, probe_every,
-                   make_guard(guard, algorithm, probe_every, NONFINITE_HINT), report_after)
+                   make_guard(guard, compressor.algorithm_for(adaptive), probe_every, NONFINITE_HINT), report_after)
 
 
 def check_options(metrics, probe_every, guard, report_after, compressor, adaptive=False):
@@ -143,8 +142,7 @@ def check_options(metrics, probe_every, guard, report_after, compressor, adaptiv
     if guard and not metrics:
         raise ValueError("guard: the guard reads the metrics' probes; pass metrics=True with it")
     if metrics:  # the guard's settings, checked now rather than at the first step
-        algorithm = compressor.algorithm.for_adaptive_optimizer() if adaptive else compressor.algorithm
-        make_guard(guard, algorithm, probe_every)
+        make_guard(guard, compressor.algorithm_for(adaptive), probe_every)
 
 
 def step_ended(monitor):
@@ -189,10 +187,6 @@ def write_summaries(get_monitor, every, names=SUMMARY_FIGURES):
 
 # owner runner -> its Monitor: a tape is made anew each step, its state (and metrics) live on
 _monitors = weakref.WeakKeyDictionary()
-
-
-def monitor_of(runner):
-    return _monitors.get(runner)
 
 
 def attach(runner, make):

@@ -105,7 +105,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         compression = _adopted_compression(compression)
         probe_every = check_probe_every(probe_every)
-        self._report = PaysReport(report_after, _INSTEAD)
+        self._report = PaysReport(report_after, _INSTEAD, compresses=compression.name != "none")
         adaptive = isinstance(self, _ADAPTIVE)
         guard = _checked_guard(guard, compression, probe_every, adaptive, metrics)
         bucket_size_mb = _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb)
@@ -503,8 +503,7 @@ def _checked_guard(guard, compression, probe_every, adaptive=False, metrics=True
         if guard:
             raise ValueError("guard: the guard reads the metrics' probes; it needs metrics=True")
         return None
-    algorithm = compression.algorithm.for_adaptive_optimizer() if adaptive else compression.algorithm
-    return make_guard(guard, algorithm, probe_every, _NONFINITE_HINT)
+    return make_guard(guard, compression.algorithm_for(adaptive), probe_every, _NONFINITE_HINT)
 
 
 def _adopted_compression(compression):
