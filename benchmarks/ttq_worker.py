@@ -362,7 +362,8 @@ def log(rank, label, text):
 
 
 #: What --record-probes keeps of each probe step (hq.DistributedOptimizer.metrics()).
-PROBE_KEPT = ("probe_rel_error", "probe_cosine", "residual_ratio", "grad_norm", "residual_norm")
+PROBE_KEPT = ("probe_rel_error", "probe_cosine", "residual_ratio", "grad_norm", "residual_norm", "scale_max",
+              "scale_avg")
 
 
 def record_probe(result, opt, done):

@@ -217,6 +217,37 @@ def test_a_run_of_nonfinite_steps_warns_once_with_the_hint(caplog):
     assert warnings[0].endswith("HINT")
 
 
+@pytest.mark.parametrize("growth, warned", [(1000.0, True), (50.0, False)])
+def test_exploding_scales_warn_once_on_rank_0(caplog, growth, warned):
+    """``ef_sign``'s scale is mean|x + e|: inputs that grow ``growth`` times from step 13 on
+    make its largest scale grow as much; above the default bound (100 times the median of
+    the steps before) rank 0 warns once, naming the step; below it, nothing."""
+    n = 2
+    xs = inputs(n, 16, seed=4)
+    for step in xs[12:]:
+        for r in range(n):
+            step[r] *= np.float32(growth)
+    runners = []
+    for _ in range(n):
+        r = CompressorRunner(hvd_quant.get("ef_sign"), B)
+        r.observe(0, guard=G.Guard(G.GuardSettings(), r.compressor, hint="HINT"))
+        runners.append(r)
+    with caplog.at_level(logging.WARNING, logger="hvd_quant"):
+        def body(c):
+            for step in xs:
+                x = step[c.rank].copy()
+                runners[c.rank].measured(x, c, "g", SEGMENTS, lambda cc: runners[c.rank].reduce(x, cc, "g", SEGMENTS))
+                runners[c.rank].metrics.reduced_all()
+        ThreadWorld(n).run(body)
+    warnings = [rec.getMessage() for rec in caplog.records if "divergent" in rec.getMessage()]
+    states = [r.metrics.guard.state_dict()["warned_scale"] for r in runners]
+    if warned:
+        assert len(warnings) == 1 and "At step 13 " in warnings[0] and warnings[0].endswith("HINT")
+        assert states == [True, True]  # every rank decided; rank 0 alone spoke
+    else:
+        assert warnings == [] and states == [False, False]
+
+
 def test_an_elastic_restart_drops_the_guards_state_on_every_rank():
     runners = guarded_runners(2)
     steps_on(ThreadWorld(2), runners, inputs(2, 3))
@@ -235,7 +266,8 @@ def test_default_bounds_follow_error_feedback():
 
 @pytest.mark.parametrize("bad", [{"error_bound": -1.0}, {"error_bound": 0}, {"error_bound": float("nan")},
                                  {"patience": 0}, {"fallback_steps": -5}, {"nonfinite_patience": 2.5},
-                                 {"patience": True}, {"bound": 1.0}, "yes", 3])
+                                 {"patience": True}, {"bound": 1.0}, "yes", 3, {"scale_growth": 1.0},
+                                 {"scale_growth": float("nan")}, {"scale_growth": True}])
 def test_bad_guard_settings_are_clear_errors(bad):
     with pytest.raises(ValueError, match="guard"):
         G.guard_settings(bad)

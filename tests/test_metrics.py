@@ -133,6 +133,61 @@ def test_probe_figures_equal_the_numpy_oracle_on_every_rank(name, n):
         assert snaps[0]["probe_rel_error"] < 1e-6 and snaps[0]["compression_ratio"] == 1.0
 
 
+def oracle_scales(name, xs_step):
+    """The scales ``name`` sends on its first step (no residual yet), as its docstring
+    defines them, computed here in float64."""
+    x = np.stack(xs_step).astype(np.float64)  # (ranks, D)
+    bounds = np.cumsum([0] + [c for _, c in SEGMENTS])
+    per_segment = np.stack([np.abs(x[:, a:b]).mean(axis=1) for a, b in zip(bounds, bounds[1:])], axis=1)
+    if name == "ef_sign":  # each rank's mean|x| per tensor
+        return per_segment.reshape(-1)
+    if name == "marsit":  # alpha: the mean over ranks of mean|x| per tensor
+        return per_segment.mean(axis=0)
+    if name == "global_qsgd":  # norm="max": the largest |x| of any rank
+        return np.array([np.abs(x).max()])
+    if name == "qsgd":  # each rank's norm with global_qsgd's l2 margin
+        return np.linalg.norm(x, axis=1) * (1 + 2.0 ** -8)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", ["ef_sign", "marsit", "global_qsgd", "qsgd"])
+@pytest.mark.parametrize("chunk", [0, 1])
+def test_scale_figures_are_the_scales_the_method_sends(name, n, chunk):
+    if chunk and name in ("marsit", "qsgd"):
+        pytest.skip("no chunked path")
+    xs = inputs(n, 1, seed=11)
+    _, runners, _ = run(name, xs, probe_every=0, chunk=chunk * 16)  # 16 elements: 4 chunks
+    want = oracle_scales(name, xs[0])
+    snaps = [r.metrics.snapshot() for r in runners]
+    for s in snaps:
+        assert s["scale_count"] == len(want) and s["bucket0/scale_count"] == len(want)
+        assert s["scale_max"] == pytest.approx(want.max(), rel=1e-6)
+        assert s["scale_avg"] == pytest.approx(want.mean(), rel=1e-6)
+        assert s["scale_max.mean"] == s["scale_max"]  # one step
+    for k in ("scale_max", "scale_sum", "scale_count", "scale_avg"):
+        assert len({repr(s[k]) for s in snaps}) == 1, k
+
+
+def test_scale_figures_of_onebit_are_its_worker_and_server_scales():
+    n = 2
+    xs = inputs(n, 1, seed=2)
+    _, runners, _ = run("onebit", xs, probe_every=0)
+    s = runners[0].metrics.snapshot()
+    # The worker's and the server's RMS scales, one per rank each (one scale per buffer).
+    assert s["scale_count"] == 2 * n
+    worker = [np.linalg.norm(x.astype(np.float64)) / math.sqrt(D) for x in xs[0]]
+    server = s["scale_sum"] - sum(worker)
+    assert s["scale_max"] >= max(worker) * (1 - 1e-6) and server > 0
+    assert runners[1].metrics.snapshot()["scale_sum"] == s["scale_sum"]
+
+
+def test_no_scale_figures_where_the_method_sends_none():
+    _, runners, _ = run("none", inputs(2, 2), probe_every=0)
+    s = runners[0].metrics.snapshot()
+    assert s["scale_max"] is None and s["scale_avg"] is None and s["scale_count.mean"] is None
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_residual_norm_is_the_compressors_own_state(n):
     xs = inputs(n, 2, seed=3)

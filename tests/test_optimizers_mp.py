@@ -143,6 +143,52 @@ def test_torch_rounds_are_measured_without_changing_a_bit(job):
             assert all(run["metrics"]["probes"] == 0 for run in runs)
 
 
+def test_torch_rounds_report_the_scales_they_send(job):
+    """Issue 54: the 1-bit rounds' worker and server scales, the same on every rank;
+    BinSGDM sends no scale."""
+    for name in cases.CONFIGS:
+        runs = [rank[f"metrics/{name}"]["metrics"] for rank in job["ranks"]]
+        for key in ("scale_max", "scale_avg", "scale_count", "scale_max.mean"):
+            assert len({m[key] for m in runs}) == 1, (name, key)
+        if name == "binsgdm" or job["size"] == 1:
+            assert runs[0]["scale_max"] is None or job["size"] == 1
+            continue
+        # each compressed kind of round: the worker's and the server's scale of every
+        # tensor and rank (0/1 Adam has two such kinds; the fp32 rounds send none)
+        buckets = job["ranks"][0][f"metrics/{name}"]["buckets"]
+        for i, bucket in enumerate(buckets):
+            count = runs[0][f"bucket{i}/scale_count.mean"]
+            assert count == (None if bucket.endswith(".grad") else 2 * job["size"] * len(cases.SHAPES)), bucket
+        assert runs[0]["scale_max.mean"] >= runs[0]["scale_avg.mean"] > 0
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+def test_torch_guard_falls_back_on_every_rank_alike(job, name):
+    """Issue 54: a guarded 1-bit optimizer's compressed round falls back to fp32 on every
+    rank at the same step, comes back after its fallback steps, keeps the parameters
+    finite, and its guard's state goes through a checkpoint."""
+    if job["size"] == 1:
+        pytest.skip("one rank: nothing is compressed")
+    runs = [_ok(rank[f"guarded/{name}"]) for rank in job["ranks"]]
+    assert len({repr(run["flags"]) for run in runs}) == 1
+    run = runs[0]
+    compressed = [i for i, b in enumerate(run["buckets"]) if not b.endswith(".grad")]
+    column = [row[compressed[0]] if len(row) > compressed[0] else 0.0 for row in run["flags"]]
+    assert 1.0 in column and run["fallbacks"] >= 1 and run["finite"]
+    assert run["loaded"]["buckets"] == run["guard"]["buckets"]
+
+
+@pytest.mark.parametrize("name", list(cases.CONFIGS))
+def test_torch_guard_warns_once_of_nonfinite_rounds_with_the_1bit_hint(job, name):
+    for rank in job["ranks"]:
+        got = _ok(rank[f"guard_nonfinite/{name}"])
+        assert got["skipped"] == 4 and got["metrics_skipped"] >= 4
+        if rank["rank"] == 0:
+            assert len(got["warnings"]) == 1 and "freeze_step" in got["warnings"][0]
+        else:
+            assert got["warnings"] == []
+
+
 @pytest.mark.parametrize("name", list(cases.CONFIGS))
 def test_on_a_process_group_the_same_bits_as_on_horovod(job, name):
     """Issue 55: ``process_group=`` runs the same rule over torch.distributed (Gloo): fed
@@ -459,6 +505,34 @@ def test_keras_fit_trains_with_identical_weights(tf_job, name):
         assert fits[0]["kinds"][-1] == "local" and all(f["final_synced"] for f in fits)
     else:
         assert not any(f["final_synced"] for f in fits)  # nothing to do for the others
+
+
+@pytest.mark.parametrize("name", list(cases.CONFIGS))
+def test_keras_rounds_are_measured_and_guarded_without_changing_a_bit(tf_job, name):
+    """Issue 54 on the Keras 1-bit optimizers: with ``metrics=True`` in a tf.function the
+    same parameters as unmeasured, the figures equal on every rank, a guard that falls
+    back alike on every rank (BinSGDM's sign sums are never probed: it never does), its
+    state through guard_state_dict; fit with MetricsCallback logs the figures and ends
+    with fit's weights."""
+    runs = [_ok(rank[f"measured/{name}"]) for rank in tf_job["ranks"]]
+    for rank, run in zip(tf_job["ranks"], runs):
+        assert run["x"] == rank[f"train/{name}/fn"]["x"]
+        m = run["metrics"]
+        assert m["steps"] == cases.STEPS and m["sync_s.mean"] > 0 and m["bytes_sent.mean"] > 0
+        assert run["config"] == {"metrics": True, "probe_every": 4, "guard": False}
+        assert run["finite"] and run["loaded"]["buckets"] == run["guard"]["buckets"]
+    for key in ("probes", "probe_rel_error", "probe_cosine", "scale_max", "skipped_steps"):
+        assert len({repr(run["metrics"][key]) for run in runs}) == 1, key
+    assert len({repr(run["flags"]) for run in runs}) == 1
+    if name == "binsgdm":
+        assert runs[0]["metrics"]["probes"] == 0 and 1.0 not in runs[0]["flags"]
+    else:
+        assert runs[0]["metrics"]["probes"] >= 2 and runs[0]["metrics"]["scale_max.mean"] > 0
+        assert 1.0 in runs[0]["flags"]
+    fits = [_ok(rank[f"fit_metrics/{name}"]) for rank in tf_job["ranks"]]
+    for rank, f in zip(tf_job["ranks"], fits):
+        assert f["weights"] == rank[f"fit/{name}"]["weights"]
+        assert len(f["logged"]["hvd_quant/bytes_sent"]) == 5 and f["logged"]["hvd_quant/steps"][-1] == 30
 
 
 @pytest.mark.parametrize("key", ["checkpoint/phase_a", "checkpoint/phase_b", "checkpoint/onebit_adam",

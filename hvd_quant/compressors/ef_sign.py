@@ -75,6 +75,7 @@ class EFSignCompressor(Compressor):
         all_bits, all_scales = split_scales(
             B, start_allgather(comm, with_scales(B, B.reshape(bits, (1, width)), 1, scales),
                                ctx.collective_name("signs")).wait(), n, width, len(counts))
+        ctx.sent_scales(all_scales)
         finite = B.all_finite(all_scales)
 
         # Phase 3: decode every rank's contribution in rank order (into ctx.out where
@@ -100,6 +101,7 @@ class EFSignCompressor(Compressor):
         # by allgather (the finite verdict comes with them).
         scales = segment_means(B, compensate_sums(B, x, residual, counts), counts)
         all_scales = comm.allgather(scales, ctx.collective_name("scales"))
+        ctx.sent_scales(all_scales)
         if not bool(B.to_numpy(B.all_finite(all_scales))):
             return B.full(d, float("nan"))  # every rank sees the same scales: residual kept
 

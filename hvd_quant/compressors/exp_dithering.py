@@ -200,6 +200,7 @@ class GlobalQSGDExpCompressor(Compressor):
         self.validate(n)
         # Phase 1: the global max (its allreduce also carries the non-finite flag).
         scale, _, finite = global_scale(B, comm, x, "max", ctx.collective_name("scale"))
+        ctx.sent_scales(scale)
         # Phase 2: encode (zeros on a non-finite step), then the ring of stochastic sums.
         codes = B.cond(finite, lambda: encode(B, x, scale, n, ctx.rng),
                        lambda: encode(B, B.zeros(d), scale, n, ctx.rng))

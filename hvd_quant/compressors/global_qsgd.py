@@ -319,6 +319,7 @@ class GlobalQSGDCompressor(Compressor):
         # Phase 1: the global scale (one scalar collective; it also says whether any
         # rank's input holds inf or NaN).
         scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"))
+        ctx.sent_scales(scale / pre)  # the norm itself where it was rescaled (pre < 1)
         # Phase 2: stochastic rounding onto the shared grid; zeros on a non-finite step,
         # so no NaN is ever turned into an in-range integer (quantized on a grid of 1:
         # the shared scale itself may be NaN then, and 0 / NaN is NaN).
@@ -346,6 +347,7 @@ class GlobalQSGDCompressor(Compressor):
         width, levels = self.resolve(comm.size)
         # Phase 1 over the whole buffer, as unchunked: the scale and the finite verdict.
         scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"))
+        ctx.sent_scales(scale / pre)  # the norm itself where it was rescaled (pre < 1)
         key = ctx.rng.next_key(B)  # the unchunked method's one call, bad step or not
         if not bool(B.to_numpy(finite)):
             return B.full(d, float("nan"))  # every rank has the same verdict: no chunk is sent

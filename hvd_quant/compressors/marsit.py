@@ -368,6 +368,7 @@ class MarsitCompressor(Compressor):
         # alpha * s_hat, and on the fused path the new residual in the same pass.
         if ride:
             alpha = rank_order_sum(B, gathered if scale_handle is None else scale_handle.wait(), n)
+            ctx.sent_scales(alpha)
             finite = B.all_finite(alpha)
         out = self._decode_phase(B, ctx, x, residual, agg, alpha, finite, counts, layout, fused)
 

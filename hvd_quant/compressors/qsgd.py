@@ -171,6 +171,8 @@ class QSGDCompressor(Compressor):
         gathered = comm.allgather(with_scales(B, row, 1, B.concat([scale, pre])),
                                   ctx.collective_name("levels"))
         rows, floats = split_scales(B, gathered, n, nbytes, 2)
+        pairs = B.reshape(floats, (n, 2))  # each rank's (scale, pre): its norm is scale / pre
+        ctx.sent_scales(B.slice_columns(pairs, 0, 1) / B.slice_columns(pairs, 1, 2))
         # Phase 4: every rank decodes the n rows and adds them in rank order (the same
         # floats on every rank); each scale is divided by s * n first, as global_qsgd's.
         return B.cond(B.all_finite(floats), lambda: self._decode(B, rows, floats, d, n, nbytes),

@@ -57,6 +57,7 @@ import math
 
 import numpy as np
 
+from .compressor import note_scales
 from .packing import (packed_sign_bytes, sign_pack_residual, sign_residual, split_scales,
                       unpack_scaled_sum, unpack_sum_residual, unpack_sums_signs, with_scales)
 from .pipeline import start_allgather, start_alltoall
@@ -197,6 +198,7 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     sent = with_scales(B, B.reshape(_rank_major(B, bits, chunks, n), (n, width)), n, worker_scale)
     received, worker_scales = split_scales(  # n rows: rank r's chunk, rank r's scales
         B, start_alltoall(comm, sent, f"{name}.worker_signs").wait(), n, width, len(counts))
+    note_scales(comm, B, worker_scales)  # the owner's metrics, where they are on
     finite = B.all_finite(worker_scales)
 
     # Phase 2 (server): average this rank's chunks, add the server error, re-sign them.
@@ -236,6 +238,7 @@ def _two_stages(B, comm, x, worker_error, server_error, server_scale, name, coun
     row = with_scales(B, B.reshape(server_bits, (1, width)), 1, server_scale_sent)
     all_bits, server_scales = split_scales(
         B, start_allgather(comm, row, f"{name}.server_signs").wait(), n, width, len(counts))
+    note_scales(comm, B, server_scales)
 
     def decode():
         tensor_bits, tensor_scales = _tensor_major(B, all_bits, server_scales, chunks, n)

@@ -23,6 +23,20 @@ import hashlib
 import json
 
 
+def note_scales(comm, backend, scales):
+    """A method's report of the scales it sent (``SCALE_FIGURES`` of
+    :mod:`hvd_quant.core.metrics`), through the communicator its reduction runs on:
+    recorded when that is a measured reduction's timing wrapper (``TimedComm``, which
+    carries the reduction's clock), ignored otherwise (metrics off: one attribute
+    lookup). The largest and the summed ``|scale|`` stay on the device until the flags
+    are read (``OwnerMetrics.snapshot``), so a GPU step gets no host synchronisation."""
+    clock = getattr(comm, "clock", None)
+    if clock is None:
+        return
+    magnitudes = backend.abs(backend.cast(backend.reshape(scales, (-1,)), "float32"))
+    clock.scales.append((backend.max(magnitudes), backend.sum(magnitudes), int(backend.numel(magnitudes))))
+
+
 class ReduceContext:
     """What one call of :meth:`Compressor.reduce` may use.
 
@@ -59,6 +73,12 @@ class ReduceContext:
 
     def collective_name(self, phase):
         return f"hvd_quant.{self.name}.{phase}"
+
+    def sent_scales(self, scales):
+        """Report the scales this step's estimate is built from, as every rank holds them
+        after the collective that brought them, to the owner's metrics
+        (:func:`hvd_quant.core.metrics.note_scales`; nothing when metrics are off)."""
+        note_scales(self.comm, self.backend, scales)
 
 
 class Compressor:

@@ -25,6 +25,16 @@ It acts on two things:
   steps in a row (the steps a loss scaler skips), rank 0 logs one warning naming the
   likely cause and the setting to change (the adapter's words, ``hint``). Nothing else
   changes: skipping is the scaler's business.
+* **scales that explode.** When the largest scale a bucket's method sent in a step (the
+  ``scale_max`` figure) is above ``scale_growth`` times the median of its previous
+  :data:`SCALE_WINDOW` steps (from :data:`SCALE_HISTORY` of them on), rank 0 logs one
+  warning that training is diverging, with the same hint. It comes before the NaN: in a
+  run of 1-bit Adam with DeepSpeed's rule and ``freeze_step`` 40 on a 7.4M-parameter
+  language model (2 ranks, lr 1e-3), the momentum round's largest scale went from 0.19
+  at step 49 to 1.6 at step 59 and 30,500 at step 69, the gradients turned NaN at step
+  71, and the probe's error stayed between 1.1 and 1.6 throughout, under its bound
+  (benchmarks/reference/monitoring-2026-12-02/divergence/). Nothing else changes: a
+  fallback to fp32 would not stop a divergence that the update rule makes.
 
 Every rank decides together: the error is the probe's shared figure, whether a step
 probes depends only on how many times the bucket was reduced, and a fallback counts
@@ -39,7 +49,10 @@ every rank starts it afresh (:meth:`Guard.restart`), as ranks that joined have n
 import logging
 import math
 import numbers
+from collections import deque
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 log = logging.getLogger("hvd_quant")
 
@@ -48,6 +61,11 @@ PLAIN_BOUND = 1.0
 #: The default bound for a method with error feedback (module docstring: measured peaks
 #: of 1.7 to 3.0 in healthy training).
 ERROR_FEEDBACK_BOUND = 4.0
+#: Steps of a bucket's largest scale whose median the scale rule compares with.
+SCALE_WINDOW = 100
+#: Steps of scales a bucket needs before the scale rule compares (the first steps'
+#: gradients fall fast, and a median of two says little).
+SCALE_HISTORY = 10
 
 
 def default_error_bound(compressor):
@@ -77,17 +95,26 @@ class GuardSettings:
     nonfinite_patience : int
         Non-finite steps in a row before the warning (>= 1; default 10: a loss scaler
         skips a few steps while its scale comes down from its start, and that is normal).
+    scale_growth : float
+        A step's largest scale above this many times the median of the bucket's previous
+        steps warns that training diverges (> 1; default 100: in the divergence of the
+        module docstring the scale grew 8.5 times in 10 steps, then 18,000 times in the
+        next 10; ``inf``: never).
     """
     error_bound: float = None
     patience: int = 3
     fallback_steps: int = 1000
     nonfinite_patience: int = 10
+    scale_growth: float = 100.0
 
     def __post_init__(self):
         bound = self.error_bound
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, numbers.Real) or not math.isfinite(bound)
                 or bound <= 0):
             raise ValueError(f"guard: error_bound must be a finite number > 0 (a relative error), got {bound!r}")
+        growth = self.scale_growth
+        if isinstance(growth, bool) or not isinstance(growth, numbers.Real) or math.isnan(growth) or growth <= 1:
+            raise ValueError(f"guard: scale_growth must be a number > 1 (a factor; inf: never), got {growth!r}")
         for name in ("patience", "fallback_steps", "nonfinite_patience"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -169,6 +196,8 @@ class Guard:
         self._last_bad = None
         self._latest = 0  # the latest step whose flag was read
         self._warned_nonfinite = False
+        self._scales = {}  # bucket key -> deque of its last SCALE_WINDOW largest scales
+        self._warned_scale = False
 
     def _bucket(self, key):
         return self.buckets.setdefault(key, _BucketState())
@@ -232,10 +261,34 @@ class Guard:
                     "scaler skips. hvd_quant's compressors keep their error-feedback state on such steps, "
                     "so the inf or NaN comes from the ranks' own gradients." + (f" {self.hint}" if self.hint else ""))
 
+    def scaled(self, key, step, scale_max, rank, describe=""):
+        """Bucket ``key``'s method sent scales at ``step`` (its ``scale_max`` figure, the
+        same on every rank; read in order): warn once when it is above ``scale_growth``
+        times the median of the bucket's previous steps (module docstring)."""
+        history = self._scales.setdefault(key, deque(maxlen=SCALE_WINDOW))
+        if not math.isfinite(scale_max):
+            return  # a non-finite step: the non-finite rule's business
+        if len(history) >= SCALE_HISTORY and not self._warned_scale:
+            median = float(np.median(history))
+            if scale_max > self.settings.scale_growth * median:
+                self._warned_scale = True
+                if rank == 0:
+                    log.warning(self._scale_message(key, describe, step, scale_max, median, len(history)))
+        history.append(float(scale_max))
+
+    def _scale_message(self, key, describe, step, scale_max, median, window):
+        return (f"hvd_quant guard: training looks divergent. At step {step} the largest scale that `{self.method}` "
+                f"sent for bucket {key}{f' ({describe})' if describe else ''} was {scale_max:.3g}, "
+                f"{scale_max / median:.3g} times the median of its previous {window} steps ({median:.3g}; "
+                f"the bound is guard scale_growth={self.settings.scale_growth:g}). A method's scale follows the "
+                "magnitude of what it averages, so the gradients (or, with error feedback, the residual) are "
+                "growing fast; inf or NaN usually follows within steps." + (f" {self.hint}" if self.hint else ""))
+
     def restart(self):
         """Start afresh on every rank (after an elastic reset: ranks that joined hold no
         state, so the survivors must drop theirs to decide alike)."""
         self.buckets.clear()
+        self._scales.clear()
         self._bad_run, self._last_bad, self._latest = 0, None, 0
 
     def fallbacks(self):
@@ -248,7 +301,7 @@ class Guard:
         the settings, each bucket's state and the current run of non-finite steps."""
         run = self._bad_run if self._last_bad is not None and self._last_bad == self._latest else 0
         return {"settings": asdict(self.settings), "nonfinite_run": run,
-                "warned_nonfinite": self._warned_nonfinite,
+                "warned_nonfinite": self._warned_nonfinite, "warned_scale": self._warned_scale,
                 "buckets": {str(k): state.to_dict() for k, state in self.buckets.items()}}
 
     def load_state_dict(self, state):
@@ -260,3 +313,4 @@ class Guard:
         self._last_bad = 0 if self._bad_run else None
         self._latest = 0
         self._warned_nonfinite = bool(state.get("warned_nonfinite", False))
+        self._warned_scale = bool(state.get("warned_scale", False))

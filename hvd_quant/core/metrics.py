@@ -53,6 +53,16 @@ times the bucket was reduced (the same on every rank; restarted on every rank by
 :meth:`OwnerMetrics.restart` after an elastic reset), and the probe's figures come from
 the allgather every rank runs.
 
+The scales a method sends
+-------------------------
+A method reports the scales its estimate is built from (:func:`note_scales`, called by
+the method after the collective that brings them, through :meth:`ReduceContext.sent_scales
+<hvd_quant.core.compressor.ReduceContext.sent_scales>` or :func:`hvd_quant.core.compressor.note_scales`:
+:data:`SCALE_FIGURES` says which ones each method reports; the reports ride on the
+:class:`PhaseClock` of the reduction). They are the same on every rank, since every rank decodes from
+them. A growing scale is a growing residual seen from the wire: a sign method's scale
+is ``mean|g + e|``, so it follows the error-feedback residual ``e`` once that dominates.
+
 Non-finite steps
 ----------------
 After each reduction, whether the estimate is finite (its sum is: one pass over it, about
@@ -101,6 +111,17 @@ PROBE_FIGURES = {
     "dot": "<g_hat, g> (rank 0's)",
     "sq_estimate": "||g_hat||^2 (rank 0's)",
 }
+#: Per bucket, the steps whose method reported the scales it sent (``note_scales``):
+#: every scale the step's estimate is built from, as every rank holds it after the
+#: exchange (``ef_sign``: each rank's ``mean|p|`` per tensor; ``marsit``: the shared
+#: ``alpha`` per tensor; ``global_qsgd``: the one global scale; ``onebit`` and the 1-bit
+#: optimizers: the worker and server RMS scales; ``qsgd``: each rank's norm). Over
+#: buckets ``scale_max`` is the largest, the others are summed.
+SCALE_FIGURES = {
+    "scale_max": "the largest |scale| sent in the step",
+    "scale_sum": "the sum of the |scales| sent in the step",
+    "scale_count": "how many scales the step sent",
+}
 #: Per owner, per step, measured by the adapter around its step.
 OWNER_FIGURES = {
     "step_s": "seconds from the previous step's end to this step's end",
@@ -115,6 +136,7 @@ DERIVED = {
     "grad_norm": lambda f: _root(f.get("sq_grad")),
     "residual_norm": lambda f: _root(f.get("sq_residual")),
     "residual_ratio": lambda f: _root(_ratio(f.get("sq_residual"), f.get("sq_grad"))),
+    "scale_avg": lambda f: _ratio(f.get("scale_sum"), f.get("scale_count")),
     "probe_rel_error": lambda f: _root(_ratio(f.get("sq_error"), f.get("sq_exact"))),
     "probe_cosine": lambda f: _ratio(f.get("dot"), _root(_product(f.get("sq_exact"),
                                                                    f.get("sq_estimate")))),
@@ -128,6 +150,16 @@ def check_probe_every(value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"probe_every must be a whole number >= 0 (0: no probe steps), got {value!r}")
     return int(value)
+
+
+def _scale_figures(backend, reported):
+    """:data:`SCALE_FIGURES` of one reduction from ``note_scales``' reports (read
+    from the device now), or ``{}`` when the method reported none."""
+    if not reported:
+        return {}
+    return {"scale_max": max(float(backend.to_numpy(m)) for m, _, _ in reported),
+            "scale_sum": sum(float(backend.to_numpy(t)) for _, t, _ in reported),
+            "scale_count": float(sum(c for _, _, c in reported))}
 
 
 def _ratio(a, b):
@@ -173,6 +205,7 @@ class PhaseClock:
         self.encode_s = self.wait_s = self.decode_s = 0.0
         self._depth = 0  # a collective that issues another through this clock counts once
         self._range = None
+        self.scales = []  # the method's reports (compressor.note_scales), read with the flags
         self._mark = time.perf_counter()
         self._switch("hvd_quant/encode")
 
@@ -291,18 +324,22 @@ class BucketMetrics:
     reductions, ``since_restart`` those since the last elastic restart (probe decisions),
     ``collectives`` the intervals of the last one (range names, :class:`PhaseClock`)."""
 
-    def __init__(self, index):
-        self.index = index
+    def __init__(self, index, key=None):
+        self.index, self.key = index, key
+        self.describe = ""  # its size and first tensors, for the guard's warnings
         self.numel = 0  # elements of the buffer (the report's fp32 cost)
         self.steps = self.since_restart = self.probes = 0
         self.collectives = None
         self.fresh = False  # reduced since the owner's last step ended (record_step)
+        self.idle = False  # not reduced in the owner's last recorded step
         self.last = dict.fromkeys(STEP_FIGURES, 0.0)
         self.total = dict.fromkeys(STEP_FIGURES, 0.0)
         self.last_probe, self.probe_total = {}, {}
+        self.scaled = 0  # reductions whose method reported its scales
+        self.last_scale, self.scale_total = {}, {}
 
     def record(self, figures, probe):
-        self.fresh = True
+        self.fresh, self.idle = True, False
         self.steps += 1
         self.since_restart += 1
         for k in STEP_FIGURES:
@@ -313,6 +350,21 @@ class BucketMetrics:
             self.last_probe = dict(probe)
             for k, v in probe.items():
                 self.probe_total[k] = self.probe_total.get(k, 0.0) + v
+
+    def settled(self, step, nonfinite, scales):
+        """Reduction ``step``'s figures read from the device later (:meth:`OwnerMetrics._settle`):
+        whether its mean was finite, and :data:`SCALE_FIGURES` (``{}``: none reported).
+        They are the last figures only while ``step`` is the latest reduction and the
+        owner's last step ran it."""
+        if step == self.steps and not self.idle:
+            self.last["nonfinite"] = float(nonfinite)
+            self.last_scale = dict(scales)
+        self.total["nonfinite"] += float(nonfinite)
+        if scales:
+            self.scaled += 1
+            self.scale_total["scale_max"] = self.scale_total.get("scale_max", 0.0) + scales["scale_max"]
+            for k in ("scale_sum", "scale_count"):
+                self.scale_total[k] = self.scale_total.get(k, 0.0) + scales[k]
 
 
 class OwnerMetrics:
@@ -339,14 +391,14 @@ class OwnerMetrics:
         self.step_total = dict.fromkeys(OWNER_FIGURES, 0.0)
         self.timed_steps = 0
         self._step_end = None  # when the adapter's last step ended (record_step)
-        self._pending = []  # (bucket, its step, flag): finiteness not read from the device yet
+        self._pending = []  # (bucket, its reduction, the owner's step, flag, backend, scales): not read yet
         self._lock = threading.Lock()  # the bucket worker appends while a snapshot may read
-        self.nonfinite_steps = set()  # step numbers (a bucket's reduction count) that held inf/NaN
+        self.nonfinite_steps = set()  # the owner's steps (_step_number) that held inf/NaN
 
     def bucket(self, group):
         if group not in self.buckets:
             used = {b.index for b in self.buckets.values()}
-            self.buckets[group] = BucketMetrics(min(set(range(len(used) + 1)) - used))
+            self.buckets[group] = BucketMetrics(min(set(range(len(used) + 1)) - used), group)
         return self.buckets[group]
 
     def forget(self, group):
@@ -366,16 +418,20 @@ class OwnerMetrics:
     def probes_now(self, bucket):
         return bool(self.probe_every) and (bucket.since_restart + 1) % self.probe_every == 0
 
-    def measure(self, runner, flat, comm, group, segments, reduce, probing=True):
+    def measure(self, runner, flat, comm, group, segments, reduce, probing=True, finite=None):
         """``reduce(comm)``, the reduction of buffer ``group`` (``flat``, made of
         ``segments``) by ``runner``, run on a :class:`TimedComm` and recorded, with a
         probe around it on probe steps (``probing=False``: never, for an exact round).
-        Returns the reduction's result. ``runner`` is a
+        Returns the reduction's result. ``finite()``, where given, says whether the
+        reduction's inputs were finite on every rank (a result that carries no NaN, such
+        as a sum of signs, cannot say it); else whether the result is. ``runner`` is a
         :class:`~hvd_quant.core.runner.CompressorRunner`, or anything with its
         ``backend``, ``collective_prefix(group)`` and ``residual(group, segments)``."""
         bucket = self.bucket(group)
         B = runner.backend
         bucket.numel = int(B.numel(flat))
+        if not bucket.describe:
+            bucket.describe = _describe(bucket.numel, segments)
         self._rank = comm.rank
         # A bucket the guard reduces in fp32 is exact: no probe, and the method's state
         # and random streams wait untouched (hvd_quant.core.guard).
@@ -405,26 +461,36 @@ class OwnerMetrics:
         bucket.record(figures, probed)
         if self.guard is not None:
             rel = DERIVED["probe_rel_error"](probed) if probed is not None else None
-            self.guard.reduced(group, fallback, rel, comm.rank, _describe(bucket.numel, segments))
+            self.guard.reduced(group, fallback, rel, comm.rank, bucket.describe)
         with self._lock:
             # The sum, not the elements: one pass with no temporary (a float32 sum
             # overflows only past 3e38, where a gradient is lost anyway).
-            self._pending.append((bucket, bucket.steps, B.all_finite(B.sum(mean))))
+            flag = finite() if finite is not None and not fallback else B.all_finite(B.sum(mean))
+            self._pending.append((bucket, bucket.steps, self._step_number(bucket), flag, B, clock.scales))
             waiting = len(self._pending)
         if waiting >= MAX_PENDING_FLAGS:
             self._settle()
         return mean
 
+    def _step_number(self, bucket):
+        """The step a reduction of ``bucket`` belongs to: the owner's step in progress
+        where the adapter records steps (a 1-bit optimizer's buckets are not all reduced
+        every step), else the bucket's reduction count (the same where every bucket is
+        reduced every step). The same on every rank."""
+        return max(bucket.steps, self.steps + 1)
+
     def _settle(self):
         """Read the waiting finiteness flags (one host read each on a GPU)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        for bucket, step, flag in pending:  # in order: the last one is the latest step's
+        for bucket, reduction, step, flag, B, scales in pending:  # in order: the last one is the latest
             bad = not bool(flag)
-            bucket.last["nonfinite"] = float(bad)
+            figures = _scale_figures(B, scales)
+            bucket.settled(reduction, bad, figures)
             if bad:
-                bucket.total["nonfinite"] += 1.0
                 self.nonfinite_steps.add(step)
+            if self.guard is not None and figures:
+                self.guard.scaled(bucket.key, step, figures["scale_max"], self._rank, bucket.describe)
             if self.guard is not None:
                 self.guard.nonfinite(step, bad, self._rank, len(self.nonfinite_steps))
 
@@ -453,6 +519,7 @@ class OwnerMetrics:
         for b in self.buckets.values():  # a buffer this step did not reduce sent nothing in it
             if not b.fresh:
                 b.last = dict.fromkeys(STEP_FIGURES, 0.0)
+                b.last_scale, b.idle = {}, True
             b.fresh = False
         if previous is None:
             return
@@ -463,6 +530,21 @@ class OwnerMetrics:
             self.step_total[k] += v
         self.timed_steps += 1
 
+    def reduction_seconds(self):
+        """Seconds spent in measured reductions so far (every bucket's encode, wait,
+        decode and probe): a step's ``sync_s`` where its reductions run inside the
+        update (a 1-bit optimizer's rounds) is the difference across it."""
+        return sum(b.total[k] for b in self.buckets.values() for k in ("encode_s", "wait_s", "decode_s", "probe_s"))
+
+    def rule_step_ended(self, started, reductions_before):
+        """A 1-bit optimizer's step (its rounds inside the update) ended: record it, its
+        ``sync_s`` the rounds' time since ``reductions_before``
+        (:meth:`reduction_seconds`), ``update_s`` the rest since ``started``
+        (``time.perf_counter()``), and with a guard read the finiteness flags now."""
+        rounds = self.reduction_seconds() - reductions_before
+        self.record_step(rounds, max(0.0, time.perf_counter() - started - rounds))
+        self.reduced_all()
+
     def snapshot(self):
         """Every figure as a plain number (``None`` where not measured yet): see
         :func:`snapshot_of`."""
@@ -472,9 +554,10 @@ class OwnerMetrics:
 
 def snapshot_of(owner):
     """``{name: number}``: for each figure ``F`` of :data:`STEP_FIGURES`,
-    :data:`PROBE_FIGURES`, :data:`DERIVED` and :data:`OWNER_FIGURES`, ``F`` (the last
-    step, summed over buckets) and ``F.mean`` (the mean per step; for derived ratios the
-    pooled ratio of all steps' sums), and per bucket ``bucket<i>/F`` and
+    :data:`PROBE_FIGURES`, :data:`SCALE_FIGURES`, :data:`DERIVED` and
+    :data:`OWNER_FIGURES`, ``F`` (the last step, summed over buckets; ``scale_max``: the
+    largest) and ``F.mean`` (the mean per step; for derived ratios the pooled ratio of
+    all steps' sums), and per bucket ``bucket<i>/F`` and
     ``bucket<i>/F.mean``; plus ``steps``, ``probes`` and ``skipped_steps`` (steps in
     which a bucket's reduced gradient held inf or NaN), ``fallbacks`` (times the guard
     sent a bucket to fp32, :mod:`hvd_quant.core.guard`) and ``saves_s`` (seconds per step
@@ -486,10 +569,8 @@ def snapshot_of(owner):
            "fallbacks": owner.guard.fallbacks() if owner.guard is not None else 0,
            "saves_s": owner.verdict.saves_s if owner.verdict is not None else None}
     for b in buckets:
-        _put(out, f"bucket{b.index}/", {**b.last, **b.last_probe},
-             _means(b.total, b.steps, b.probe_total, b.probes))
-    _put(out, "", _summed([{**b.last, **b.last_probe} for b in buckets]),
-         _summed([_means(b.total, b.steps, b.probe_total, b.probes) for b in buckets]))
+        _put(out, f"bucket{b.index}/", _last(b), _means(b))
+    _put(out, "", _summed([_last(b) for b in buckets]), _summed([_means(b) for b in buckets]))
     for k in OWNER_FIGURES:
         out[k] = owner.last_step[k] if owner.timed_steps else None
         out[k + ".mean"] = owner.step_total[k] / owner.timed_steps if owner.timed_steps else None
@@ -503,24 +584,32 @@ def _describe(numel, segments):
     return f"{numel:,} elements: {shown}"
 
 
-def _means(total, steps, probe_total, probes):
-    """Per-step means of the step sums and per-probe means of the probe sums."""
-    means = {k: v / steps for k, v in total.items()} if steps else {}
-    means.update({k: v / probes for k, v in probe_total.items()} if probes else {})
+def _last(b):
+    """A bucket's last figures: its last reduction's, probe's and scales'."""
+    return {**b.last, **b.last_probe, **b.last_scale}
+
+
+def _means(b):
+    """A bucket's per-step means of the step sums, per-probe means of the probe sums and
+    per-reporting-step means of the scale sums."""
+    means = {k: v / b.steps for k, v in b.total.items()} if b.steps else {}
+    means.update({k: v / b.probes for k, v in b.probe_total.items()} if b.probes else {})
+    means.update({k: v / b.scaled for k, v in b.scale_total.items()} if b.scaled else {})
     return means
 
 
 def _summed(dicts):
+    """Figures over buckets: summed, but for ``scale_max``, the largest."""
     out = {}
     for d in dicts:
         for k, v in d.items():
-            out[k] = out.get(k, 0.0) + v
+            out[k] = max(out.get(k, v), v) if k == "scale_max" else out.get(k, 0.0) + v
     return out
 
 
 def _put(out, prefix, last, mean):
     for name, figures in (("", last), (".mean", mean)):
-        for k in list(STEP_FIGURES) + list(PROBE_FIGURES):
+        for k in list(STEP_FIGURES) + list(PROBE_FIGURES) + list(SCALE_FIGURES):
             out[f"{prefix}{k}{name}"] = figures.get(k)
         for k, derive in DERIVED.items():
             out[f"{prefix}{k}{name}"] = derive(figures) if figures else None

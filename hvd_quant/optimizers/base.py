@@ -166,17 +166,18 @@ class StepContext:
         self._scratch = scratch
         self.metrics = metrics
 
-    def measured(self, phase, value, reduce, residual=None, probe=True):
+    def measured(self, phase, value, reduce, residual=None, probe=True, finite=None):
         """``reduce(comm)``: a round that averages ``value`` over the ranks, run on
         ``comm`` (or the metrics' timing wrapper of it) and recorded in :attr:`metrics`
         as the buffer ``<name>.<phase>`` when the adapter measures: bytes, phase times,
         and on probe steps (``probe``) the error against an exact fp32 mean of ``value``,
         with ``residual()`` (this rank's error buffer after the round) for the residual's
-        norm. The round's result must be the mean of ``value``."""
+        norm. The round's result must be the mean of ``value``; ``finite()``, where given,
+        is the round's verdict on whether every rank's input was finite (else the result's)."""
         if self.metrics is None:
             return reduce(self.comm)
         return self.metrics.measure(_Round(self.B, residual), value, self.comm, f"{self.name}.{phase}",
-                                    [(phase, self.B.numel(value))], reduce, probing=probe)
+                                    [(phase, self.B.numel(value))], reduce, probing=probe, finite=finite)
 
     def buffer(self, name, numel=None):
         """Where a fused kernel may write the step's temporary ``name`` (one full-size

@@ -119,7 +119,8 @@ class BinSGDMRule(Rule):
                                    ctx.collective_name("signs"), finite=local_ok)
             return held["sum"][0]
 
-        ctx.measured("signs", ctx.g, reduce, probe=False)
+        # A sum of signs is finite whatever the ranks sent: the round's own verdict says.
+        ctx.measured("signs", ctx.g, reduce, probe=False, finite=lambda: held["sum"][2])
         q_sum, count, ok = held["sum"]
         if n > 1:
             st.count("onebit", self.wire_bytes("onebit", d, n))

@@ -97,6 +97,9 @@ class OnebitRoundsRule(Rule):
     (one compressed allreduce) and ``"local"`` (no communication).
     """
 
+    #: The compressed rounds carry what they threw away into the next (worker and server
+    #: errors): the guard's default error bound is the error-feedback one (hvd_quant.core.guard).
+    error_feedback = True
     #: Adam's bias correction before the freeze (module docstring); set by subclasses.
     bias_correction = True
     #: How the variance gets more updates before the freeze, for the warning.
@@ -142,6 +145,8 @@ class OnebitRoundsRule(Rule):
 
         # The worker error after the round is what the probe reports as the residual.
         out = ctx.measured(phase, value, reduce, residual=lambda: held["state"][0])
+        if "state" not in held:  # the guard averaged this round in fp32: the buffers wait as they were
+            return out, ctx.B.all_finite(out)
         worker, server, server_scale, finite = held["state"]
         # Kept whatever the verdict: a non-finite step returned the buffers unchanged.
         ctx.state.commit(True, {"worker_error": worker, "server_error": server,

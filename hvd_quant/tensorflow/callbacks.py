@@ -296,7 +296,7 @@ class JitCompileCallback(keras.callbacks.Callback):
 #: What :class:`MetricsCallback` adds by default: the last step's figures, summed over the
 #: optimizer's buffers, that say most at a glance (``opt.metrics()`` has them all).
 DEFAULT_LOGGED = ("compression_ratio", "encode_s", "wait_s", "decode_s", "step_s",
-                  "probe_rel_error", "probe_cosine", "residual_ratio", "skipped_steps", "fallbacks")
+                  "probe_rel_error", "probe_cosine", "residual_ratio", "scale_max", "skipped_steps", "fallbacks")
 
 
 class MetricsCallback(keras.callbacks.Callback):
@@ -314,7 +314,7 @@ class MetricsCallback(keras.callbacks.Callback):
     every : int
         Add them to the batch logs every ``every`` batches (0: only at the end of each
         epoch). Reading them costs a few microseconds, without a collective.
-    optimizer : hvd_quant.tensorflow.DistributedOptimizer or None
+    optimizer : hvd_quant.tensorflow.DistributedOptimizer, OnebitAdam, ZeroOneAdam, BinSGDM or None
         Default: the model's (made with ``metrics=True``; else a ``ValueError`` when
         training starts).
     """
@@ -354,9 +354,9 @@ def _metrics_of(optimizer):
     ``ValueError`` that says what to pass."""
     measured = getattr(optimizer, "_metrics_on", None)
     if measured is None:
-        raise ValueError("MetricsCallback reads an hvd_quant.tensorflow.DistributedOptimizer's metrics, "
-                         f"got {type(optimizer).__name__}")
+        raise ValueError("MetricsCallback reads the metrics of an hvd_quant.tensorflow.DistributedOptimizer "
+                         f"or 1-bit optimizer, got {type(optimizer).__name__}")
     if not measured:
-        raise ValueError("MetricsCallback: the optimizer measures nothing; make it with "
-                         "hq.DistributedOptimizer(..., metrics=True)")
+        raise ValueError("MetricsCallback: the optimizer measures nothing; make it with metrics=True "
+                         "(hq.DistributedOptimizer(..., metrics=True), hq.OnebitAdam(..., metrics=True))")
     return optimizer.metrics

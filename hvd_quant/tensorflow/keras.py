@@ -39,7 +39,6 @@ How it fits Keras
   :class:`RuntimeError` saying so on every rank, before any collective.
 """
 
-import dataclasses
 import sys
 
 import keras
@@ -555,7 +554,7 @@ class DistributedOptimizer(LossScaleOptimizer):
             "dynamic_growth_steps": self.dynamic_growth_steps,
             "metrics": self._metrics_on,
             "probe_every": self._probe_every,
-            "guard": _guard_config(self._guard_option),
+            "guard": monitoring.guard_config(self._guard_option),
             "report_after": self._report_after,
         }
 
@@ -568,11 +567,6 @@ class DistributedOptimizer(LossScaleOptimizer):
         compression = Compression.get(comp["name"], seed=comp["seed"], **comp["options"])
         op = {int(hvd.Average): hvd.Average, int(hvd.Sum): hvd.Sum}[int(config.pop("op"))]
         return cls(inner, compression=compression, op=op, **config)
-
-
-def _guard_config(guard):
-    """``guard=`` as plain data for ``get_config`` (settings as their dict)."""
-    return guard if guard is None or isinstance(guard, (bool, dict)) else dataclasses.asdict(guard)
 
 
 def PartialDistributedOptimizer(optimizer, name=None, compression=Compression.none, op=hvd.Average,

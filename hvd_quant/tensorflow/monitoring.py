@@ -33,6 +33,7 @@ Where users read them
   (:func:`write_summaries`, every ``summary_every`` reductions).
 """
 
+import dataclasses
 import time
 import weakref
 
@@ -41,7 +42,7 @@ import tensorflow as tf
 
 from ..compressors.auto import link_for_report
 from ..core.guard import make_guard
-from ..core.metrics import (DERIVED, OWNER_FIGURES, PROBE_FIGURES, STEP_FIGURES, PaysReport,
+from ..core.metrics import (DERIVED, OWNER_FIGURES, PROBE_FIGURES, SCALE_FIGURES, STEP_FIGURES, PaysReport,
                             check_probe_every)
 
 #: The prefix of every summary tag and ``logs`` key.
@@ -50,7 +51,7 @@ TAG = "hvd_quant"
 #: summed over buckets, for the last step (``metrics()`` has more: running means and
 #: per-bucket figures).
 SUMMARY_FIGURES = (("steps", "probes", "skipped_steps", "fallbacks", "saves_s") + tuple(STEP_FIGURES)
-                   + tuple(PROBE_FIGURES) + tuple(DERIVED) + tuple(OWNER_FIGURES))
+                   + tuple(PROBE_FIGURES) + tuple(SCALE_FIGURES) + tuple(DERIVED) + tuple(OWNER_FIGURES))
 
 #: The guard's advice when the averaged gradient stays non-finite (hvd_quant.core.guard).
 NONFINITE_HINT = (
@@ -61,6 +62,11 @@ NONFINITE_HINT = (
 #: What the "does it pay" line recommends when the method does not pay.
 INSTEAD = ("Use fp32 here (compression=hq.Compression.none), or hq.Compression.auto(), which measures "
            "the link and chooses per bucket.")
+
+
+def guard_config(guard):
+    """``guard=`` as plain data for an optimizer's ``get_config`` (settings as their dict)."""
+    return guard if guard is None or isinstance(guard, (bool, dict)) else dataclasses.asdict(guard)
 
 
 def check_summary_every(value):

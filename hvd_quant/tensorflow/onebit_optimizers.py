@@ -53,12 +53,15 @@ or ``int()``), and :class:`StepKindRecorder` keeps the per-step list during ``fi
 """
 
 import sys
+import time
 
 import keras
 import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
+from ..core.guard import make_guard
+from ..core.metrics import DEFAULT_PROBE_EVERY, OwnerMetrics, check_probe_every
 from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
@@ -67,6 +70,7 @@ from ..optimizers.compressed_rounds import DEFAULT_VARIANCE_FLOOR, short_warm_up
 from . import kernels
 from .backend import TFBackend
 from .compression import variable_name
+from .monitoring import guard_config
 from .tape import flatten_gradients
 from .xla_step import refuse_xla
 
@@ -128,14 +132,27 @@ class RuleOptimizer(keras.optimizers.Optimizer):
     ``hvd_quant.tensorflow.DistributedOptimizer(opt)`` instead: it does the dynamic loss
     scaling from this optimizer's own all-rank verdict. A plain ``LossScaleOptimizer``
     around this one is refused on every rank while tracing, before any collective.
+
+    Metrics (``metrics=True``, off by default; ``probe_every``, ``guard``): what the
+    rounds do, as the torch optimizers measure it (``opt.metrics()``,
+    ``hvd_quant.tensorflow.callbacks.MetricsCallback``, docs/guide/monitoring.md). The
+    figures are measured in Python around each collective, and a ``tf.function`` runs
+    Python only when it traces, so with metrics on the step's rule runs as one
+    ``tf.py_function`` when the graph runs: the eager code, with the same bits (the
+    reason it is asked for, as on ``hvd_quant.tensorflow.DistributedOptimizer``). The
+    guard (:mod:`hvd_quant.core.guard`) reads the probes of the 1-bit rounds and the
+    rounds' finiteness; its state is saved with :meth:`guard_state_dict`.
     """
 
     # hvd_quant.tensorflow.DistributedOptimizer: do not reduce the gradients again.
     _hvd_quant_communicates = True
 
     def __init__(self, rule, learning_rate, hp, name, process_set=None, exp_avg_mask=None,
-                 sparse_as_dense=True, **kwargs):
+                 sparse_as_dense=True, metrics=False, probe_every=DEFAULT_PROBE_EVERY, guard=False, **kwargs):
+        measured = _rule_metrics(rule, metrics, probe_every, guard)  # bad arguments refused first
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self._hq_metrics = measured
+        self._metrics_on, self._probe_every, self._guard_option = metrics, probe_every, guard
         self._hq_sparse_as_dense = bool(sparse_as_dense)
         self._hq_rule = rule
         self._hq_mask_spec = _mask_spec(exp_avg_mask)
@@ -293,10 +310,19 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         self._hq_meters["last_finite"].assign(1)  # a skipped commit sets 0
         master = self._hq_slots.get("master")
         x = tf.convert_to_tensor(master.value) if master is not None else _flat_values(variables)
-        ctx = StepContext(B, self._comm(), _VariableGroupState(B, self), g, x,
-                          tf.cast(learning_rate, tf.float32), self._hq_hp, "opt.g0",
-                          counts=[int(np.prod(v.shape)) for v in variables], mask=self._hq_mask)
-        self._write_back(variables, self._hq_rule.step(ctx))
+        counts = [int(np.prod(v.shape)) for v in variables]
+
+        def rule_step(g, x, lr, metrics=None):
+            ctx = StepContext(B, self._comm(), _VariableGroupState(B, self), g, x, lr, self._hq_hp, "opt.g0",
+                              counts=counts, mask=self._hq_mask, metrics=metrics)
+            return self._hq_rule.step(ctx)
+
+        lr = tf.cast(learning_rate, tf.float32)
+        if self._hq_metrics is None:
+            new_x = rule_step(g, x, lr)
+        else:
+            new_x = _measured_step(rule_step, self._hq_metrics, g, x, lr)
+        self._write_back(variables, new_x)
 
     def _write_back(self, variables, new_x):
         master = self._hq_slots.get("master")
@@ -334,12 +360,76 @@ class RuleOptimizer(keras.optimizers.Optimizer):
             return 0
         return self._hq_meters[name].numpy()
 
+    def metrics(self):
+        """What the rounds did, as the torch optimizers' ``metrics()`` gives it (a dict of
+        plain numbers, ``None`` where not measured yet; ``{}`` without ``metrics=True``).
+        Each kind of round is a bucket: ``opt.g0.grad`` (fp32), ``opt.g0.momentum``
+        (1-bit Adam's), 0/1 Adam's compressed rounds, BinSGDM's ``opt.g0.signs``."""
+        return self._hq_metrics.snapshot() if self._hq_metrics is not None else {}
+
+    def guard_state_dict(self):
+        """The guard's state (plain numbers) for a checkpoint; ``{}`` without a guard."""
+        guard = self._hq_metrics.guard if self._hq_metrics is not None else None
+        return guard.state_dict() if guard is not None else {}
+
+    def load_guard_state_dict(self, state):
+        """Restore :meth:`guard_state_dict`'s output."""
+        guard = self._hq_metrics.guard if self._hq_metrics is not None else None
+        if guard is None:
+            raise ValueError("load_guard_state_dict: this optimizer has no guard (pass metrics=True, guard=True)")
+        if state:
+            guard.load_state_dict(state)
+
     def get_config(self):
         config = super().get_config()
         config.update(self._hq_rule.options())
         config.update(self._hq_hp)
         config["sparse_as_dense"] = self._hq_sparse_as_dense
+        config.update(metrics=self._metrics_on, probe_every=self._probe_every,
+                      guard=guard_config(self._guard_option))
         return config
+
+
+#: The guard's advice when the rounds' averages stay non-finite (hvd_quant.core.guard).
+NONFINITE_HINT = (
+    "With hvd_quant.tensorflow.DistributedOptimizer's loss scaling the scale was halved at each of these "
+    "steps and no step came out finite. Without it, the first such step already made the variables or the "
+    "moments inf or NaN. With OnebitAdam or ZeroOneAdam and bias_correction=False (DeepSpeed's rule), a "
+    "freeze_step (var_freeze_step) short against 1/(1 - beta2) freezes a variance that is barely warmed, so "
+    "every later update is several times Adam's: on a 5.8M-parameter language model this diverged to NaN "
+    "right after the freeze. Keep bias_correction=True, freeze later (at least 2/(1 - beta2) variance "
+    "updates), or warm the learning rate up over the first steps.")
+
+
+def _rule_metrics(rule, metrics, probe_every, guard):
+    """The :class:`~hvd_quant.core.metrics.OwnerMetrics` that ``metrics=True`` asks for
+    (``None`` when off), its arguments checked at construction (``ValueError``)."""
+    if not isinstance(metrics, bool):
+        raise ValueError(f"metrics must be True or False, got {metrics!r}")
+    check_probe_every(probe_every)
+    guard = make_guard(guard, rule, probe_every, NONFINITE_HINT)
+    if not metrics:
+        if guard is not None:
+            raise ValueError("guard: the guard reads the metrics' probes; pass metrics=True with it")
+        return None
+    return OwnerMetrics(probe_every, ranges=tf.profiler.experimental.Trace, guard=guard)
+
+
+def _measured_step(rule_step, metrics, g, x, lr):
+    """``rule_step(g, x, lr, metrics)`` measured: eagerly at once, in a graph as one
+    ``tf.py_function`` run when the graph runs (its rounds then run eagerly, with the
+    same bits), then the step recorded (:meth:`OwnerMetrics.rule_step_ended`)."""
+    def run(g, x, lr):
+        started, before = time.perf_counter(), metrics.reduction_seconds()
+        new_x = rule_step(g, x, lr, metrics)
+        metrics.rule_step_ended(started, before)
+        return new_x
+
+    if tf.executing_eagerly():
+        return run(g, x, lr)
+    new_x = tf.py_function(run, [g, x, lr], tf.float32, name="hvd_quant_rule_step")
+    new_x.set_shape(x.shape)
+    return new_x
 
 
 def _warn_short_warm_up(cls_name, rule, betas):

@@ -106,6 +106,7 @@ try:
 except ImportError:  # torch.distributed only (process_group=); the Horovod path says what to install
     hvd = None
 
+from ..core.guard import make_guard
 from ..core.metrics import DEFAULT_PROBE_EVERY, OwnerMetrics
 from ..core.runner import (RankDisagreement, ValueAgreement, check_agreement, digest63,
                            disagreeing_groups, values_digest63)
@@ -182,11 +183,14 @@ class RuleOptimizer(torch.optim.Optimizer):
     reuse_buffers = True
 
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0,
-                 sparse_as_dense=True, strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY):
+                 sparse_as_dense=True, strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY,
+                 guard=False):
         super().__init__(params, defaults)
         # What the rounds do (opt.metrics(); hvd_quant.core.metrics): each group's rounds
-        # are buffers "opt.g<i>.<phase>", a compressed one probed every probe_every.
-        self._metrics = OwnerMetrics(probe_every, ranges=torch.profiler.record_function)
+        # are buffers "opt.g<i>.<phase>", a compressed one probed every probe_every, and
+        # guarded (hvd_quant.core.guard) when guard= asks for it.
+        self._metrics = OwnerMetrics(probe_every, ranges=torch.profiler.record_function,
+                                     guard=make_guard(guard, rule, probe_every, _NONFINITE_HINT))
         # State and buffers on the parameters' device (the host when they are on several).
         self._device, self._mixed = home_device([p for g in self.param_groups for p in g["params"]],
                                                 f"hvd_quant.torch.{type(self).__name__}")
@@ -259,6 +263,8 @@ class RuleOptimizer(torch.optim.Optimizer):
         in host memory: copies when it lives on a GPU, so that a checkpoint loads on a
         machine without one (``load_state_dict`` moves it back to the optimizer's device)."""
         state = super().state_dict()
+        if self._metrics.guard is not None:  # plain numbers: torch.load(weights_only=True) takes them
+            state["hvd_quant"] = {"guard": self._metrics.guard.state_dict()}
         if self._device.type != "cpu":
             state["state"] = {key: ({"slots": {k: v.detach().cpu() for k, v in value["slots"].items()},
                                      "scalars": dict(value["scalars"])}
@@ -289,6 +295,9 @@ class RuleOptimizer(torch.optim.Optimizer):
             if "bias_correction" in mine:
                 saved["bias_correction"] = mine["bias_correction"]
         super().load_state_dict(dict(state_dict, param_groups=groups))
+        guard = dict(state_dict.get("hvd_quant", {})).get("guard")
+        if self._metrics.guard is not None and guard is not None:
+            self._metrics.guard.load_state_dict(guard)
         self._groups = {}  # rebuilt from the loaded flat tensors on the next step
         # A restored run may hold per-rank parameters legitimately (0/1 Adam between
         # syncs): the first-step check then compares everything but the values.
@@ -321,7 +330,7 @@ class RuleOptimizer(torch.optim.Optimizer):
                                  "the model's parameters", self._comm.rank)
         inv_scale = self._inv_scale()
         groups = self.param_groups
-        started, rounds_before = time.perf_counter(), _round_seconds(self._metrics)
+        started, rounds_before = time.perf_counter(), self._metrics.reduction_seconds()
         states = [self._group_state(gi, group) for gi, group in enumerate(groups)]
         before = [(len(st.kinds), st.bytes_sent) for st in states]
         new_xs, kept = step_groups(self._rule, lambda gi: self._step_context(gi, inv_scale),
@@ -337,8 +346,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.comm_rounds += int(any(kind != "local" for kind in kinds))
         self.last_step_skipped = not kept  # the verdict of every rank together (see GradScaler)
         self.skipped_steps += int(not kept)
-        rounds = _round_seconds(self._metrics) - rounds_before
-        self._metrics.record_step(rounds, max(0.0, time.perf_counter() - started - rounds))
+        self._metrics.rule_step_ended(started, rounds_before)
         return loss
 
     def metrics(self):
@@ -571,7 +579,8 @@ class OnebitAdam(RuleOptimizer):
                  process_set=None, amsgrad=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
                  sparse_as_dense=True, strict=None, process_group=None,
-                 variance_floor=DEFAULT_VARIANCE_FLOOR, probe_every=DEFAULT_PROBE_EVERY):
+                 variance_floor=DEFAULT_VARIANCE_FLOOR, probe_every=DEFAULT_PROBE_EVERY,
+                 guard=False):
         _deepspeed_arguments("OnebitAdam", "1-bit Adam", amsgrad, deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                              comm_backend_name)
         rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction,
@@ -579,7 +588,7 @@ class OnebitAdam(RuleOptimizer):
         _warn_short_warm_up("OnebitAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict,
-                         process_group=process_group, probe_every=probe_every)
+                         process_group=process_group, probe_every=probe_every, guard=guard)
 
 
 class ZeroOneAdam(RuleOptimizer):
@@ -634,7 +643,8 @@ class ZeroOneAdam(RuleOptimizer):
                  process_set=None, amsgrad=False, exact_sync=False, scales="tensor", deepspeed=None,
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
                  sparse_as_dense=True, strict=None, process_group=None,
-                 variance_floor=DEFAULT_VARIANCE_FLOOR, probe_every=DEFAULT_PROBE_EVERY):
+                 variance_floor=DEFAULT_VARIANCE_FLOOR, probe_every=DEFAULT_PROBE_EVERY,
+                 guard=False):
         _deepspeed_arguments("ZeroOneAdam", "0/1 Adam", amsgrad, deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                              comm_backend_name)
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
@@ -644,7 +654,7 @@ class ZeroOneAdam(RuleOptimizer):
         _warn_short_warm_up("ZeroOneAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict,
-                         process_group=process_group, probe_every=probe_every)
+                         process_group=process_group, probe_every=probe_every, guard=guard)
 
 
     @torch.no_grad()
@@ -704,7 +714,7 @@ class BinSGDM(RuleOptimizer):
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
                  weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True,
-                 strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY):
+                 strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY, guard=False):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:  # the layout of the ranks this optimizer reduces over, not of the world
@@ -712,16 +722,23 @@ class BinSGDM(RuleOptimizer):
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
                          named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense,
-                         strict=strict, process_group=process_group, probe_every=probe_every)
+                         strict=strict, process_group=process_group, probe_every=probe_every, guard=guard)
         self._auto_ranks_per_node = auto  # recomputed after an elastic reset
 
 
-# --- helpers ---------------------------------------------------------------------------------
-def _round_seconds(metrics):
-    """Seconds spent in measured rounds so far (every bucket's encode, wait, decode and
-    probe): a step's ``sync_s`` is the difference across it."""
-    return sum(b.total[k] for b in metrics.buckets.values() for k in ("encode_s", "wait_s", "decode_s", "probe_s"))
+#: The guard's advice when a 1-bit optimizer's averaged rounds stay non-finite
+#: (hvd_quant.core.guard): the divergence of issue 51's runs, and the loss scaler's case.
+_NONFINITE_HINT = (
+    "Under torch.amp.GradScaler (hq.GradScaler) the scale was halved at each of these steps and no step came "
+    "out finite. Without one, the first such step already made the parameters or the moments inf or NaN. "
+    "With OnebitAdam or ZeroOneAdam and bias_correction=False (DeepSpeed's rule), a freeze_step "
+    "(var_freeze_step) short against 1/(1 - beta2) freezes a variance that is barely warmed, so every later "
+    "update is several times Adam's: on a 5.8M-parameter language model this diverged to NaN right after "
+    "the freeze. Keep bias_correction=True, freeze later (at least 2/(1 - beta2) variance updates), or warm "
+    "the learning rate up over the first steps.")
 
+
+# --- helpers ---------------------------------------------------------------------------------
 
 def _ranks_per_node(process_set, process_group):
     """BinSGDM's hierarchy: ranks per host of the ranks it reduces over."""

@@ -108,6 +108,57 @@ def metrics_of(name):
             "bytes": opt.bytes_sent, "measured_bytes": totals}
 
 
+def guarded(name):
+    """Issue 54: the guard on a 1-bit optimizer. A bound no probe meets (1e-6), a probe on
+    every round: the compressed bucket falls back to fp32 after 2 probes in a row, for 3
+    of its rounds, then probes again; the flags per step, the guard's checkpoint and a
+    copy of it loaded into a new optimizer, and whether the parameters stayed finite."""
+    params = make_params()
+    opt = make_optimizer(name, params, probe_every=1,
+                         guard={"error_bound": 1e-6, "patience": 2, "fallback_steps": 3})
+    flags = []
+    for s in range(cases.STEPS):
+        set_grads(params, s)
+        for group in opt.param_groups:
+            group["lr"] = cases.lr(s)
+        opt.step()
+        m = opt.metrics()
+        flags.append([m[f"bucket{i}/fallback"] for i in range(len(opt._metrics.buckets))])
+    saved = opt.state_dict()
+    other = make_optimizer(name, make_params(), probe_every=1, guard=True)
+    other.load_state_dict(saved)
+    return {"flags": flags, "buckets": list(opt._metrics.buckets), "guard": saved["hvd_quant"]["guard"],
+            "loaded": other._metrics.guard.state_dict(), "fallbacks": opt.metrics()["fallbacks"],
+            "finite": bool(np.isfinite(flat_params(params)).all())}
+
+
+def guard_warns_nonfinite(name):
+    """Issue 54: gradients that are NaN on one rank at steps 2 to 5 make every rank skip
+    them; the guard (nonfinite_patience 3) warns once, on rank 0, with the 1-bit hint."""
+    import logging
+
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("hvd_quant").addHandler(handler)
+    try:
+        params = make_params()
+        opt = make_optimizer(name, params, guard={"nonfinite_patience": 3})
+        for s in range(8):
+            set_grads(params, s)
+            if 2 <= s <= 5 and RANK == SIZE - 1:
+                params[0].grad[0] = float("nan")
+            opt.step()
+    finally:
+        logging.getLogger("hvd_quant").removeHandler(handler)
+    return {"warnings": [m for m in messages if "guard" in m], "skipped": opt.skipped_steps,
+            "metrics_skipped": opt.metrics()["skipped_steps"]}
+
+
 def train_staged(name):
     """:func:`train` with every collective's tensors staged through separate host buffers
     (``HVD_QUANT_WIRE=staged``: what a GPU model gets from a Horovod without GPU
@@ -402,6 +453,9 @@ def sparse_gradients(sparse_as_dense=False):
 for name in cases.CONFIGS:
     record(f"train/{name}", lambda: train(name))
     record(f"metrics/{name}", lambda: metrics_of(name))
+    record(f"guard_nonfinite/{name}", lambda: guard_warns_nonfinite(name))
+    if name != "binsgdm":  # its sign sums are never probed: nothing for the bound to read
+        record(f"guarded/{name}", lambda: guarded(name))
     if RANKS_PER_NODE is None:
         record(f"train_staged/{name}", lambda: train_staged(name))
         record(f"group/{name}", lambda: train_on_group(name))

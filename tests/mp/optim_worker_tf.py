@@ -183,8 +183,31 @@ def sparse_gradients(sparse_as_dense=False, graph=False, names=tuple(cases.CONFI
     return out
 
 
-def fit(name):
-    """model.compile + model.fit on a small regression task; ranks see different data."""
+def measured(name):
+    """Issue 54: ``metrics=True`` in a tf.function (the rule's step in one py_function), a
+    probe every 4 rounds of a kind: the parameters of :func:`train`, the figures; then a
+    guard whose bound no probe meets (fallback flags per step) and its state loaded into
+    another optimizer."""
+    variables, opt = make_variables(), make_optimizer(name, metrics=True, probe_every=4)
+    apply_steps(opt, variables, 0, cases.STEPS, graph=True)
+    flags = []
+    guarded_vars = make_variables()
+    guarded = make_optimizer(name, metrics=True, probe_every=1,
+                             guard={"error_bound": 1e-6, "patience": 2, "fallback_steps": 3})
+    apply_steps(guarded, guarded_vars, 0, cases.STEPS, graph=True,
+                per_step=lambda s: flags.append(guarded.metrics()["fallback"]))
+    other = make_optimizer(name, metrics=True, probe_every=1, guard=True)
+    other.load_guard_state_dict(guarded.guard_state_dict())
+    config = opt.get_config()
+    return {"x": flat(variables), "metrics": opt.metrics(), "buckets": list(opt._hq_metrics.buckets),
+            "flags": flags, "guard": guarded.guard_state_dict(), "loaded": other.guard_state_dict(),
+            "finite": bool(np.isfinite(flat(guarded_vars)).all()),
+            "config": {k: config[k] for k in ("metrics", "probe_every", "guard")}}
+
+
+def fit(name, metrics=False):
+    """model.compile + model.fit on a small regression task; ranks see different data.
+    ``metrics``: the optimizer measures, and MetricsCallback puts its figures in History."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(1)])
@@ -192,7 +215,8 @@ def fit(name):
     x = rng.standard_normal((256, 8)).astype(np.float32)
     y = (x @ np.arange(1, 9, dtype=np.float32)[:, None] / 8.0).astype(np.float32)
     # exact_sync: 0/1 Adam's syncs then leave the ranks bit-identical (see the rule).
-    opt = make_optimizer(name, **({"exact_sync": True} if name == "zero_one_adam" else {}))
+    opt = make_optimizer(name, **({"exact_sync": True} if name == "zero_one_adam" else {}),
+                         **({"metrics": True, "probe_every": 5} if metrics else {}))
     # The 1-bit Adams' steps are Adam's (bias_correction=True): DeepSpeed's uncorrected rule,
     # which this fit was first sized for, stepped up to 1/sqrt(1 - 0.999**5) = 14x further
     # after freeze_step=6, so its 30 steps at 3e-3 halved the loss; Adam's need 1e-2 (0/1
@@ -203,10 +227,12 @@ def fit(name):
     final = hq.callbacks.FinalSyncCallback()  # 0/1 Adam: one model at the end; others: no-op
     # 6 batches x 5 epochs = 30 steps: 0/1 Adam's last step is a local one (the test checks).
     history = model.fit(x[:192], y[:192], batch_size=32, epochs=5, verbose=0, shuffle=False,
-                        callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0), recorder, final])
+                        callbacks=[hq.callbacks.BroadcastGlobalVariablesCallback(0), recorder, final]
+                        + ([hq.callbacks.MetricsCallback(("steps", "bytes_sent", "scale_max"))] if metrics else []))
     weights = np.concatenate([w.reshape(-1) for w in model.get_weights()]).astype(np.float64)
+    logged = {k: v for k, v in history.history.items() if k.startswith("hvd_quant/")}
     return {"loss": history.history["loss"], "weights": weights.tolist(), "kinds": recorder.kinds,
-            "final_synced": final.synced}
+            "final_synced": final.synced, "logged": logged}
 
 
 OUT.mkdir(parents=True, exist_ok=True)
@@ -214,6 +240,8 @@ for name in cases.CONFIGS:
     record(f"train/{name}/eager", lambda: train(name, graph=False))
     record(f"train/{name}/fn", lambda: train(name, graph=True))
     record(f"fit/{name}", lambda: fit(name))
+    record(f"fit_metrics/{name}", lambda: fit(name, metrics=True))
+    record(f"measured/{name}", lambda: measured(name))
 record("checkpoint/phase_b", lambda: checkpoint("zero_one_adam", 13, OUT))
 record("checkpoint/binsgdm", lambda: checkpoint("binsgdm", 7, OUT))
 # Eagerly: restoring is the same either way, and tracing costs seconds per optimizer.
