@@ -132,9 +132,10 @@ def log(msg):
 
 
 class Progress:
-    """Stream for a job's output: rank 0's ``[ttq`` lines and anything that looks like an error."""
+    """Stream for a job's output: rank 0's ``[ttq`` lines, hvd_quant's own lines (the "does it
+    pay" verdict, auto's choices, the guard's warnings) and anything that looks like an error."""
 
-    KEEP = ("[ttq", "Error", "Traceback", "Killed")
+    KEEP = ("[ttq", "hvd_quant", "Error", "Traceback", "Killed")
 
     def write(self, line):
         if any(k in line for k in self.KEEP):

@@ -230,7 +230,7 @@ def test_exploding_scales_warn_once_on_rank_0(caplog, growth, warned):
     runners = []
     for _ in range(n):
         r = CompressorRunner(hvd_quant.get("ef_sign"), B)
-        r.observe(0, guard=G.Guard(G.GuardSettings(), r.compressor, hint="HINT"))
+        r.observe(0, guard=G.Guard(G.GuardSettings(), r.compressor, hint="HINT", divergence_hint="DIVERGING"))
         runners.append(r)
     with caplog.at_level(logging.WARNING, logger="hvd_quant"):
         def body(c):
@@ -242,7 +242,7 @@ def test_exploding_scales_warn_once_on_rank_0(caplog, growth, warned):
     warnings = [rec.getMessage() for rec in caplog.records if "divergent" in rec.getMessage()]
     states = [r.metrics.guard.state_dict()["warned_scale"] for r in runners]
     if warned:
-        assert len(warnings) == 1 and "At step 13 " in warnings[0] and warnings[0].endswith("HINT")
+        assert len(warnings) == 1 and "At step 13 " in warnings[0] and warnings[0].endswith("DIVERGING")
         assert states == [True, True]  # every rank decided; rank 0 alone spoke
     else:
         assert warnings == [] and states == [False, False]

@@ -2,7 +2,7 @@
 
 An owner (an optimizer) that turns the guard on holds one :class:`Guard`, fed by its
 metrics (:class:`~hvd_quant.core.metrics.OwnerMetrics`) after each reduction of a bucket.
-It acts on two things:
+It acts on three things:
 
 * **the probe's error.** On probe steps (``probe_every``) every rank holds the same
   relative error of the compressed mean against the exact fp32 mean (the probe's gathered
@@ -28,8 +28,8 @@ It acts on two things:
 * **scales that explode.** When the largest scale a bucket's method sent in a step (the
   ``scale_max`` figure) is above ``scale_growth`` times the median of its previous
   :data:`SCALE_WINDOW` steps (from :data:`SCALE_HISTORY` of them on), rank 0 logs one
-  warning that training is diverging, with the same hint. It comes before the NaN: in a
-  run of 1-bit Adam with DeepSpeed's rule and ``freeze_step`` 40 on a 7.4M-parameter
+  warning that training is diverging, with the adapter's advice (``divergence_hint``).
+  It comes before the NaN: in a run of 1-bit Adam with DeepSpeed's rule and ``freeze_step`` 40 on a 7.4M-parameter
   language model (2 ranks, lr 1e-3), the momentum round's largest scale went from 0.19
   at step 49 to 1.6 at step 59 and 30,500 at step 69, the gradients turned NaN at step
   71, and the probe's error stayed between 1.1 and 1.6 throughout, under its bound
@@ -61,6 +61,12 @@ PLAIN_BOUND = 1.0
 #: The default bound for a method with error feedback (module docstring: measured peaks
 #: of 1.7 to 3.0 in healthy training).
 ERROR_FEEDBACK_BOUND = 4.0
+#: The advice of the exploding-scale warning for an optimizer that wraps another (torch
+#: and Keras ``DistributedOptimizer``, the tapes): the 1-bit optimizers give their own.
+DIVERGENCE_HINT = ("Lower the learning rate, or warm it up over the first steps. Under Adam or its kin a "
+                   "method with error feedback can do this too, its residual growing step after step "
+                   "(residual_ratio): a method without error feedback avoids it (Compression.auto() gives "
+                   "adaptive optimizers only those).")
 #: Steps of a bucket's largest scale whose median the scale rule compares with.
 SCALE_WINDOW = 100
 #: Steps of scales a bucket needs before the scale rule compares (the first steps'
@@ -144,21 +150,21 @@ def guard_settings(value, default=False):
                      f"or a GuardSettings, got {value!r}")
 
 
-def make_guard(guard, algorithm, probe_every, hint=""):
+def make_guard(guard, algorithm, probe_every, hint="", divergence_hint=""):
     """The :class:`Guard` that an owner's ``guard=`` asks for (``None``: ``algorithm``'s
     default, on for ``auto``), or ``None`` when it is off; a ``ValueError`` names a bad
     setting. A guard asked for explicitly needs probes (``probe_every > 0``): it reads
     their error; ``auto``'s default guard without probes keeps only the non-finite check.
     ``algorithm`` is the method the owner's buckets run (for an adaptive optimizer,
-    ``compressor.for_adaptive_optimizer()``); ``hint``: the adapter's words for the
-    non-finite warning."""
+    ``compressor.for_adaptive_optimizer()``); ``hint`` and ``divergence_hint``: the
+    adapter's words for the non-finite and the exploding-scale warnings."""
     settings = guard_settings(guard, getattr(algorithm, "guard_by_default", False))
     if settings is None:
         return None
     if guard is not None and not probe_every:
         raise ValueError("guard: the guard reads the probe's error, and probe_every=0 turns the probes off; "
                          "pass probe_every > 0, or guard=False")
-    return Guard(settings, algorithm, hint)
+    return Guard(settings, algorithm, hint, divergence_hint)
 
 
 class _BucketState:
@@ -184,13 +190,14 @@ class Guard:
     the fallback's remaining reductions; for the owner, the run of non-finite steps.
 
     ``compressor`` gives the default bound and its name to the warnings; ``hint`` is the
-    adapter's advice for non-finite steps (the settings its users change)."""
+    adapter's advice for non-finite steps (the settings its users change),
+    ``divergence_hint`` its advice when the scales explode."""
 
-    def __init__(self, settings, compressor, hint=""):
+    def __init__(self, settings, compressor, hint="", divergence_hint=""):
         self.settings = settings
         self.bound = (float(settings.error_bound) if settings.error_bound is not None
                       else default_error_bound(compressor))
-        self.method, self.hint = compressor.name, hint
+        self.method, self.hint, self.divergence_hint = compressor.name, hint, divergence_hint
         self.buckets = {}  # bucket key -> _BucketState
         self._bad_run = 0  # non-finite steps in a row, ending at self._last_bad
         self._last_bad = None
@@ -282,7 +289,8 @@ class Guard:
                 f"{scale_max / median:.3g} times the median of its previous {window} steps ({median:.3g}; "
                 f"the bound is guard scale_growth={self.settings.scale_growth:g}). A method's scale follows the "
                 "magnitude of what it averages, so the gradients (or, with error feedback, the residual) are "
-                "growing fast; inf or NaN usually follows within steps." + (f" {self.hint}" if self.hint else ""))
+                "growing fast; inf or NaN usually follows within steps."
+                + (f" {self.divergence_hint}" if self.divergence_hint else ""))
 
     def restart(self):
         """Start afresh on every rank (after an elastic reset: ranks that joined hold no

@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..compressors.auto import link_for_report
-from ..core.guard import make_guard
+from ..core.guard import DIVERGENCE_HINT, make_guard
 from ..core.metrics import (DERIVED, OWNER_FIGURES, PROBE_FIGURES, SCALE_FIGURES, STEP_FIGURES, PaysReport,
                             check_probe_every)
 
@@ -135,7 +135,8 @@ def make_monitor(runner, comm, compressor, probe_every, guard, report_after, ada
     method: ``compressor.algorithm_for(adaptive)``). Arguments were checked already
     (:func:`check_options`)."""
     return Monitor(runner, comm, compressor.name, probe_every,
-                   make_guard(guard, compressor.algorithm_for(adaptive), probe_every, NONFINITE_HINT), report_after)
+                   make_guard(guard, compressor.algorithm_for(adaptive), probe_every, NONFINITE_HINT, DIVERGENCE_HINT),
+                   report_after)
 
 
 def check_options(metrics, probe_every, guard, report_after, compressor, adaptive=False):

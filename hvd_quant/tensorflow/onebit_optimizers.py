@@ -66,7 +66,7 @@ from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
 from ..optimizers.binsgdm import single_beta
-from ..optimizers.compressed_rounds import DEFAULT_VARIANCE_FLOOR, short_warm_up_warning
+from ..optimizers.compressed_rounds import DEFAULT_VARIANCE_FLOOR, DIVERGENCE_HINT, short_warm_up_warning
 from . import kernels
 from .backend import TFBackend
 from .compression import variable_name
@@ -394,11 +394,7 @@ class RuleOptimizer(keras.optimizers.Optimizer):
 NONFINITE_HINT = (
     "With hvd_quant.tensorflow.DistributedOptimizer's loss scaling the scale was halved at each of these "
     "steps and no step came out finite. Without it, the first such step already made the variables or the "
-    "moments inf or NaN. With OnebitAdam or ZeroOneAdam and bias_correction=False (DeepSpeed's rule), a "
-    "freeze_step (var_freeze_step) short against 1/(1 - beta2) freezes a variance that is barely warmed, so "
-    "every later update is several times Adam's: on a 5.8M-parameter language model this diverged to NaN "
-    "right after the freeze. Keep bias_correction=True, freeze later (at least 2/(1 - beta2) variance "
-    "updates), or warm the learning rate up over the first steps.")
+    "moments inf or NaN. " + DIVERGENCE_HINT)
 
 
 def _rule_metrics(rule, metrics, probe_every, guard):
@@ -407,7 +403,7 @@ def _rule_metrics(rule, metrics, probe_every, guard):
     if not isinstance(metrics, bool):
         raise ValueError(f"metrics must be True or False, got {metrics!r}")
     check_probe_every(probe_every)
-    guard = make_guard(guard, rule, probe_every, NONFINITE_HINT)
+    guard = make_guard(guard, rule, probe_every, NONFINITE_HINT, DIVERGENCE_HINT)
     if not metrics:
         if guard is not None:
             raise ValueError("guard: the guard reads the metrics' probes; pass metrics=True with it")

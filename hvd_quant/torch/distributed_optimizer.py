@@ -82,7 +82,7 @@ import horovod.torch as hvd
 
 from ..compressors.auto import link_for_report
 from ..core import adaptive_check
-from ..core.guard import make_guard
+from ..core.guard import DIVERGENCE_HINT, make_guard
 from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, OwnerMetrics, PaysReport, check_probe_every
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
@@ -503,7 +503,7 @@ def _checked_guard(guard, compression, probe_every, adaptive=False, metrics=True
         if guard:
             raise ValueError("guard: the guard reads the metrics' probes; it needs metrics=True")
         return None
-    return make_guard(guard, compression.algorithm_for(adaptive), probe_every, _NONFINITE_HINT)
+    return make_guard(guard, compression.algorithm_for(adaptive), probe_every, _NONFINITE_HINT, DIVERGENCE_HINT)
 
 
 def _adopted_compression(compression):

@@ -114,7 +114,7 @@ from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
 from ..optimizers.binsgdm import single_beta
-from ..optimizers.compressed_rounds import DEFAULT_VARIANCE_FLOOR, short_warm_up_warning
+from ..optimizers.compressed_rounds import DEFAULT_VARIANCE_FLOOR, DIVERGENCE_HINT, short_warm_up_warning
 from ..process_sets import includes_this_rank
 from .backend import TorchBackend, prepare_kernels
 from .devices import home_device
@@ -190,7 +190,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         # are buffers "opt.g<i>.<phase>", a compressed one probed every probe_every, and
         # guarded (hvd_quant.core.guard) when guard= asks for it.
         self._metrics = OwnerMetrics(probe_every, ranges=torch.profiler.record_function,
-                                     guard=make_guard(guard, rule, probe_every, _NONFINITE_HINT))
+                                     guard=make_guard(guard, rule, probe_every, _NONFINITE_HINT, DIVERGENCE_HINT))
         # State and buffers on the parameters' device (the host when they are on several).
         self._device, self._mixed = home_device([p for g in self.param_groups for p in g["params"]],
                                                 f"hvd_quant.torch.{type(self).__name__}")
@@ -731,11 +731,7 @@ class BinSGDM(RuleOptimizer):
 _NONFINITE_HINT = (
     "Under torch.amp.GradScaler (hq.GradScaler) the scale was halved at each of these steps and no step came "
     "out finite. Without one, the first such step already made the parameters or the moments inf or NaN. "
-    "With OnebitAdam or ZeroOneAdam and bias_correction=False (DeepSpeed's rule), a freeze_step "
-    "(var_freeze_step) short against 1/(1 - beta2) freezes a variance that is barely warmed, so every later "
-    "update is several times Adam's: on a 5.8M-parameter language model this diverged to NaN right after "
-    "the freeze. Keep bias_correction=True, freeze later (at least 2/(1 - beta2) variance updates), or warm "
-    "the learning rate up over the first steps.")
+    + DIVERGENCE_HINT)
 
 
 # --- helpers ---------------------------------------------------------------------------------
