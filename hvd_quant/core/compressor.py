@@ -77,7 +77,7 @@ class ReduceContext:
     def sent_scales(self, scales):
         """Report the scales this step's estimate is built from, as every rank holds them
         after the collective that brought them, to the owner's metrics
-        (:func:`hvd_quant.core.metrics.note_scales`; nothing when metrics are off)."""
+        (:func:`note_scales`; nothing when metrics are off)."""
         note_scales(self.comm, self.backend, scales)
 
 

@@ -29,8 +29,8 @@ It acts on three things:
   ``scale_max`` figure) is above ``scale_growth`` times the median of its previous
   :data:`SCALE_WINDOW` steps (from :data:`SCALE_HISTORY` of them on), rank 0 logs one
   warning that training is diverging, with the adapter's advice (``divergence_hint``).
-  It comes before the NaN: in a run of 1-bit Adam with DeepSpeed's rule and ``freeze_step`` 40 on a 7.4M-parameter
-  language model (2 ranks, lr 1e-3), the momentum round's largest scale went from 0.19
+  It comes before the NaN: in a run of 1-bit Adam with DeepSpeed's rule and
+  ``freeze_step`` 40 on a 7.4M-parameter language model (2 ranks, lr 1e-3), the momentum round's largest scale went from 0.19
   at step 49 to 1.6 at step 59 and 30,500 at step 69, the gradients turned NaN at step
   71, and the probe's error stayed between 1.1 and 1.6 throughout, under its bound
   (benchmarks/reference/monitoring-2026-12-02/divergence/). Nothing else changes: a

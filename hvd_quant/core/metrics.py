@@ -55,12 +55,11 @@ the allgather every rank runs.
 
 The scales a method sends
 -------------------------
-A method reports the scales its estimate is built from (:func:`note_scales`, called by
-the method after the collective that brings them, through :meth:`ReduceContext.sent_scales
-<hvd_quant.core.compressor.ReduceContext.sent_scales>` or :func:`hvd_quant.core.compressor.note_scales`:
-:data:`SCALE_FIGURES` says which ones each method reports; the reports ride on the
-:class:`PhaseClock` of the reduction). They are the same on every rank, since every rank decodes from
-them. A growing scale is a growing residual seen from the wire: a sign method's scale
+A method reports the scales its estimate is built from after the collective that brings
+them (``ReduceContext.sent_scales`` or :func:`hvd_quant.core.compressor.note_scales`; the
+reports ride on the reduction's :class:`PhaseClock`; :data:`SCALE_FIGURES` says which
+ones each method reports). They are the same on every rank, since every rank decodes
+from them. A growing scale is a growing residual seen from the wire: a sign method's scale
 is ``mean|g + e|``, so it follows the error-feedback residual ``e`` once that dominates.
 
 Non-finite steps
@@ -362,8 +361,7 @@ class BucketMetrics:
         self.total["nonfinite"] += float(nonfinite)
         if scales:
             self.scaled += 1
-            self.scale_total["scale_max"] = self.scale_total.get("scale_max", 0.0) + scales["scale_max"]
-            for k in ("scale_sum", "scale_count"):
+            for k in SCALE_FIGURES:
                 self.scale_total[k] = self.scale_total.get(k, 0.0) + scales[k]
 
 
