@@ -9,11 +9,14 @@ the machine falls on all of them. The figure is each run's mean step time
 (``step_time_s``: forward, backward and ``step()``, evaluation left out); the result is
 each setting's median over the rounds, and its cost against metrics off.
 
-On this machine's loopback the step is compute-bound, shorter than on a 1 Gbit/s link, so
-a cost in milliseconds is a larger share of it here: the shares are upper bounds of those
-at 1 Gbit/s (the emulated cluster's ``ttq-*`` timings give that step).
+``--setting`` chooses where the ranks run: ``2x-loopback`` (the default: ``--ranks``
+ranks under ``horovodrun`` on this machine, where the step is compute-bound and shorter
+than on a slow link, so a cost is a larger share of it), or a setting of the
+time-to-quality benchmark such as ``2x1-1gbit`` (an emulated cluster of 2 hosts on
+1 Gbit/s links, root needed: the step issue 54's target names).
 
     python benchmarks/monitoring_overhead.py --out benchmarks/reference/monitoring-2026-12-02
+    python benchmarks/monitoring_overhead.py --setting 2x1-1gbit --rounds 5 --out overhead-1gbit
 """
 
 import argparse
@@ -26,7 +29,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from time_to_quality import loopback_job  # noqa: E402
+from time_to_quality import ROOT, loopback_job, parse_setting  # noqa: E402
+
+from hvd_quant.cluster import EmulatedCluster  # noqa: E402
 
 #: name -> hq.DistributedOptimizer keywords.
 SETTINGS = {
@@ -36,13 +41,18 @@ SETTINGS = {
 }
 
 
-def run_one(args, name, options, index):
+def run_one(args, cluster, name, options, index):
     out = Path(args.out) / "runs" / f"{args.method}_{name.replace(' ', '_')}_{index}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(HERE / "ttq_worker.py"), "--method", args.method, "--steps", str(args.steps),
            "--eval-every", str(args.steps), "--optimizer-options", json.dumps({**options, "report_after": 0}),
-           "--setting", f"{args.ranks}x-loopback", "--label", f"{args.method} {name}", "--out", str(out)]
-    code, tail, wall = loopback_job(cmd, args.ranks, args.timeout, {})
+           "--setting", args.setting, "--label", f"{args.method} {name}", "--out", str(out)]
+    if cluster is None:
+        code, tail, wall = loopback_job(cmd, args.ranks, args.timeout, {})
+    else:
+        env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "HOROVOD_GLOO_TIMEOUT_SECONDS": "600"}
+        result = cluster.run_horovod(cmd, timeout=args.timeout, env=env)
+        code, tail, wall = result.returncode, result.tail(40), result.elapsed
     if code != 0:
         raise SystemExit(f"{name} (round {index}) failed with exit code {code}:\n{tail}")
     result = json.loads(out.read_text())
@@ -65,7 +75,9 @@ def summarise(runs):
 
 
 def markdown(rows, args):
-    lines = [f"`{args.method}`, {args.ranks} ranks on loopback, {args.steps} steps per run, {args.rounds} rounds "
+    where = (f"{args.ranks} ranks on loopback" if args.setting.endswith("loopback")
+             else f"the emulated cluster `{args.setting}`")
+    lines = [f"`{args.method}`, {where}, {args.steps} steps per run, {args.rounds} rounds "
              "(settings in turn); median of the runs' mean step times.", "",
              "| setting | median ms/step | runs (ms/step) | cost vs metrics off |", "|---|---:|---|---:|"]
     for r in rows:
@@ -79,7 +91,9 @@ def main(argv=None):
     p.add_argument("--method", default="ef_sign", help="a compressor row of ttq_worker.py")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=2, help="ranks on loopback (a cluster setting names its own)")
+    p.add_argument("--setting", default="", help="<hosts>x<ranks per host>-<rate> (time_to_quality.py's "
+                                                 "settings) or loopback (default)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -88,12 +102,26 @@ def main(argv=None):
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.setting:
+        hosts, slots, rate = parse_setting(args.setting)
+    else:
+        hosts, slots, rate = args.ranks, 1, "loopback"
+        args.setting = f"{args.ranks}x-loopback"  # the name earlier runs recorded
+    cluster = None
+    if rate != "loopback":
+        args.ranks = hosts * slots
+        cluster = EmulatedCluster(hosts=hosts, slots=slots, rate=rate, log=lambda m: print(f"[overhead] cluster: {m}"))
+        cluster.start()
     runs, began = [], time.monotonic()
-    for index in range(args.rounds):
-        for name, options in SETTINGS.items():
-            runs.append(run_one(args, name, options, index))
-            print(f"[overhead] round {index + 1}/{args.rounds} {name}: {1e3 * runs[-1]['step_time_s']:.1f} ms/step "
-                  f"({time.monotonic() - began:.0f} s elapsed)", flush=True)
+    try:
+        for index in range(args.rounds):
+            for name, options in SETTINGS.items():
+                runs.append(run_one(args, cluster, name, options, index))
+                print(f"[overhead] round {index + 1}/{args.rounds} {name}: {1e3 * runs[-1]['step_time_s']:.1f} "
+                      f"ms/step ({time.monotonic() - began:.0f} s elapsed)", flush=True)
+    finally:
+        if cluster is not None:
+            cluster.close()
     rows = summarise(runs)
     (Path(args.out) / "overhead.json").write_text(json.dumps({"args": vars(args), "runs": runs, "summary": rows},
                                                              indent=1))

@@ -1,7 +1,8 @@
 """The guard and the "does it pay here?" line (hvd_quant.core.guard, hvd_quant.core.metrics.pays;
 issue 54).
 
-The verdict from constructed figures against the cost model's fp32; the guard on the
+The verdict from constructed figures against a given fp32 time, and fp32 timed on the
+thread world as the slowest rank saw it; the guard on the
 thread world: an injected error makes a bucket fall back to fp32 on every rank at the
 same reduction, for the steps asked, then the method resumes; a checkpoint taken during
 a fallback restores it; runs of non-finite steps warn once; bad settings are refused.
@@ -10,6 +11,7 @@ training on after it, the guard in ``state_dict``, the line logged once by rank 
 """
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ import pytest
 import hvd_quant
 from hvd_quant.core import costmodel, guard as G, metrics as M
 from hvd_quant.core.backend import NumpyBackend
+from hvd_quant.core.comm import WrappingComm
 from hvd_quant.core.compressor import Compressor
 from hvd_quant.core.runner import CompressorRunner
 from hvd_quant.core.simulate import ThreadWorld
@@ -28,38 +31,61 @@ SEGMENTS = [("w", 40), ("b", 24)]
 D = 64
 
 
-def link(rate_bps, latency_s=1e-3, memory_bps=10e9):
-    return costmodel.LinkModel(rate_bps, dict.fromkeys(costmodel.KINDS, latency_s),
-                               dict.fromkeys(costmodel.KINDS, 0.0), dict.fromkeys(costmodel.KINDS, 1.0),
-                               memory_bps)
-
-
 # --- does it pay here? ------------------------------------------------------------------------
 def test_the_verdict_on_a_slow_link_says_how_much_it_saves():
     figures = {"encode_s": 0.004, "decode_s": 0.002, "wait_s": 0.01, "step_s": 0.5}
-    slow = link(100e6)
-    v = M.pays("ef_sign", figures, [1_000_000, 24_000], 2, slow)
-    # fp32: one ring allreduce per bucket, 2 (n - 1) / n * 4 d bytes at the rate, plus its passes
-    wire = sum(1e-3 + 8 * 4.0 * b / 100e6 for b in (1_000_000, 24_000))
-    passes = sum(costmodel.ring_memory_bytes(b, 2) for b in (1_000_000, 24_000)) / 10e9
-    assert v.fp32_s == pytest.approx(wire + passes)
+    buckets = [1_000_000, 24_000]
+    v = M.pays("ef_sign", figures, buckets, 2, 0.0844)
+    assert v.fp32_s == 0.0844
     assert v.method_s == pytest.approx(0.016) and v.compute_s == pytest.approx(0.006)
-    assert v.saves_s == pytest.approx(v.fp32_s - 0.016) and v.share == pytest.approx(v.saves_s / 0.5)
+    assert v.saves_s == pytest.approx(0.0844 - 0.016) and v.share == pytest.approx(v.saves_s / 0.5)
     assert v.pays
     assert v.text.startswith(f"hvd_quant: `ef_sign` saves about {v.saves_s * 1e3:.3g} ms per step "
                              f"({100 * v.share:.0f}% of the 500 ms step) on this link")
-    assert "100 Mbit/s" in v.text and "2 allreduce(s)" in v.text
+    # the ring's bytes per rank, 2 (n - 1) / n * 4 d, over fp32's time: 4.096 MB in 84.4 ms
+    assert "fp32's took 84.4 ms" in v.text and "4.1 MB in 2 allreduce(s) at 2 ranks" in v.text
+    assert "388 Mbit/s on the ring" in v.text
 
 
 def test_the_verdict_on_a_fast_link_says_what_to_use_instead():
     figures = {"encode_s": 0.02, "decode_s": 0.01, "wait_s": 0.001, "step_s": 0.2}
-    v = M.pays("marsit", figures, [1_000_000], 4, link(100e9, 1e-4), instead="Use fp32 here.")
-    assert not v.pays and v.saves_s < 0
+    v = M.pays("marsit", figures, [1_000_000], 4, 0.004, instead="Use fp32 here.")
+    assert not v.pays and v.saves_s == pytest.approx(0.004 - 0.031)
     assert "`marsit` does not pay on this link" in v.text and v.text.endswith("Use fp32 here.")
     assert "a faster link would not change this" in v.text  # its encode and decode exceed fp32's all
-    even = M.pays("marsit", {"encode_s": 0.0, "decode_s": 0.0, "wait_s": v.fp32_s, "step_s": 1.0},
-                  [1_000_000], 4, link(100e9, 1e-4), instead="Use fp32 here.")
+    even = M.pays("marsit", {"encode_s": 0.0, "decode_s": 0.0, "wait_s": 0.004, "step_s": 1.0},
+                  [1_000_000], 4, 0.0041, instead="Use fp32 here.")
     assert "cost about the same" in even.text and "Use fp32" not in even.text
+
+
+class SlowComm(WrappingComm):
+    """``inner`` whose allreduces of more than one element take 20 ms more on rank 1."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.names = []
+
+    def allreduce(self, x, op, name):
+        self.names.append(name)
+        if self.rank == 1 and B.numel(x) > 1:
+            time.sleep(0.02)
+        return self.inner.allreduce(x, op, name)
+
+
+def test_fp32_is_timed_on_every_rank_as_the_slowest_saw_it():
+    buckets = [3000, 50]
+
+    def timed(comm):
+        slow = SlowComm(comm)
+        seconds = M.time_fp32(B, slow, buckets)
+        return seconds, slow.names, comm.meter.bytes_sent
+    out = ThreadWorld(2).run(timed)
+    assert out[0][0] == out[1][0] >= 0.04  # rank 1's two allreduces, each 20 ms late
+    # short: timed twice, the faster kept; each bucket's allreduce named the same on every rank
+    assert out[0][1] == out[1][1] == ["hvd_quant.report.start", "hvd_quant.report.fp32.0", "hvd_quant.report.fp32.1",
+                                      "hvd_quant.report.fp32b.0", "hvd_quant.report.fp32b.1",
+                                      "hvd_quant.report.slowest"]
+    assert out[0][2] == out[1][2] == 0.0  # the meter counts the method's bytes, not the report's
 
 
 def test_window_means_leave_the_probe_out_of_the_step():
@@ -346,7 +372,7 @@ def test_torch_logs_whether_it_pays_once_on_rank_0(hq, caplog):  # noqa: F811
         train_on_threads(hq, 2, 5, each_step=each_step, report_after=4, probe_every=0)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hvd_quant: `ef_sign`")]
     assert len(lines) == 1, lines
-    assert "per step" in lines[0] and "fp32 would take about" in lines[0]
+    assert "per step" in lines[0] and "fp32's took" in lines[0]
     for rank in range(2):
         assert saves[rank][:3] == [None] * 3 and saves[rank][3] is not None and saves[rank][4] == saves[rank][3]
 

@@ -66,9 +66,9 @@ FAMILIES = {"onebit_ef": ("ef_sign", "marsit", "onebit"),
 PROBE_BYTES = 1 << 20
 COPY_BYTES = 16 << 20
 #: Timed repeats of the latency and the rate collectives, the fastest kept: a link's
-#: noise only ever adds time. One 1 MB allreduce made the "does it pay" line's fp32
-#: prediction 1.5 to 2 times the measured fp32 step in some runs on the emulated cluster
-#: at 1 Gbit/s (docs/guide/monitoring.md, "Checked against measured step times").
+#: noise only ever adds time. Timed once, one 1 MB allreduce made the link look 1.5 to 2
+#: times slower than Horovod fp32's step implied in some runs on the emulated cluster at
+#: 1 Gbit/s (docs/guide/monitoring.md, "Checked against measured step times").
 LINK_REPEATS = 3
 
 
@@ -89,8 +89,7 @@ def link_from_timings(latency_s, probe_s, copy_s, n, probe_bytes=PROBE_BYTES, co
 def measure_link(B, comm, prefix="hvd_quant.auto"):
     """The link figures every rank shares (module docstring, 1.): each rank's timings,
     gathered, the slowest. Every rank of ``comm`` must call it at the same point; its
-    collectives are named ``<prefix>.start``, ``.latency``, ``.rate`` and ``.timings``.
-    (The torch optimizer's "does it pay" line measures the link with it too.)"""
+    collectives are named ``<prefix>.start``, ``.latency``, ``.rate`` and ``.timings``."""
     return _gathered_link(B, comm, lambda: local_timings(B, comm, prefix), prefix)
 
 
@@ -268,14 +267,3 @@ class AutoCompressor(Compressor):
     def wire_bytes(self, numel, world_size, segments=1):
         """Unknown before the link is measured: the most any candidate may send."""
         return max(m.wire_bytes(numel, world_size, segments) for m in self._methods.values())
-
-
-def link_for_report(runner, comm):
-    """The link for an owner's "does it pay" line (:class:`~hvd_quant.core.metrics.PaysReport`),
-    the same on every rank: ``auto``'s own measurement where the owner's method is
-    ``auto`` (for Adam and kin, ``auto``'s own runner's, not the handle's), else one now
-    (:func:`measure_link`: three 1 MB allreduces, four tiny ones and an allgather of 3 numbers)."""
-    algorithm = runner.compressor
-    if isinstance(algorithm, AutoCompressor):
-        return algorithm.world(runner.backend, comm)["link"]
-    return measure_link(runner.backend, comm, "hvd_quant.report")

@@ -76,12 +76,13 @@ import logging
 import math
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 
 from .comm import RoutedGroup, WrappingComm
-from .costmodel import Collective, comm_seconds, fp32_ring_bytes, ring_memory_bytes
+from .costmodel import fp32_ring_bytes
 
 log = logging.getLogger("hvd_quant")
 
@@ -684,10 +685,9 @@ class Verdict:
     """Whether a method pays on this link (:func:`pays`): seconds per step.
 
     ``method_s`` is the method's measured reduction (``encode_s + wait_s + decode_s``),
-    ``fp32_s`` what an fp32 ring allreduce of the same buckets is predicted to take on the
-    measured link (its collectives and its passes over memory, :mod:`~hvd_quant.core.costmodel`),
-    ``saves_s = fp32_s - method_s`` (negative: it costs), ``share`` that against the
-    measured step, and ``text`` the line rank 0 logs."""
+    ``fp32_s`` what an fp32 allreduce of the same buckets took when timed on the same ranks
+    (:func:`time_fp32`), ``saves_s = fp32_s - method_s`` (negative: it costs), ``share``
+    that against the measured step, and ``text`` the line rank 0 logs."""
     method: str
     method_s: float
     compute_s: float
@@ -702,35 +702,69 @@ class Verdict:
         return self.share >= EVEN_SHARE
 
 
-def fp32_seconds(buckets, world_size, link):
-    """Predicted seconds per step of an fp32 ring allreduce of each buffer in ``buckets``
-    (element counts) at ``world_size`` ranks on ``link`` (a
-    :class:`~hvd_quant.core.costmodel.LinkModel`): its collective and its passes."""
-    wire = comm_seconds([Collective("allreduce", 4.0 * b, world_size) for b in buckets], link)
-    return wire + sum(ring_memory_bytes(b, world_size) for b in buckets) / link.memory_bps
+#: A timed fp32 reduction shorter than this is timed once more and the faster kept: noise
+#: on a shared link only ever adds time, and a second round is cheap when the first was.
+FP32_RETIME_BELOW_S = 0.5
 
 
-def pays(method, per_step, buckets, world_size, link, instead=""):
+def time_fp32(B, comm, buckets, prefix="hvd_quant.report"):
+    """Seconds an fp32 sum-allreduce of a buffer of each of ``buckets`` (element counts)
+    takes on ``comm``, one after the other, as the slowest rank timed it: what fp32 would
+    cost these buckets here, timed instead of predicted from the link.
+
+    A prediction from a measured link and :mod:`~hvd_quant.core.costmodel` was 2 to 60
+    times off where every rank shared two cores (docs/guide/monitoring.md, "Checked against
+    measured step times"): the one 1 MB allreduce it timed waited for the scheduler, and
+    the fp32 sum's own compute was not in it. Timed, both are in. It costs one fp32
+    reduction of the model once per run (2.4 s for 23 MB at 100 Mbit/s; under
+    :data:`FP32_RETIME_BELOW_S`, two). Every rank of ``comm`` must call it at the same
+    point, with no bucket in flight; its collectives are named ``<prefix>.*``. Its bytes
+    are left out of ``comm``'s meter: the meter counts the method's traffic."""
+    meter = comm.meter
+    counted = (meter.bytes_sent, dict(meter.by_kind))
+    with getattr(B, "eager_scope", nullcontext)():
+        B.to_numpy(comm.allreduce(B.zeros(1), "sum", prefix + ".start"))  # all ranks here
+        mine = _timed_fp32_round(B, comm, buckets, prefix + ".fp32")
+        if mine < FP32_RETIME_BELOW_S:
+            mine = min(mine, _timed_fp32_round(B, comm, buckets, prefix + ".fp32b"))
+        slowest = comm.allreduce(B.constant(np.array([mine], np.float64), "float64"), "max",
+                                 prefix + ".slowest")
+        seconds = float(B.to_numpy(slowest)[0])
+    meter.bytes_sent, meter.by_kind = counted
+    return seconds
+
+
+def _timed_fp32_round(B, comm, buckets, prefix):
+    start = time.perf_counter()
+    for i, numel in enumerate(buckets):
+        out = comm.allreduce(B.zeros(int(numel)), "sum", f"{prefix}.{i}")
+        B.to_numpy(B.slice(out, 0, 1))  # done on the device too
+    return time.perf_counter() - start
+
+
+def pays(method, per_step, buckets, world_size, fp32_s, instead=""):
     """The verdict (:class:`Verdict`) on ``method`` from its measured figures per step,
     ``per_step`` (``encode_s``, ``wait_s``, ``decode_s``, ``step_s``: means over a window,
-    as :func:`per_step_between` gives them), against fp32 on ``link`` for the same
-    ``buckets`` (element counts) at ``world_size`` ranks. ``instead``: what the line
-    recommends when the method does not pay (the adapter's words for fp32 and ``auto``).
+    as :func:`per_step_between` gives them), against ``fp32_s``, the seconds an fp32
+    allreduce of the same ``buckets`` (element counts) took at ``world_size`` ranks
+    (:func:`time_fp32`). ``instead``: what the line recommends when the method does not
+    pay (the adapter's words for fp32 and ``auto``).
 
-    Both sides are reduction times: under overlap each is partly hidden behind backward,
-    and ``wait_s`` includes waiting for the slowest rank, which fp32 would wait for too."""
+    Both are reduction times: under overlap each is partly hidden behind backward, and
+    ``wait_s`` includes waiting for the slowest rank, which fp32 waited for too."""
     compute = per_step["encode_s"] + per_step["decode_s"]
     ours = compute + per_step["wait_s"]
-    fp32 = fp32_seconds(buckets, world_size, link)
+    fp32 = float(fp32_s)
     step = max(per_step["step_s"], ours, 1e-12)
     saves = fp32 - ours
     share = saves / step
     ms = lambda s: f"{s * 1e3:.3g} ms"  # noqa: E731 - a local format
+    # The ring's bytes per rank over fp32's time: the rate the link gave fp32, compute and all.
+    effective_bps = 8.0 * fp32_ring_bytes(sum(buckets), world_size) / max(fp32, 1e-12)
     measured = (f"its reduction takes {ms(ours)} per step (encode and decode {ms(compute)}, waiting on "
-                f"collectives {ms(per_step['wait_s'])}), fp32 would take about {ms(fp32)} "
-                f"({_size(4.0 * sum(buckets))} in {len(buckets)} allreduce(s) at {world_size} ranks on a link "
-                f"measured at {link.rate_bps / 1e6:.0f} Mbit/s and {link.latency('allreduce', world_size) * 1e3:.2g} ms "
-                f"per collective)")
+                f"collectives {ms(per_step['wait_s'])}); fp32's took {ms(fp32)}, timed at this step "
+                f"({_size(4.0 * sum(buckets))} in {len(buckets)} allreduce(s) at {world_size} ranks: "
+                f"{effective_bps / 1e6:.0f} Mbit/s on the ring, its sums included)")
     if share >= EVEN_SHARE:
         text = (f"hvd_quant: `{method}` saves about {ms(saves)} per step ({100 * share:.0f}% of the "
                 f"{ms(step)} step) on this link: {measured}.")
@@ -781,11 +815,10 @@ def per_step_between(start, end):
 class PaysReport:
     """The adapter's one "does it pay here?" line (:func:`pays`), after ``after`` steps
     (``0``: never; :func:`check_report_after`). The per-step figures are the means over the
-    second half of those steps; the link is measured when the line is made, by every rank
-    at the same step (``measure_link()``, which issues collectives), between two steps so
-    that no bucket is in flight; only rank 0 logs it. ``instead``: the adapter's words for
-    what to use when the method does not pay; ``compresses=False``: the owner reduces in
-    fp32 (nothing to compare, no line)."""
+    second half of those steps; fp32 is timed when the line is made (:func:`time_fp32`), by
+    every rank at the same step, between two steps so that no bucket is in flight; only
+    rank 0 logs it. ``instead``: the adapter's words for what to use when the method does
+    not pay; ``compresses=False``: the owner reduces in fp32 (nothing to compare, no line)."""
 
     def __init__(self, after, instead="", compresses=True):
         self.after = check_report_after(after)
@@ -793,10 +826,10 @@ class PaysReport:
         self.compresses = bool(compresses)
         self._window = None  # the metrics' sums where the window starts
 
-    def step_ended(self, metrics, method, comm, measure_link):
-        """Called by every rank after each recorded step (``metrics.steps`` counts them);
-        returns the :class:`Verdict` at the step it is made (also kept in
-        ``metrics.verdict``), else ``None``."""
+    def step_ended(self, metrics, method, backend, comm):
+        """Called by every rank after each recorded step (``metrics.steps`` counts them),
+        with the owner's ``backend`` and ``comm``; returns the :class:`Verdict` at the step
+        it is made (also kept in ``metrics.verdict``), else ``None``."""
         after, steps = self.after, metrics.steps
         if not after or comm.size < 2 or not self.compresses:
             return None
@@ -806,11 +839,11 @@ class PaysReport:
         if steps != after or self._window is None:
             return None
         per_step = per_step_between(self._window, window_mark(metrics))
-        start = time.perf_counter()
-        link = measure_link()
-        metrics.leave_out(time.perf_counter() - start)  # not the next step's time
         buckets = [b.numel for b in metrics.buckets.values()]
-        metrics.verdict = pays(method, per_step, buckets, comm.size, link, self.instead)
+        start = time.perf_counter()
+        fp32_s = time_fp32(backend, untimed(comm), buckets)
+        metrics.leave_out(time.perf_counter() - start)  # not the next step's time
+        metrics.verdict = pays(method, per_step, buckets, comm.size, fp32_s, self.instead)
         if comm.rank == 0:
             log.info(metrics.verdict.text)
         return metrics.verdict

@@ -40,7 +40,6 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from ..compressors.auto import link_for_report
 from ..core.guard import DIVERGENCE_HINT, make_guard
 from ..core.metrics import (DERIVED, OWNER_FIGURES, PROBE_FIGURES, SCALE_FIGURES, STEP_FIGURES, PaysReport,
                             check_probe_every)
@@ -106,8 +105,7 @@ class Monitor:
         update_s = now - self._reduced_at if self._reduced_at is not None else 0.0
         self.metrics.record_step(self._sync_s, update_s, now)
         self._sync_s, self._reduced_at = 0.0, None
-        self.report.step_ended(self.metrics, self.method, self.comm,
-                               lambda: link_for_report(self.runner, self.comm))
+        self.report.step_ended(self.metrics, self.method, self.runner.backend, self.comm)
 
     def snapshot(self):
         return self.metrics.snapshot()

@@ -80,7 +80,6 @@ from contextlib import contextmanager
 import torch
 import horovod.torch as hvd
 
-from ..compressors.auto import link_for_report
 from ..core import adaptive_check
 from ..core.guard import DIVERGENCE_HINT, make_guard
 from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, OwnerMetrics, PaysReport, check_probe_every
@@ -412,8 +411,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """After ``report_after`` steps, rank 0's one line: does compression pay on this
         link (:class:`~hvd_quant.core.metrics.PaysReport`)?"""
         if self._included:
-            self._report.step_ended(self._metrics, self._compression.name, self._comm,
-                                    lambda: link_for_report(self._runner, self._comm))
+            self._report.step_ended(self._metrics, self._compression.name, self._runner.backend, self._comm)
 
     # --- monitoring and checkpoints ---------------------------------------------------------
     def metrics(self):

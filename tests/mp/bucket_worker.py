@@ -249,7 +249,7 @@ def guard():
         flags.append([m[f"bucket{i}/fallback"] for i in range(len(opt.bucket_groups))])
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return {"flags": flags, "guard": opt.state_dict()["hvd_quant"]["guard"], "finite": finite,
-            "saves_s": opt.metrics()["saves_s"]}
+            "saves_s": opt.metrics()["saves_s"], "fp32_s": opt._metrics.verdict.fp32_s}
 
 
 def zero_grad_refused():
