@@ -221,6 +221,48 @@ def test_failing_rank_ends_the_job_promptly(can_run):
     assert leftovers(prefix) == []
 
 
+TORCHRUN_SCRIPT = ("import os, socket, torch, torch.distributed as dist\n"
+                   "dist.init_process_group('gloo')\n"
+                   "t = torch.tensor([float(dist.get_rank())]); dist.all_reduce(t)\n"
+                   "print('rank', dist.get_rank(), 'of', dist.get_world_size(), 'local', os.environ['LOCAL_RANK'], "
+                   "'on', socket.gethostbyname(socket.gethostname()), 'sum', int(t.item()), "
+                   "'master', os.environ['MASTER_ADDR'], flush=True)\n"
+                   "dist.destroy_process_group()\n")
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_starts_each_hosts_ranks_and_a_failure_ends_the_job(can_run):
+    """``--launcher torchrun`` (issue 55): one torchrun agent per host starts that host's
+    ranks, numbered host by host; they meet at host 0's address, over the shaped links,
+    and allreduce. A rank that fails ends the job on every host promptly."""
+    proc = subprocess.run([PY, "-m", "hvd_quant.cluster", "run", "--launcher", "torchrun", "--hosts", "2",
+                           "--slots", "2", "--timeout", "100", "--", PY, "-c", TORCHRUN_SCRIPT],
+                          capture_output=True, text=True, timeout=130)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # "[h<host>] [default<local rank>]:rank <r> of 4 ...": the host's prefix, then torchrun's
+    lines = {int(l.split("]:rank ")[1].split()[0]): l for l in proc.stdout.splitlines() if " sum " in l}
+    assert sorted(lines) == [0, 1, 2, 3], proc.stdout
+    master = lines[0].split(" on ")[1].split()[0]
+    for rank, line in lines.items():
+        assert line.startswith(f"[h{rank // 2}] [default{rank % 2}]:rank {rank} of 4 local {rank % 2} on "), line
+        assert line.endswith(f"sum 6 master {master}"), line
+    assert lines[2].split(" on ")[1].split()[0] != master  # host 1's ranks live at another address
+    failing = ("import os, sys, time\n"
+               "if os.environ['RANK'] == '3':\n"
+               "    sys.exit('rank 3: deliberate failure')\n"
+               "time.sleep(90)\n")
+    with EmulatedCluster(hosts=2, slots=2, log=quiet) as c:
+        prefix = c.prefix
+        with pytest.raises(ValueError, match="horovod=False"):
+            c.run([PY, "-c", "pass"], launcher="torchrun")
+        start = time.monotonic()
+        with pytest.raises(JobFailed, match="host 1's torchrun failed"):
+            c.run_torch([PY, "-c", failing], timeout=80, check=True, launcher="torchrun")
+        took = time.monotonic() - start
+    assert took < 40, f"the job took {took:.1f}s after rank 3 failed"
+    assert leftovers(prefix) == []
+
+
 @pytest.mark.timeout(60)
 def test_timeout_kills_every_rank(can_run):
     script = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"

@@ -2,13 +2,15 @@
 
     python -m hvd_quant.cluster check [--quick]
     python -m hvd_quant.cluster run --hosts 2 [--slots 1] [--rate 1gbit] [--delay 1ms]
-                                    [--cpus split] [--timeout 600] [--launcher gloo|mpi] [--no-horovod]
+                                    [--cpus split] [--timeout 600] [--launcher gloo|mpi|torchrun]
+                                    [--no-horovod]
                                     -- python script.py ARGS
     python -m hvd_quant.cluster cleanup [--prefix hvdqc-] [--force]
 
 ``run`` creates the cluster, runs the command once per rank (Horovod's Gloo rendezvous;
 OpenMPI's ``mpirun`` with ``--launcher mpi``, see :mod:`hvd_quant.cluster.mpi`; or plain
-torch.distributed with ``--no-horovod``), streams every rank's prefixed output,
+torch.distributed with ``--no-horovod``, its ranks started by one ``torchrun`` per host
+with ``--launcher torchrun``), streams every rank's prefixed output,
 removes the cluster and exits with the job's status (124 after a timeout). A bare
 ``python`` or ``python3`` after ``--`` means the interpreter running this module, as it
 would with a virtual environment active (also under ``sudo``, which resets ``PATH``); a
@@ -64,6 +66,8 @@ def _run(args):
         print("run: --launcher mpi starts a Horovod job; it cannot be combined with --no-horovod",
               file=sys.stderr)
         return 2
+    if args.launcher == "torchrun":
+        args.no_horovod = True  # torchrun starts torch.distributed jobs
     resolved = resolve_interpreter(command)
     if resolved[0] != command[0]:
         print(f"[cluster] {command[0]} -> {resolved[0]} (the interpreter running hvd_quant.cluster)",
@@ -78,7 +82,8 @@ def _run(args):
             print(f"[cluster] {str(exc).splitlines()[0]}", file=sys.stderr)
             return 124
     if result.returncode != 0:
-        who = "a rank" if result.failed_rank is None else f"rank {result.failed_rank}"
+        who = ("a rank" if result.failed_rank is None else f"host {result.failed_rank}'s torchrun"
+               if args.launcher == "torchrun" else f"rank {result.failed_rank}")
         print(f"[cluster] {who} failed with exit status {result.returncode}; "
               "the other ranks were stopped", file=sys.stderr)
         missing = missing_module(result.stdout)
@@ -135,10 +140,11 @@ def main(argv=None):
                    help="split (default): each host gets its own share of this machine's CPUs, "
                         "its ranks pinned to it; shared: every rank may run on every CPU")
     r.add_argument("--timeout", type=float, default=600, help="hard limit for the job in seconds")
-    r.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo",
+    r.add_argument("--launcher", choices=("gloo", "mpi", "torchrun"), default="gloo",
                    help="gloo (default): Horovod on Gloo, ranks started by this launcher; mpi: "
                         "OpenMPI's mpirun starts them, Horovod on MPI (needs OpenMPI and a Horovod "
-                        "built with MPI)")
+                        "built with MPI); torchrun: one torchrun per host starts its ranks, a plain "
+                        "torch.distributed job (DDP) without Horovod")
     r.add_argument("--no-horovod", action="store_true",
                    help="no Horovod rendezvous: a plain torch.distributed (env://) job")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")

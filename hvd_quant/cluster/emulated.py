@@ -313,10 +313,14 @@ class EmulatedCluster:
         horovod : bool
             Start Horovod's Gloo rendezvous and set Horovod's variables (``run_horovod``);
             without it only torch.distributed's variables are set (``run_torch``).
-        launcher : ``"gloo"`` or ``"mpi"``
+        launcher : ``"gloo"``, ``"mpi"`` or ``"torchrun"``
             ``"gloo"`` (default): this launcher starts every rank, Horovod on Gloo.
             ``"mpi"``: OpenMPI's ``mpirun`` starts them (:mod:`hvd_quant.cluster.mpi`),
             Horovod on MPI; needs OpenMPI and a Horovod built with MPI, and ``horovod``.
+            ``"torchrun"``: one ``torchrun`` agent per host starts that host's ranks, as on
+            a real cluster (:meth:`_torchrun_commands`); a torch.distributed job, so
+            ``horovod=False``. Output and ``failed_rank`` are then per host (labels
+            ``h<i>``), the ranks' lines prefixed by torchrun (``[default<local rank>]:``).
         timeout : float
             Hard limit in seconds: past it every rank is killed and
             :class:`~hvd_quant.cluster.launch.JobTimeout` is raised.
@@ -334,8 +338,11 @@ class EmulatedCluster:
         """
         self._require_open()
         command = resolve_interpreter([str(c) for c in command])
-        if launcher not in ("gloo", "mpi"):
-            raise ValueError(f"launcher must be 'gloo' or 'mpi', got {launcher!r}")
+        if launcher not in ("gloo", "mpi", "torchrun"):
+            raise ValueError(f"launcher must be 'gloo', 'mpi' or 'torchrun', got {launcher!r}")
+        if launcher == "torchrun" and horovod:
+            raise ValueError("launcher='torchrun' starts a torch.distributed job: it needs horovod=False "
+                             "(run_torch)")
         if launcher == "mpi":
             if not horovod:
                 raise ValueError("launcher='mpi' starts a Horovod job: it needs horovod=True")
@@ -349,18 +356,48 @@ class EmulatedCluster:
             port = None
             if horovod:
                 rendezvous, port = self._start_rendezvous()
-            commands = [self._pinned(r) + ["ip", "netns", "exec", self.rank_host(r).netns, *command]
-                        for r in range(self.size)]
-            envs = [self.rank_env(r, port, env) for r in range(self.size)]
-            labels = [f"r{r}@{self.rank_host(r).name}" for r in range(self.size)]
+            if launcher == "torchrun":
+                commands, envs, labels = self._torchrun_commands(command, env)
+            else:
+                commands = [self._pinned(r) + ["ip", "netns", "exec", self.rank_host(r).netns, *command]
+                            for r in range(self.size)]
+                envs = [self.rank_env(r, port, env) for r in range(self.size)]
+                labels = [f"r{r}@{self.rank_host(r).name}" for r in range(self.size)]
             result = run_ranks(commands, envs, labels, timeout, stream=stream)
         finally:
             if rendezvous is not None:
                 self._stop_rendezvous(rendezvous)
         if check and result.returncode != 0:
-            raise JobFailed(f"rank {result.failed_rank} failed (exit {result.returncode}): "
+            who = f"host {result.failed_rank}'s torchrun" if launcher == "torchrun" else f"rank {result.failed_rank}"
+            raise JobFailed(f"{who} failed (exit {result.returncode}): "
                             f"{' '.join(command)}\n" + result.tail(), result)
         return result
+
+    #: What torchrun sets for the ranks it starts: a host's agent must not pass ours on.
+    _TORCHRUN_SETS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "MASTER_ADDR", "MASTER_PORT")
+
+    def _torchrun_commands(self, command, extra):
+        """One ``torchrun`` agent per host (``python -m torch.distributed.run``), in the
+        host's namespace and pinned to its CPUs, each starting ``slots`` ranks of
+        ``command`` (``--no-python``: the command names its interpreter). The agents meet
+        by torchrun's static rendezvous at host 0's address, so the job's traffic between
+        hosts goes over the shaped links as with the other launchers; ``--max-restarts 0``:
+        a failed rank fails the job, which stops every host (:func:`run_ranks`)."""
+        commands, envs, labels = [], [], []
+        for host in self.hosts:
+            first_rank = host.index * self.slots
+            agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.num_hosts),
+                     "--nproc-per-node", str(self.slots), "--node-rank", str(host.index),
+                     "--master-addr", self.hosts[0].address, "--master-port", str(TORCH_MASTER_PORT),
+                     "--max-restarts", "0", "--tee", "3", "--no-python", *command]
+            commands.append(self._pinned(first_rank) + ["ip", "netns", "exec", host.netns, *agent])
+            env = self.rank_env(first_rank, None, extra)
+            for name in self._TORCHRUN_SETS:
+                env.pop(name, None)
+            envs.append(env)
+            labels.append(host.name)
+        return commands, envs, labels
 
     def _pinned(self, rank):
         """The prefix that pins ``rank`` to its host's CPUs (inherited across exec)."""
@@ -374,7 +411,9 @@ class EmulatedCluster:
         return self.run(command, horovod=True, **kwargs)
 
     def run_torch(self, command, **kwargs):
-        """:meth:`run` without Horovod: a plain torch.distributed (Gloo, ``env://``) job."""
+        """:meth:`run` without Horovod: a plain torch.distributed (Gloo, ``env://``) job,
+        its ranks started by this launcher, or by a ``torchrun`` per host with
+        ``launcher="torchrun"``."""
         return self.run(command, horovod=False, **kwargs)
 
     def exec(self, host, command, timeout=60, **kwargs):
