@@ -59,33 +59,44 @@ def test_the_verdict_on_a_fast_link_says_what_to_use_instead():
 
 
 class SlowComm(WrappingComm):
-    """``inner`` whose allreduces of more than one element take 20 ms more on rank 1."""
+    """``inner`` whose allreduces of more than one element take ``delay`` seconds more on rank 1."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, delay=0.02):
         super().__init__(inner)
-        self.names = []
+        self.names, self.delay = [], delay
 
     def allreduce(self, x, op, name):
         self.names.append(name)
         if self.rank == 1 and B.numel(x) > 1:
-            time.sleep(0.02)
+            time.sleep(self.delay)
         return self.inner.allreduce(x, op, name)
 
 
-def test_fp32_is_timed_on_every_rank_as_the_slowest_saw_it():
-    buckets = [3000, 50]
-
+def fp32_timed_on(n, buckets, **slow):
     def timed(comm):
-        slow = SlowComm(comm)
-        seconds = M.time_fp32(B, slow, buckets)
-        return seconds, slow.names, comm.meter.bytes_sent
-    out = ThreadWorld(2).run(timed)
+        wrapped = SlowComm(comm, **slow)
+        seconds = M.time_fp32(B, wrapped, buckets)
+        return seconds, wrapped.names, comm.meter.bytes_sent
+    return ThreadWorld(n).run(timed)
+
+
+def test_fp32_is_timed_on_every_rank_as_the_slowest_saw_it():
+    out = fp32_timed_on(2, [3000, 50])
     assert out[0][0] == out[1][0] >= 0.04  # rank 1's two allreduces, each 20 ms late
     # short: timed twice, the faster kept; each bucket's allreduce named the same on every rank
     assert out[0][1] == out[1][1] == ["hvd_quant.report.start", "hvd_quant.report.fp32.0", "hvd_quant.report.fp32.1",
-                                      "hvd_quant.report.fp32b.0", "hvd_quant.report.fp32b.1",
-                                      "hvd_quant.report.slowest"]
+                                      "hvd_quant.report.slowest", "hvd_quant.report.fp32b.0",
+                                      "hvd_quant.report.fp32b.1", "hvd_quant.report.slowestb"]
     assert out[0][2] == out[1][2] == 0.0  # the meter counts the method's bytes, not the report's
+
+
+def test_ranks_decide_together_whether_to_time_fp32_again(monkeypatch):
+    """Rank 0 alone is under the bound and rank 1 over it: decided per rank, rank 0 would
+    time again and wait for ever on an allreduce rank 1 never issues (it hung at 8 ranks)."""
+    monkeypatch.setattr(M, "FP32_RETIME_BELOW_S", 0.1)
+    out = fp32_timed_on(2, [3000], delay=0.15)
+    assert out[0][0] == out[1][0] >= 0.15
+    assert out[0][1] == out[1][1] == ["hvd_quant.report.start", "hvd_quant.report.fp32.0", "hvd_quant.report.slowest"]
 
 
 def test_window_means_leave_the_probe_out_of_the_step():

@@ -724,14 +724,21 @@ def time_fp32(B, comm, buckets, prefix="hvd_quant.report"):
     counted = (meter.bytes_sent, dict(meter.by_kind))
     with getattr(B, "eager_scope", nullcontext)():
         B.to_numpy(comm.allreduce(B.zeros(1), "sum", prefix + ".start"))  # all ranks here
-        mine = _timed_fp32_round(B, comm, buckets, prefix + ".fp32")
-        if mine < FP32_RETIME_BELOW_S:
-            mine = min(mine, _timed_fp32_round(B, comm, buckets, prefix + ".fp32b"))
-        slowest = comm.allreduce(B.constant(np.array([mine], np.float64), "float64"), "max",
-                                 prefix + ".slowest")
-        seconds = float(B.to_numpy(slowest)[0])
+        seconds = _slowest(B, comm, _timed_fp32_round(B, comm, buckets, prefix + ".fp32"), prefix + ".slowest")
+        # Whether to time again is decided from the slowest rank's time, which every rank
+        # holds: decided from its own time, one rank may time again while another does not,
+        # and the job hangs on the unmatched allreduce (seen at 8 ranks on 2 cores).
+        if seconds < FP32_RETIME_BELOW_S:
+            again = _timed_fp32_round(B, comm, buckets, prefix + ".fp32b")
+            seconds = min(seconds, _slowest(B, comm, again, prefix + ".slowestb"))
     meter.bytes_sent, meter.by_kind = counted
     return seconds
+
+
+def _slowest(B, comm, seconds, name):
+    """The largest of every rank's ``seconds``, the same on every rank."""
+    out = comm.allreduce(B.constant(np.array([seconds], np.float64), "float64"), "max", name)
+    return float(B.to_numpy(out)[0])
 
 
 def _timed_fp32_round(B, comm, buckets, prefix):
