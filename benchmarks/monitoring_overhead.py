@@ -2,7 +2,7 @@
 on with probes off, and on with a probe every 100 steps, side by side in one run.
 
 The model, data and step are the time-to-quality benchmark's (``benchmarks/ttq_worker.py``:
-the 5.8M-parameter word-level LM on the standard library's source, Adam, 2 ranks). Each
+the 7.4M-parameter word-level LM on the standard library's source, Adam, 2 ranks). Each
 setting trains ``--steps`` steps (at least 100, so that one probe falls in the probing
 run); the settings take turns, ``--rounds`` times (A B C, A B C, ...), so that a drift of
 the machine falls on all of them. The figure is each run's mean step time
