@@ -716,7 +716,7 @@ def time_fp32(B, comm, buckets, prefix="hvd_quant.report"):
     times off where every rank shared two cores (docs/guide/monitoring.md, "Checked against
     measured step times"): the one 1 MB allreduce it timed waited for the scheduler, and
     the fp32 sum's own compute was not in it. Timed, both are in. It costs one fp32
-    reduction of the model once per run (2.4 s for 23 MB at 100 Mbit/s; under
+    reduction of the model once per run (2.5 s for 29.5 MB at 100 Mbit/s; under
     :data:`FP32_RETIME_BELOW_S`, two). Every rank of ``comm`` must call it at the same
     point, with no bucket in flight; its collectives are named ``<prefix>.*``. Its bytes
     are left out of ``comm``'s meter: the meter counts the method's traffic."""
