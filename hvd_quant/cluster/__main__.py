@@ -31,7 +31,7 @@ import shutil
 import sys
 
 from . import netns
-from .emulated import ClusterInterrupted, EmulatedCluster, resolve_interpreter
+from .emulated import ClusterInterrupted, EmulatedCluster, resolve_interpreter, who_failed
 from .launch import JobTimeout
 from .mpi import mpi_problem
 from .netns import ClusterError, ClusterUnavailable
@@ -82,9 +82,7 @@ def _run(args):
             print(f"[cluster] {str(exc).splitlines()[0]}", file=sys.stderr)
             return 124
     if result.returncode != 0:
-        who = ("a rank" if result.failed_rank is None else f"host {result.failed_rank}'s torchrun"
-               if args.launcher == "torchrun" else f"rank {result.failed_rank}")
-        print(f"[cluster] {who} failed with exit status {result.returncode}; "
+        print(f"[cluster] {who_failed(result.failed_rank, args.launcher)} failed with exit status {result.returncode}; "
               "the other ranks were stopped", file=sys.stderr)
         missing = missing_module(result.stdout)
         if missing:

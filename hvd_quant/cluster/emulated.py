@@ -85,6 +85,14 @@ class ClusterInterrupted(BaseException):
     """SIGTERM/SIGHUP arrived while a cluster was open (raised so clean-up runs)."""
 
 
+def who_failed(failed_rank, launcher):
+    """Who a failed job's ``failed_rank`` names: a rank, or under ``launcher="torchrun"``
+    (one agent per host) a host's torchrun; ``"a rank"`` when it is not known."""
+    if failed_rank is None:
+        return "a rank"
+    return f"host {failed_rank}'s torchrun" if launcher == "torchrun" else f"rank {failed_rank}"
+
+
 class EmulatedCluster:
     """``hosts`` network namespaces on one switch, links shaped to ``rate`` and ``delay``.
 
@@ -368,8 +376,7 @@ class EmulatedCluster:
             if rendezvous is not None:
                 self._stop_rendezvous(rendezvous)
         if check and result.returncode != 0:
-            who = f"host {result.failed_rank}'s torchrun" if launcher == "torchrun" else f"rank {result.failed_rank}"
-            raise JobFailed(f"{who} failed (exit {result.returncode}): "
+            raise JobFailed(f"{who_failed(result.failed_rank, launcher)} failed (exit {result.returncode}): "
                             f"{' '.join(command)}\n" + result.tail(), result)
         return result
 

@@ -722,16 +722,18 @@ def time_fp32(B, comm, buckets, prefix="hvd_quant.report"):
     are left out of ``comm``'s meter: the meter counts the method's traffic."""
     meter = comm.meter
     counted = (meter.bytes_sent, dict(meter.by_kind))
-    with getattr(B, "eager_scope", nullcontext)():
-        B.to_numpy(comm.allreduce(B.zeros(1), "sum", prefix + ".start"))  # all ranks here
-        seconds = _slowest(B, comm, _timed_fp32_round(B, comm, buckets, prefix + ".fp32"), prefix + ".slowest")
-        # Whether to time again is decided from the slowest rank's time, which every rank
-        # holds: decided from its own time, one rank may time again while another does not,
-        # and the job hangs on the unmatched allreduce (seen at 8 ranks on 2 cores).
-        if seconds < FP32_RETIME_BELOW_S:
-            again = _timed_fp32_round(B, comm, buckets, prefix + ".fp32b")
-            seconds = min(seconds, _slowest(B, comm, again, prefix + ".slowestb"))
-    meter.bytes_sent, meter.by_kind = counted
+    try:
+        with getattr(B, "eager_scope", nullcontext)():
+            B.to_numpy(comm.allreduce(B.zeros(1), "sum", prefix + ".start"))  # all ranks here
+            seconds = _slowest(B, comm, _timed_fp32_round(B, comm, buckets, prefix + ".fp32"), prefix + ".slowest")
+            # Whether to time again is decided from the slowest rank's time, which every rank
+            # holds: decided from its own time, one rank may time again while another does not,
+            # and the job hangs on the unmatched allreduce (seen at 8 ranks on 2 cores).
+            if seconds < FP32_RETIME_BELOW_S:
+                again = _timed_fp32_round(B, comm, buckets, prefix + ".fp32b")
+                seconds = min(seconds, _slowest(B, comm, again, prefix + ".slowestb"))
+    finally:  # the meter keeps the method's bytes whatever happened here
+        meter.bytes_sent, meter.by_kind = counted
     return seconds
 
 
