@@ -167,6 +167,18 @@ def make_guard(guard, algorithm, probe_every, hint="", divergence_hint=""):
     return Guard(settings, algorithm, hint, divergence_hint)
 
 
+def checked_guard(metrics, guard, algorithm, probe_every, hint="", divergence_hint=""):
+    """The guard of an owner whose metrics are on or off (``metrics=``): :func:`make_guard`'s,
+    or ``None`` with metrics off. A ``ValueError`` for a ``metrics`` that is not a bool, and
+    for a guard asked for with metrics off: the guard reads the metrics' probes. Every
+    adapter's owners check these two arguments here, so that they refuse them alike."""
+    if not isinstance(metrics, bool):
+        raise ValueError(f"metrics must be True or False, got {metrics!r}")
+    if guard and not metrics:
+        raise ValueError("guard: the guard reads the metrics' probes; pass metrics=True with it")
+    return make_guard(guard, algorithm, probe_every, hint, divergence_hint) if metrics else None
+
+
 class _BucketState:
     def __init__(self):
         self.errors = []  # the probe errors above the bound, in a row (the last `patience`)

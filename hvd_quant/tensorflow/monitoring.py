@@ -40,7 +40,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from ..core.guard import DIVERGENCE_HINT, make_guard
+from ..core.guard import DIVERGENCE_HINT, checked_guard, make_guard
 from ..core.metrics import (DERIVED, OWNER_FIGURES, PROBE_FIGURES, SCALE_FIGURES, STEP_FIGURES, PaysReport,
                             check_probe_every)
 
@@ -140,14 +140,9 @@ def make_monitor(runner, comm, compressor, probe_every, guard, report_after, ada
 def check_options(metrics, probe_every, guard, report_after, compressor, adaptive=False):
     """Check the monitoring arguments at construction: ``ValueError`` naming a bad one
     (a guard needs ``metrics=True``: it reads the metrics' probes)."""
-    if not isinstance(metrics, bool):
-        raise ValueError(f"metrics must be True or False, got {metrics!r}")
     check_probe_every(probe_every)
     PaysReport(report_after)
-    if guard and not metrics:
-        raise ValueError("guard: the guard reads the metrics' probes; pass metrics=True with it")
-    if metrics:  # the guard's settings, checked now rather than at the first step
-        make_guard(guard, compressor.algorithm_for(adaptive), probe_every)
+    checked_guard(metrics, guard, compressor.algorithm_for(adaptive), probe_every)
 
 
 def step_ended(monitor):

@@ -60,7 +60,7 @@ import numpy as np
 import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
-from ..core.guard import make_guard
+from ..core.guard import checked_guard
 from ..core.metrics import DEFAULT_PROBE_EVERY, OwnerMetrics, check_probe_every
 from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
@@ -400,15 +400,9 @@ NONFINITE_HINT = (
 def _rule_metrics(rule, metrics, probe_every, guard):
     """The :class:`~hvd_quant.core.metrics.OwnerMetrics` that ``metrics=True`` asks for
     (``None`` when off), its arguments checked at construction (``ValueError``)."""
-    if not isinstance(metrics, bool):
-        raise ValueError(f"metrics must be True or False, got {metrics!r}")
     check_probe_every(probe_every)
-    guard = make_guard(guard, rule, probe_every, NONFINITE_HINT, DIVERGENCE_HINT)
-    if not metrics:
-        if guard is not None:
-            raise ValueError("guard: the guard reads the metrics' probes; pass metrics=True with it")
-        return None
-    return OwnerMetrics(probe_every, ranges=tf.profiler.experimental.Trace, guard=guard)
+    guard = checked_guard(metrics, guard, rule, probe_every, NONFINITE_HINT, DIVERGENCE_HINT)
+    return OwnerMetrics(probe_every, ranges=tf.profiler.experimental.Trace, guard=guard) if metrics else None
 
 
 def _measured_step(rule_step, metrics, g, x, lr):

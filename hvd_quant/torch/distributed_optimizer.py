@@ -81,7 +81,7 @@ import torch
 import horovod.torch as hvd
 
 from ..core import adaptive_check
-from ..core.guard import DIVERGENCE_HINT, make_guard
+from ..core.guard import DIVERGENCE_HINT, checked_guard
 from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, OwnerMetrics, PaysReport, check_probe_every
 from ..core.pipeline import BucketPipeline, chunked_reduce
 from ..core.runner import digest63, values_digest63
@@ -493,15 +493,10 @@ _NONFINITE_HINT = (
 
 
 def _checked_guard(guard, compression, probe_every, adaptive=False, metrics=True):
-    """:func:`~hvd_quant.core.guard.make_guard` for this optimizer's buckets (an adaptive
+    """:func:`~hvd_quant.core.guard.checked_guard` for this optimizer's buckets (an adaptive
     optimizer's get ``for_adaptive_optimizer()``'s method); none without metrics."""
-    if not isinstance(metrics, bool):
-        raise ValueError(f"metrics must be True or False, got {metrics!r}")
-    if not metrics:
-        if guard:
-            raise ValueError("guard: the guard reads the metrics' probes; it needs metrics=True")
-        return None
-    return make_guard(guard, compression.algorithm_for(adaptive), probe_every, _NONFINITE_HINT, DIVERGENCE_HINT)
+    return checked_guard(metrics, guard, compression.algorithm_for(adaptive), probe_every, _NONFINITE_HINT,
+                         DIVERGENCE_HINT)
 
 
 def _adopted_compression(compression):
