@@ -205,14 +205,16 @@ def _worker(outdir):
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8),
                               torch.nn.Tanh(), torch.nn.Linear(8, 1))
     trained = DDP(net, bucket_cap_mb=0.0003)
-    tst = hqddp.register(trained, Compression.ef_sign, probe_every=2)
+    tst = hqddp.register(trained, Compression.ef_sign, probe_every=2, report_after=4)
     x = torch.randn(16, 6, generator=torch.Generator().manual_seed(rank))
     for _ in range(4):
         trained.zero_grad()
         trained(x).pow(2).mean().backward()
     snap = tst.metrics()
+    verdict = tst.runner.metrics.verdict  # the "does it pay" line, made at the 4th iteration
     results["metrics"] = {"probe": st.metrics(), "estimate": estimate.double(), "train": snap,
-                          "buckets": len(tst.runner.metrics.buckets), "live": len(tst._live)}
+                          "buckets": len(tst.runner.metrics.buckets), "live": len(tst._live),
+                          "verdict": (verdict.fp32_s, verdict.method_s, verdict.text) if verdict else None}
 
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
@@ -488,6 +490,11 @@ def test_hook_metrics_probe_the_exact_mean_and_follow_rebuilt_buckets(job):
         # 4 steps; DDP rebuilt the buckets after the first, and the new ones probed at their second.
         assert m["buckets"] == m["live"] > 1 and m["train"]["steps"] == 4 and m["train"]["probes"] == 1
         assert m["train"]["bytes_sent"] == sum(m["train"][f"bucket{b}/bytes_sent"] for b in range(m["buckets"]))
+        # The "does it pay" line: fp32 timed inside the last bucket's hook, as the slowest
+        # rank saw it (the same figure everywhere); its bytes left out of the meter.
+        fp32_s, method_s, text = m["verdict"]
+        assert fp32_s == ranks[0]["metrics"]["verdict"][0] and fp32_s > 0 and method_s > 0
+        assert text.startswith("hvd_quant: `ef_sign`") and "fp32's took" in text, text
 
 
 @pytest.mark.parametrize("method", ALL)

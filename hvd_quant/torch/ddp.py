@@ -78,7 +78,10 @@ residual's norm. A step ends with the iteration's last bucket (``bucket.is_last(
 ``step_s`` runs from one iteration's last bucket to the next one's, ``sync_s`` is the time
 in the hook, and ``update_s`` is 0 (a hook does not see the optimizer; its update is in
 ``rest_s``). When DDP rebuilds its buckets, the figures of the buffers it no longer uses
-are dropped, and the new ones count their reductions towards a probe from zero.
+are dropped, and the new ones count their reductions towards a probe from zero. After
+``report_after`` iterations rank 0 logs whether the method pays on this link, with DDP's
+fp32 allreduce of the same buckets timed then, in the last bucket's hook
+(:class:`~hvd_quant.core.metrics.PaysReport`, as ``hq.DistributedOptimizer`` does).
 
 ``no_sync()`` (gradient accumulation), ``gradient_as_bucket_view=True``,
 ``static_graph=True`` and ``find_unused_parameters=True`` need nothing special: the hook
@@ -90,7 +93,7 @@ import time
 
 import torch
 
-from ..core.metrics import DEFAULT_PROBE_EVERY, check_probe_every
+from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, PaysReport, check_probe_every
 from ..core.pipeline import chunked_reduce
 from ..core.runner import digest63
 from ..core.state import StateStore, layout_digest
@@ -120,6 +123,11 @@ class CompressorHookState:
     probe_every : int
         As ``hq.DistributedOptimizer``'s: every ``probe_every``-th reduction of a bucket
         also sums it in fp32 once, to measure the compressed mean's error (``0``: never).
+    report_after : int
+        As ``hq.DistributedOptimizer``'s: after this many iterations (``0``: never), rank 0
+        logs one line saying whether the method pays on this link against DDP's own fp32
+        allreduce, timed then on the same buckets
+        (:class:`~hvd_quant.core.metrics.PaysReport`).
 
     Attributes
     ----------
@@ -131,9 +139,11 @@ class CompressorHookState:
     """
 
     def __init__(self, compression, process_group=None, model=None, pipeline_chunk_mb=None,
-                 strict=None, probe_every=DEFAULT_PROBE_EVERY):
+                 strict=None, probe_every=DEFAULT_PROBE_EVERY, report_after=DEFAULT_REPORT_AFTER):
         self.compression = _compressor(compression)
         self.probe_every = check_probe_every(probe_every)
+        self.report_after = report_after
+        self._report = PaysReport(report_after, _INSTEAD, compresses=self.compression.name != "none")
         self.process_group = process_group
         self.pipeline_chunk_mb = pipeline_chunk_mb
         self.strict = strict
@@ -214,6 +224,9 @@ class CompressorHookState:
         if bucket.is_last():  # the iteration's last bucket: its step ends
             self.runner.metrics.record_step(self._sync_s, 0.0)
             self._sync_s = 0.0
+            # Every rank reaches the last bucket at the same iteration, and no other bucket
+            # is in flight then (each is reduced inside its hook): fp32 can be timed here.
+            self._report.step_ended(self.runner.metrics, self.compression.name, self.runner.backend, self.comm)
         return mean
 
     def _reduce(self, bucket):
@@ -271,12 +284,18 @@ class CompressorHookState:
     def __getstate__(self):
         # As PowerSGD's state: everything but the process group (and what is bound to it).
         return {"compression": self.compression, "pipeline_chunk_mb": self.pipeline_chunk_mb,
-                "strict": self.strict, "probe_every": self.probe_every, "saved": self.state_dict()}
+                "strict": self.strict, "probe_every": self.probe_every, "report_after": self.report_after,
+                "saved": self.state_dict()}
 
     def __setstate__(self, d):
         self.__init__(d["compression"], None, None, d["pipeline_chunk_mb"], d["strict"],
-                      d.get("probe_every", DEFAULT_PROBE_EVERY))
+                      d.get("probe_every", DEFAULT_PROBE_EVERY), d.get("report_after", DEFAULT_REPORT_AFTER))
         self.load_state_dict(d["saved"])
+
+
+#: The "does it pay" line's advice when the method does not pay (PaysReport).
+_INSTEAD = ("Use DDP's own allreduce here (no communication hook), or hq.Compression.auto(), which "
+            "measures the link and chooses per bucket.")
 
 
 class _Layout:
@@ -326,7 +345,8 @@ def compressor_hook(state, bucket):
 
 
 def comm_hook(compression=Compression.ef_sign, process_group=None, model=None,
-              pipeline_chunk_mb=None, strict=None, probe_every=DEFAULT_PROBE_EVERY):
+              pipeline_chunk_mb=None, strict=None, probe_every=DEFAULT_PROBE_EVERY,
+              report_after=DEFAULT_REPORT_AFTER):
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     ``compression``: ``hq.Compression.<name>`` (or its name); ``process_group``: the one
@@ -335,7 +355,7 @@ def comm_hook(compression=Compression.ef_sign, process_group=None, model=None,
     :class:`CompressorHookState`'s."""
     state = CompressorHookState(compression, process_group=process_group, model=model,
                                 pipeline_chunk_mb=pipeline_chunk_mb, strict=strict,
-                                probe_every=probe_every)
+                                probe_every=probe_every, report_after=report_after)
     return state, compressor_hook
 
 
