@@ -143,6 +143,23 @@ def test_torch_rounds_are_measured_without_changing_a_bit(job):
             assert all(run["metrics"]["probes"] == 0 for run in runs)
 
 
+def test_torch_optimizers_say_whether_they_pay_after_their_warm_up(job):
+    """Issue 54: a 1-bit optimizer's "does it pay" line comes ``report_after`` (8) steps
+    after its warm-up (``Rule.steady_after``: 1-bit Adam's ``freeze_step``, 0/1 Adam's
+    ``var_freeze_step``, none for BinSGDM), with fp32 timed on every group as the slowest
+    rank saw it: the same figure on every rank. One rank has nothing to compare."""
+    start = {"onebit_adam": cases.CONFIGS["onebit_adam"]["freeze_step"],
+             "zero_one_adam": cases.CONFIGS["zero_one_adam"]["var_freeze_step"], "binsgdm": 0}
+    for name in cases.CONFIGS:
+        verdicts = [rank[f"metrics/{name}"]["verdict"] for rank in job["ranks"]]
+        if job["size"] == 1:
+            assert verdicts == [None]
+            continue
+        for v in verdicts:
+            assert v["step"] == start[name] + 8 and v["fp32_s"] == verdicts[0]["fp32_s"] > 0, (name, v)
+            assert v["method_s"] > 0 and v["text"].startswith(f"hvd_quant: `{name}`"), (name, v)
+
+
 def test_torch_rounds_report_the_scales_they_send(job):
     """Issue 54: the 1-bit rounds' worker and server scales, the same on every rank;
     BinSGDM sends no scale."""

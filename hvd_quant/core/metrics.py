@@ -827,19 +827,24 @@ class PaysReport:
     second half of those steps; fp32 is timed when the line is made (:func:`time_fp32`), by
     every rank at the same step, between two steps so that no bucket is in flight; only
     rank 0 logs it. ``instead``: the adapter's words for what to use when the method does
-    not pay; ``compresses=False``: the owner reduces in fp32 (nothing to compare, no line)."""
+    not pay; ``compresses=False``: the owner reduces in fp32 (nothing to compare, no line).
+    ``start``: steps before the window counts them (a 1-bit optimizer's warm-up,
+    ``Rule.steady_after``): the line comes after ``start + after`` steps."""
 
-    def __init__(self, after, instead="", compresses=True):
+    def __init__(self, after, instead="", compresses=True, start=0):
         self.after = check_report_after(after)
         self.instead = instead
         self.compresses = bool(compresses)
+        self.start = int(start)
         self._window = None  # the metrics' sums where the window starts
 
-    def step_ended(self, metrics, method, backend, comm):
+    def step_ended(self, metrics, method, backend, comm, fp32_buckets=None):
         """Called by every rank after each recorded step (``metrics.steps`` counts them),
         with the owner's ``backend`` and ``comm``; returns the :class:`Verdict` at the step
-        it is made (also kept in ``metrics.verdict``), else ``None``."""
-        after, steps = self.after, metrics.steps
+        it is made (also kept in ``metrics.verdict``), else ``None``. ``fp32_buckets``: the
+        element counts fp32 would reduce, where they are not the metrics' buckets (a 1-bit
+        optimizer's buckets are its kinds of round; fp32 would reduce each group once)."""
+        after, steps = self.after, metrics.steps - self.start
         if not after or comm.size < 2 or not self.compresses:
             return None
         if steps == after // 2:
@@ -848,7 +853,7 @@ class PaysReport:
         if steps != after or self._window is None:
             return None
         per_step = per_step_between(self._window, window_mark(metrics))
-        buckets = [b.numel for b in metrics.buckets.values()]
+        buckets = list(fp32_buckets) if fp32_buckets else [b.numel for b in metrics.buckets.values()]
         start = time.perf_counter()
         fp32_s = time_fp32(backend, untimed(comm), buckets)
         metrics.leave_out(time.perf_counter() - start)  # not the next step's time

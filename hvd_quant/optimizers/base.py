@@ -276,6 +276,10 @@ class Rule:
     """
 
     name = "abstract"
+    #: Steps after which the rule's rounds are those it keeps from then on (after a warm-up
+    #: or a variance freeze): the "does it pay" line (core.metrics.PaysReport) measures
+    #: its window after them. 0: from the first step.
+    steady_after = 0
     param_slots = ()
     per_rank_slots = ()
     zero_if_missing = ()

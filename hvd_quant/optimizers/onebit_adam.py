@@ -120,6 +120,11 @@ class OnebitAdamRule(OnebitRoundsRule):
         self.bias_correction = bool(bias_correction)
         self.variance_floor = float(variance_floor)
 
+    @property
+    def steady_after(self):
+        """The warm-up's fp32 rounds end at ``freeze_step``: 1-bit rounds from then on."""
+        return self.freeze_step
+
     def variance_updates(self, B, state):
         """Warm-up steps so far, ``step - 1`` (the initialisation step updates nothing;
         skipped steps advance no counter): both moments are updated on each."""

@@ -227,6 +227,12 @@ class ZeroOneAdamRule(OnebitRoundsRule):
             counter = B.cast(counter, "float64")
         return self.var_update_scaler * _log2(B, state.scalar("var_interval")) + counter
 
+    @property
+    def steady_after(self):
+        """Past ``var_freeze_step`` the variance is frozen: local steps and 1-bit syncs
+        from then on (the rounds before it, fp32 variance rounds among them, end)."""
+        return self.var_freeze_step
+
     def frozen_variance_updates(self):
         """The full rounds of steps 2 .. ``var_freeze_step + 1`` (the freeze follows the
         first step past ``var_freeze_step``), counted on the schedule; the count stops

@@ -107,7 +107,7 @@ except ImportError:  # torch.distributed only (process_group=); the Horovod path
     hvd = None
 
 from ..core.guard import make_guard
-from ..core.metrics import DEFAULT_PROBE_EVERY, OwnerMetrics
+from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, OwnerMetrics, PaysReport
 from ..core.runner import (RankDisagreement, ValueAgreement, check_agreement, digest63,
                            disagreeing_groups, values_digest63)
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
@@ -184,13 +184,16 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, rule, defaults, named_parameters=None, process_set=None, seed=0,
                  sparse_as_dense=True, strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY,
-                 guard=False):
+                 guard=False, report_after=DEFAULT_REPORT_AFTER):
         super().__init__(params, defaults)
         # What the rounds do (opt.metrics(); hvd_quant.core.metrics): each group's rounds
         # are buffers "opt.g<i>.<phase>", a compressed one probed every probe_every, and
         # guarded (hvd_quant.core.guard) when guard= asks for it.
         self._metrics = OwnerMetrics(probe_every, ranges=torch.profiler.record_function,
                                      guard=make_guard(guard, rule, probe_every, _NONFINITE_HINT, DIVERGENCE_HINT))
+        # "Does it pay here?" after the warm-up (rule.steady_after) and report_after steps
+        # more: the rounds against an fp32 allreduce of each group, timed then.
+        self._report = PaysReport(report_after, _INSTEAD, start=rule.steady_after)
         # State and buffers on the parameters' device (the host when they are on several).
         self._device, self._mixed = home_device([p for g in self.param_groups for p in g["params"]],
                                                 f"hvd_quant.torch.{type(self).__name__}")
@@ -347,6 +350,8 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = not kept  # the verdict of every rank together (see GradScaler)
         self.skipped_steps += int(not kept)
         self._metrics.rule_step_ended(started, rounds_before)
+        self._report.step_ended(self._metrics, self._rule.name, self._B, self._comm,
+                                fp32_buckets=[sum(p.numel() for p in g["params"]) for g in self.param_groups])
         return loss
 
     def metrics(self):
@@ -580,7 +585,7 @@ class OnebitAdam(RuleOptimizer):
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
                  sparse_as_dense=True, strict=None, process_group=None,
                  variance_floor=DEFAULT_VARIANCE_FLOOR, probe_every=DEFAULT_PROBE_EVERY,
-                 guard=False):
+                 guard=False, report_after=DEFAULT_REPORT_AFTER):
         _deepspeed_arguments("OnebitAdam", "1-bit Adam", amsgrad, deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                              comm_backend_name)
         rule = OnebitAdamRule(freeze_step=freeze_step, scales=scales, bias_correction=bias_correction,
@@ -588,7 +593,8 @@ class OnebitAdam(RuleOptimizer):
         _warn_short_warm_up("OnebitAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict,
-                         process_group=process_group, probe_every=probe_every, guard=guard)
+                         process_group=process_group, probe_every=probe_every, guard=guard,
+                         report_after=report_after)
 
 
 class ZeroOneAdam(RuleOptimizer):
@@ -644,7 +650,7 @@ class ZeroOneAdam(RuleOptimizer):
                  eps_inside_sqrt=False, max_grad_norm=0.0, cuda_aware=False, comm_backend_name="nccl",
                  sparse_as_dense=True, strict=None, process_group=None,
                  variance_floor=DEFAULT_VARIANCE_FLOOR, probe_every=DEFAULT_PROBE_EVERY,
-                 guard=False):
+                 guard=False, report_after=DEFAULT_REPORT_AFTER):
         _deepspeed_arguments("ZeroOneAdam", "0/1 Adam", amsgrad, deepspeed, eps_inside_sqrt, max_grad_norm, cuda_aware,
                              comm_backend_name)
         rule = ZeroOneAdamRule(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
@@ -654,7 +660,8 @@ class ZeroOneAdam(RuleOptimizer):
         _warn_short_warm_up("ZeroOneAdam", rule, betas)
         super().__init__(params, rule, _defaults(lr, betas, eps, weight_decay, bias_correction),
                          named_parameters, process_set, sparse_as_dense=sparse_as_dense, strict=strict,
-                         process_group=process_group, probe_every=probe_every, guard=guard)
+                         process_group=process_group, probe_every=probe_every, guard=guard,
+                         report_after=report_after)
 
 
     @torch.no_grad()
@@ -714,7 +721,8 @@ class BinSGDM(RuleOptimizer):
 
     def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
                  weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True,
-                 strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY, guard=False):
+                 strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY, guard=False,
+                 report_after=DEFAULT_REPORT_AFTER):
         beta = single_beta(betas, beta)
         auto = ranks_per_node is None
         if auto:  # the layout of the ranks this optimizer reduces over, not of the world
@@ -722,9 +730,14 @@ class BinSGDM(RuleOptimizer):
         super().__init__(params, BinSGDMRule(ranks_per_node=ranks_per_node, seed=seed),
                          dict(lr=lr, betas=(beta,), eps=0.0, weight_decay=weight_decay),
                          named_parameters, process_set, seed=seed, sparse_as_dense=sparse_as_dense,
-                         strict=strict, process_group=process_group, probe_every=probe_every, guard=guard)
+                         strict=strict, process_group=process_group, probe_every=probe_every, guard=guard,
+                         report_after=report_after)
         self._auto_ranks_per_node = auto  # recomputed after an elastic reset
 
+
+#: The "does it pay" line's advice when the 1-bit rounds do not pay (PaysReport).
+_INSTEAD = ("Use Adam with hq.DistributedOptimizer here (compression=hq.Compression.none for fp32), or "
+            "hq.Compression.auto(), which measures the link and chooses per bucket.")
 
 #: The guard's advice when a 1-bit optimizer's averaged rounds stay non-finite
 #: (hvd_quant.core.guard): the divergence of issue 51's runs, and the loss scaler's case.

@@ -74,7 +74,7 @@ def flat_params(params):
     return np.concatenate([p.detach().numpy().reshape(-1) for p in params]).astype(np.float64).tolist()
 
 
-def run(name, steps=cases.STEPS, opt=None, params=None, start=0, drop=None, set_lr=True):
+def run(name, steps=cases.STEPS, opt=None, params=None, start=0, drop=None, set_lr=True, after_step=None):
     params = params or make_params()
     opt = opt or make_optimizer(name, params)
     # Horovod's communicator itself (a staging one wraps it, and runs fp32 rings on it)
@@ -87,6 +87,8 @@ def run(name, steps=cases.STEPS, opt=None, params=None, start=0, drop=None, set_
         before = calls[0]
         opt.step()
         per_step.append(calls[0] - before)
+        if after_step is not None:
+            after_step(s + 1)  # steps taken
     return params, opt, per_step
 
 
@@ -98,14 +100,20 @@ def train(name):
 
 def metrics_of(name):
     """Issue 54: the rounds measured, a probe every 4 rounds of a kind: the same parameters
-    as :func:`train`, the figures at the end (bucket names in order), the totals."""
+    as :func:`train`, the figures at the end (bucket names in order), the totals; the
+    "does it pay" line 8 steps after the warm-up (the step it came at, its fp32 time, text)."""
     params = make_params()
-    opt = make_optimizer(name, params, probe_every=4)
-    run(name, opt=opt, params=params)
+    opt = make_optimizer(name, params, probe_every=4, report_after=8)
+    verdicts = []
+    run(name, opt=opt, params=params,
+        after_step=lambda s: verdicts.append(s) if opt._metrics.verdict is not None and not verdicts else None)
     snap = opt.metrics()
     totals = sum(b.total["bytes_sent"] for b in opt._metrics.buckets.values())
+    verdict = opt._metrics.verdict
     return {"x": flat_params(params), "metrics": snap, "buckets": list(opt._metrics.buckets),
-            "bytes": opt.bytes_sent, "measured_bytes": totals}
+            "bytes": opt.bytes_sent, "measured_bytes": totals,
+            "verdict": verdict and {"step": verdicts[0], "fp32_s": verdict.fp32_s, "method_s": verdict.method_s,
+                                    "text": verdict.text}}
 
 
 def guarded(name):
