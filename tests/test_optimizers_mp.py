@@ -536,7 +536,7 @@ def test_keras_rounds_are_measured_and_guarded_without_changing_a_bit(tf_job, na
         assert run["x"] == rank[f"train/{name}/fn"]["x"]
         m = run["metrics"]
         assert m["steps"] == cases.STEPS and m["sync_s.mean"] > 0 and m["bytes_sent.mean"] > 0
-        assert run["config"] == {"metrics": True, "probe_every": 4, "guard": False}
+        assert run["config"] == {"metrics": True, "probe_every": 4, "guard": False, "report_after": 8}
         assert run["finite"] and run["loaded"]["buckets"] == run["guard"]["buckets"]
     for key in ("probes", "probe_rel_error", "probe_cosine", "scale_max", "skipped_steps"):
         assert len({repr(run["metrics"][key]) for run in runs}) == 1, key
@@ -546,6 +546,13 @@ def test_keras_rounds_are_measured_and_guarded_without_changing_a_bit(tf_job, na
     else:
         assert runs[0]["metrics"]["probes"] >= 2 and runs[0]["metrics"]["scale_max.mean"] > 0
         assert 1.0 in runs[0]["flags"]
+    # The "does it pay" line, 8 steps after the warm-up, with the same fp32 time everywhere.
+    start = {"onebit_adam": cases.CONFIGS["onebit_adam"]["freeze_step"],
+             "zero_one_adam": cases.CONFIGS["zero_one_adam"]["var_freeze_step"], "binsgdm": 0}[name]
+    for run in runs:
+        v = run["verdict"]
+        assert v["step"] == start + 8 and v["fp32_s"] == runs[0]["verdict"]["fp32_s"] > 0, v
+        assert v["text"].startswith(f"hvd_quant: `{name}`"), v
     fits = [_ok(rank[f"fit_metrics/{name}"]) for rank in tf_job["ranks"]]
     for rank, f in zip(tf_job["ranks"], fits):
         assert f["weights"] == rank[f"fit/{name}"]["weights"]

@@ -61,7 +61,7 @@ import tensorflow as tf
 from keras.optimizers import LossScaleOptimizer
 
 from ..core.guard import checked_guard
-from ..core.metrics import DEFAULT_PROBE_EVERY, OwnerMetrics, check_probe_every
+from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, OwnerMetrics, PaysReport, check_probe_every
 from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
@@ -141,16 +141,24 @@ class RuleOptimizer(keras.optimizers.Optimizer):
     ``tf.py_function`` when the graph runs: the eager code, with the same bits (the
     reason it is asked for, as on ``hvd_quant.tensorflow.DistributedOptimizer``). The
     guard (:mod:`hvd_quant.core.guard`) reads the probes of the 1-bit rounds and the
-    rounds' finiteness; its state is saved with :meth:`guard_state_dict`.
+    rounds' finiteness; its state is saved with :meth:`guard_state_dict`. With metrics on,
+    rank 0 logs whether the 1-bit rounds pay against fp32 on this link, ``report_after``
+    steps after the warm-up (``freeze_step``, ``var_freeze_step``; none for BinSGDM), as the
+    torch optimizers do.
     """
 
     # hvd_quant.tensorflow.DistributedOptimizer: do not reduce the gradients again.
     _hvd_quant_communicates = True
 
     def __init__(self, rule, learning_rate, hp, name, process_set=None, exp_avg_mask=None,
-                 sparse_as_dense=True, metrics=False, probe_every=DEFAULT_PROBE_EVERY, guard=False, **kwargs):
+                 sparse_as_dense=True, metrics=False, probe_every=DEFAULT_PROBE_EVERY, guard=False,
+                 report_after=DEFAULT_REPORT_AFTER, **kwargs):
         measured = _rule_metrics(rule, metrics, probe_every, guard)  # bad arguments refused first
+        # "Does it pay here?" after the warm-up (rule.steady_after) and report_after steps
+        # more, when metrics are on: the rounds against an fp32 allreduce, timed then.
+        report = PaysReport(report_after, INSTEAD, start=rule.steady_after)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        self._hq_report, self._report_after = report, report_after
         self._hq_metrics = measured
         self._metrics_on, self._probe_every, self._guard_option = metrics, probe_every, guard
         self._hq_sparse_as_dense = bool(sparse_as_dense)
@@ -318,10 +326,14 @@ class RuleOptimizer(keras.optimizers.Optimizer):
             return self._hq_rule.step(ctx)
 
         lr = tf.cast(learning_rate, tf.float32)
+        def step_ended():  # every rank, after the step: the "does it pay" line once
+            self._hq_report.step_ended(self._hq_metrics, self._hq_rule.name, B, self._comm(),
+                                       fp32_buckets=[sum(counts)])
+
         if self._hq_metrics is None:
             new_x = rule_step(g, x, lr)
         else:
-            new_x = _measured_step(rule_step, self._hq_metrics, g, x, lr)
+            new_x = _measured_step(rule_step, self._hq_metrics, g, x, lr, step_ended)
         self._write_back(variables, new_x)
 
     def _write_back(self, variables, new_x):
@@ -386,9 +398,14 @@ class RuleOptimizer(keras.optimizers.Optimizer):
         config.update(self._hq_hp)
         config["sparse_as_dense"] = self._hq_sparse_as_dense
         config.update(metrics=self._metrics_on, probe_every=self._probe_every,
-                      guard=guard_config(self._guard_option))
+                      guard=guard_config(self._guard_option), report_after=self._report_after)
         return config
 
+
+#: The "does it pay" line's advice when the 1-bit rounds do not pay (PaysReport).
+INSTEAD = ("Use the Keras optimizer with hvd_quant.tensorflow.DistributedOptimizer here "
+           "(compression=hq.Compression.none for fp32), or hq.Compression.auto(), which measures the link "
+           "and chooses per bucket.")
 
 #: The guard's advice when the rounds' averages stay non-finite (hvd_quant.core.guard).
 NONFINITE_HINT = (
@@ -405,14 +422,16 @@ def _rule_metrics(rule, metrics, probe_every, guard):
     return OwnerMetrics(probe_every, ranges=tf.profiler.experimental.Trace, guard=guard) if metrics else None
 
 
-def _measured_step(rule_step, metrics, g, x, lr):
+def _measured_step(rule_step, metrics, g, x, lr, step_ended):
     """``rule_step(g, x, lr, metrics)`` measured: eagerly at once, in a graph as one
     ``tf.py_function`` run when the graph runs (its rounds then run eagerly, with the
-    same bits), then the step recorded (:meth:`OwnerMetrics.rule_step_ended`)."""
+    same bits), then the step recorded (:meth:`OwnerMetrics.rule_step_ended`) and
+    ``step_ended()`` called."""
     def run(g, x, lr):
         started, before = time.perf_counter(), metrics.reduction_seconds()
         new_x = rule_step(g, x, lr, metrics)
         metrics.rule_step_ended(started, before)
+        step_ended()
         return new_x
 
     if tf.executing_eagerly():

@@ -187,9 +187,14 @@ def measured(name):
     """Issue 54: ``metrics=True`` in a tf.function (the rule's step in one py_function), a
     probe every 4 rounds of a kind: the parameters of :func:`train`, the figures; then a
     guard whose bound no probe meets (fallback flags per step) and its state loaded into
-    another optimizer."""
-    variables, opt = make_variables(), make_optimizer(name, metrics=True, probe_every=4)
-    apply_steps(opt, variables, 0, cases.STEPS, graph=True)
+    another optimizer; the "does it pay" line 8 steps after the warm-up (the step it came
+    at, its fp32 time and text)."""
+    variables, opt = make_variables(), make_optimizer(name, metrics=True, probe_every=4, report_after=8)
+    verdict_at = []
+    apply_steps(opt, variables, 0, cases.STEPS, graph=True,
+                per_step=lambda s: verdict_at.append(opt._hq_metrics.steps)
+                if opt._hq_metrics.verdict is not None and not verdict_at else None)
+    verdict = opt._hq_metrics.verdict
     flags = []
     guarded_vars = make_variables()
     guarded = make_optimizer(name, metrics=True, probe_every=1,
@@ -202,7 +207,8 @@ def measured(name):
     return {"x": flat(variables), "metrics": opt.metrics(), "buckets": list(opt._hq_metrics.buckets),
             "flags": flags, "guard": guarded.guard_state_dict(), "loaded": other.guard_state_dict(),
             "finite": bool(np.isfinite(flat(guarded_vars)).all()),
-            "config": {k: config[k] for k in ("metrics", "probe_every", "guard")}}
+            "config": {k: config[k] for k in ("metrics", "probe_every", "guard", "report_after")},
+            "verdict": verdict and {"step": verdict_at[0], "fp32_s": verdict.fp32_s, "text": verdict.text}}
 
 
 def fit(name, metrics=False):
