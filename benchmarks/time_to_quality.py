@@ -458,6 +458,65 @@ def table(key, by_method):
     return "\n".join(lines) + "\n"
 
 
+def horovod_twin(method):
+    """The Horovod row a torch.distributed row is the twin of (``ddp_ef_sign`` -> ``ef_sign``,
+    ``onebit_adam_dist`` -> ``onebit_adam``, ``ddp_fp32`` -> ``horovod_fp32``), or None."""
+    if method in ("ddp_fp32", "ddp_fp16"):
+        return "horovod_" + method[4:]
+    if method in TORCH_DISTRIBUTED_METHODS:
+        return method[4:] if method.startswith("ddp_") else method[:-len("_dist")]
+    return None
+
+
+def ms_per_step(run):
+    """``(ms by kind, ms per step over the run)`` from the cluster's steady time of each
+    kind of step, weighted by the run's own kinds (its schedule); ``None`` when untimed."""
+    per_kind = (run.get("derived") or {}).get("seconds_per_step_by_kind")
+    kinds = (run.get("history") or [{}])[-1].get("step_kinds") or {}
+    if not per_kind or not kinds or any(k not in per_kind for k in kinds):
+        return None
+    by_kind = {k: 1e3 * per_kind[k] for k in kinds}
+    return by_kind, sum(n * by_kind[k] for k, n in kinds.items()) / sum(kinds.values())
+
+
+def torch_distributed_table(key, by_method):
+    """Issue 55's rows beside DDP fp32, DDP PowerSGD and their Horovod twins: time per step
+    (steady, per kind, from the cluster's timing runs; a twin whose loss curve is not this
+    code's bits is still timed per step) and time to Horovod fp32's final loss."""
+    rows = [m for m in order(by_method) if m in TORCH_DISTRIBUTED_METHODS + ("ddp_fp32", "ddp_powersgd")]
+    if not rows:
+        return ""
+    fp32, psgd = by_method.get("horovod_fp32"), by_method.get("ddp_powersgd")
+    target = fp32["history"][-1]["val_loss"] if fp32 and fp32.get("status") != "mismatch" else None
+
+    def reach(run):
+        if run is None or target is None or run.get("status") == "mismatch":
+            return None
+        return time_to_reach(run, target)
+
+    base = ms_per_step(by_method["ddp_fp32"]) if "ddp_fp32" in by_method else None
+    psgd_t = reach(psgd)
+    lines = [f"#### {key[0]}: torch.distributed rows beside their Horovod twins", "",
+             "| row | ms/step by kind | ms/step over the run | vs DDP fp32 | Horovod twin | its ms/step | "
+             "vs twin | time to Horovod fp32's loss | vs DDP PowerSGD |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+    for name in rows:
+        r, twin = by_method[name], horovod_twin(name)
+        mine = ms_per_step(r)
+        other = ms_per_step(by_method[twin]) if twin in by_method else None
+        kinds = ", ".join(f"{k} {v:.0f}" for k, v in mine[0].items()) if mine else "–"
+        t = reach(r)
+        lines.append("| " + " | ".join([
+            name, kinds, f"{mine[1]:.0f}" if mine else "–",
+            f"{base[1] / mine[1]:.2f}x" if mine and base else "–",
+            twin or "–", f"{other[1]:.0f}" if other else "–",
+            f"{100.0 * (mine[1] - other[1]) / other[1]:+.1f}%" if mine and other else "–",
+            "not reached" if t is None and target is not None and r.get("status") in FINISHED
+            else (f"{t:.1f} s" if t is not None else "–"),
+            f"{psgd_t / t:.2f}x" if t and psgd_t else "–"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(key, by_method, path):
     try:
         import matplotlib
@@ -512,6 +571,7 @@ def report(out):
     parts = ["# Time to quality", ""]
     for key, by_method in sorted(group_runs(runs).items()):
         parts.append(table(key, by_method))
+        parts.append(torch_distributed_table(key, by_method))
         setting, schedule, seed = key
         png = plot(key, by_method, out / f"ttq-{setting}-{schedule}-s{seed}.png")
         if png is not None:

@@ -52,6 +52,37 @@ def test_table_compares_with_the_fp32_twin_and_marks_divergence():
     assert "4.00x" in row  # fp32 needs 30 s to reach 3.0, ef_sign 7.5 s
 
 
+def test_torch_distributed_rows_are_set_beside_ddp_fp32_powersgd_and_their_twins():
+    """Issue 55's table: steady ms per step per kind (weighted by the run's kinds), against
+    DDP fp32 and the Horovod twin; time to Horovod fp32's loss against DDP PowerSGD's. A
+    twin whose curve is another code's bits ("mismatch") still gives its time per step."""
+    def timed(method, losses, per_kind, kinds, status="complete"):
+        run = made_up_run(method, losses, status=status)
+        run["history"][-1]["step_kinds"] = kinds
+        run["derived"] = {"seconds_per_step_by_kind": per_kind}
+        return run
+
+    runs = {"horovod_fp32": timed("horovod_fp32", [8.0, 6.0, 4.0, 3.0], {"full": 1.0}, {"full": 30}),
+            "ddp_fp32": timed("ddp_fp32", [8.0, 6.0, 4.0, 3.0], {"full": 0.8}, {"full": 30}),
+            "ddp_powersgd": timed("ddp_powersgd", [8.0, 5.0, 3.0, 2.9], {"full": 0.9, "powersgd": 0.4},
+                                  {"full": 2, "powersgd": 28}),
+            "ef_sign": timed("ef_sign", [8.0, 7.0], {"ef_sign": 0.2}, {"ef_sign": 30}, status="mismatch"),
+            "ddp_ef_sign": timed("ddp_ef_sign", [8.0, 5.0, 4.0, 3.0], {"ddp_ef_sign": 0.25}, {"ddp_ef_sign": 30}),
+            "onebit_adam_dist": timed("onebit_adam_dist", [8.0, 9.0, 9.5, 9.9], {"full": 1.0, "onebit": 0.5},
+                                      {"full": 10, "onebit": 20})}
+    text = ttq.torch_distributed_table(("2x1-1gbit", "constant", 0), runs)
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"row", "ddp_fp32", "ddp_powersgd", "ddp_ef_sign", "onebit_adam_dist"}
+    # ddp_ef_sign: 250 ms against DDP fp32's 800 (3.20x) and ef_sign's 200 (+25%). On the
+    # runs' own clocks (1 s per step) it reaches fp32's final 3.0 at 30 s, PowerSGD at 20 s.
+    assert rows["ddp_ef_sign"][2:7] == ["250", "3.20x", "ef_sign", "200", "+25.0%"]
+    assert rows["ddp_powersgd"][1] == "full 900, powersgd 400" and rows["ddp_powersgd"][2] == "433"
+    assert rows["onebit_adam_dist"][2] == "667" and rows["onebit_adam_dist"][7] == "not reached"
+    assert rows["ddp_ef_sign"][7] == "30.0 s" and rows["ddp_ef_sign"][8] == "0.67x |"
+    assert ttq.horovod_twin("ddp_fp32") == "horovod_fp32" and ttq.horovod_twin("binsgdm_dist") == "binsgdm"
+    assert ttq.torch_distributed_table(("2x1-1gbit", "constant", 0), {"ef_sign": runs["ef_sign"]}) == ""
+
+
 def test_time_curves_time_every_phase_and_refuse_unequal_losses():
     """The issue's shortcut: a loopback loss curve on the cluster's time. Which steps to
     time, the time per kind (first step charged once), and the bit-for-bit check."""
