@@ -841,9 +841,10 @@ class PaysReport:
     def step_ended(self, metrics, method, backend, comm, fp32_buckets=None):
         """Called by every rank after each recorded step (``metrics.steps`` counts them),
         with the owner's ``backend`` and ``comm``; returns the :class:`Verdict` at the step
-        it is made (also kept in ``metrics.verdict``), else ``None``. ``fp32_buckets``: the
-        element counts fp32 would reduce, where they are not the metrics' buckets (a 1-bit
-        optimizer's buckets are its kinds of round; fp32 would reduce each group once)."""
+        it is made (also kept in ``metrics.verdict``), else ``None``. ``fp32_buckets``: a
+        callable giving the element counts fp32 would reduce, where they are not the
+        metrics' buckets (a 1-bit optimizer's buckets are its kinds of round; fp32 would
+        reduce each group once); called only when the line is made."""
         after, steps = self.after, metrics.steps - self.start
         if not after or comm.size < 2 or not self.compresses:
             return None
@@ -853,7 +854,7 @@ class PaysReport:
         if steps != after or self._window is None:
             return None
         per_step = per_step_between(self._window, window_mark(metrics))
-        buckets = list(fp32_buckets) if fp32_buckets else [b.numel for b in metrics.buckets.values()]
+        buckets = list(fp32_buckets()) if fp32_buckets else [b.numel for b in metrics.buckets.values()]
         start = time.perf_counter()
         fp32_s = time_fp32(backend, untimed(comm), buckets)
         metrics.leave_out(time.perf_counter() - start)  # not the next step's time

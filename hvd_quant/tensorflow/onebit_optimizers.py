@@ -326,9 +326,10 @@ class RuleOptimizer(keras.optimizers.Optimizer):
             return self._hq_rule.step(ctx)
 
         lr = tf.cast(learning_rate, tf.float32)
+
         def step_ended():  # every rank, after the step: the "does it pay" line once
             self._hq_report.step_ended(self._hq_metrics, self._hq_rule.name, B, self._comm(),
-                                       fp32_buckets=[sum(counts)])
+                                       fp32_buckets=lambda: [sum(counts)])
 
         if self._hq_metrics is None:
             new_x = rule_step(g, x, lr)

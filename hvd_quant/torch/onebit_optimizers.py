@@ -351,8 +351,12 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.skipped_steps += int(not kept)
         self._metrics.rule_step_ended(started, rounds_before)
         self._report.step_ended(self._metrics, self._rule.name, self._B, self._comm,
-                                fp32_buckets=[sum(p.numel() for p in g["params"]) for g in self.param_groups])
+                                fp32_buckets=self._group_sizes)
         return loss
+
+    def _group_sizes(self):
+        """Elements per param group: what fp32 would reduce, one allreduce a group."""
+        return [sum(p.numel() for p in g["params"]) for g in self.param_groups]
 
     def metrics(self):
         """What the rounds did, as ``hq.DistributedOptimizer.metrics()`` gives it (a dict of
