@@ -151,6 +151,28 @@ def kill_job(leader, tree=False):
         os.killpg(leader, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    _wait_gone(victims)
+
+
+def _wait_gone(pids, limit=10.0):
+    """Return once none of ``pids`` runs any more (gone, or a zombie waiting to be reaped),
+    or after ``limit`` seconds. SIGKILL is delivered asynchronously: on a loaded machine a
+    killed rank still ran for a moment after kill_job returned (seen once in CI, where a
+    test then found the "killed" job's processes alive)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in ("Z", "X"):
+                alive.append(pid)
+        if not alive:
+            return
+        pids = alive
+        time.sleep(0.05)
 
 
 def _descendants(pid):
