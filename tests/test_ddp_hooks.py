@@ -216,9 +216,41 @@ def _worker(outdir):
                           "buckets": len(tst.runner.metrics.buckets), "live": len(tst._live),
                           "verdict": (verdict.fp32_s, verdict.method_s, verdict.text) if verdict else None}
 
+    # The guard (issue 54): a bound no probe meets, so the bucket falls back to fp32 after
+    # two probes, for two iterations, then runs the method again; a checkpoint taken in the
+    # fallback resumes it in a fresh DDP model and hook state.
+    def guarded_run(steps, saved=None):
+        model = DDP(Probe())
+        gst, hook = hqddp.comm_hook(Compression.ef_sign, model=model, probe_every=1,
+                                    guard={"error_bound": 1e-9, "patience": 2, "fallback_steps": 2})
+        model.register_comm_hook(gst, hook)
+        if saved is not None:
+            gst.load_state_dict(saved)
+        rows, checkpoint = [], None
+        for step in steps:
+            model.zero_grad(set_to_none=True)
+            model([torch.from_numpy(probe_grad(rank, step, 0, i)) for i in range(len(PROBE_SHAPES))]).backward()
+            rows.append((torch.cat([getattr(model.module, nm).grad.reshape(-1) for nm in reversed(probe_names())]),
+                         gst.metrics()["fallback"]))
+            if step == 2:
+                checkpoint = gst.state_dict()
+        return rows, checkpoint, gst
+    rows, checkpoint, gst = guarded_run(range(6))
+    resumed, _, _ = guarded_run(range(3, 6), checkpoint)
+    again = torch.load(io.BytesIO(_saved(gst)), weights_only=False)
+    results["guard"] = {"rows": rows, "resumed": resumed, "checkpoint": checkpoint["guard"],
+                        "fallbacks": gst.metrics()["fallbacks"], "pickled": again._guard.settings == gst._guard.settings}
+
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _saved(obj):
+    import torch
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def _collectives(rank, n):
@@ -495,6 +527,44 @@ def test_hook_metrics_probe_the_exact_mean_and_follow_rebuilt_buckets(job):
         fp32_s, method_s, text = m["verdict"]
         assert fp32_s == ranks[0]["metrics"]["verdict"][0] and fp32_s > 0 and method_s > 0
         assert text.startswith("hvd_quant: `ef_sign`") and "fp32's took" in text, text
+
+
+def test_the_guard_falls_back_on_every_rank_and_resumes_from_a_checkpoint(job):
+    """Issue 54 on the hooks: with a bound no probe meets, the bucket falls back to fp32
+    after ``patience`` probes, on every rank at the same iteration, for ``fallback_steps``
+    iterations: its mean is then the exact fp32 mean. A checkpoint taken in the fallback
+    resumes it (the same bits and flags), and the settings survive pickling."""
+    n, ranks = job
+    flags = [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    for r in ranks:
+        g = r["guard"]
+        assert [f for _, f in g["rows"]] == flags and g["fallbacks"] == 2 and g["pickled"]
+        assert g["checkpoint"] == ranks[0]["guard"]["checkpoint"]
+        (bucket,) = g["checkpoint"]["buckets"].values()
+        assert bucket["fallback_left"] == 1 and bucket["fallbacks"] == 1
+        for step, (grad, fallback) in enumerate(g["rows"]):
+            exact = np.mean([np.concatenate([probe_grad(q, step, 0, i).ravel()
+                                             for i in reversed(range(len(PROBE_SHAPES)))]) for q in range(n)],
+                            axis=0, dtype=np.float64)
+            close = np.allclose(grad.numpy(), exact, rtol=1e-5, atol=1e-6)
+            assert close == bool(fallback), (step, fallback)  # ef_sign's mean is far from it
+            np.testing.assert_array_equal(grad.numpy(), ranks[0]["guard"]["rows"][step][0].numpy())
+        for (grad, fallback), (want, want_fallback) in zip(g["resumed"], g["rows"][3:]):
+            assert fallback == want_fallback
+            np.testing.assert_array_equal(grad.numpy(), want.numpy())
+
+
+def test_a_bad_guard_is_refused_when_the_hook_is_made():
+    import hvd_quant.torch as hq
+    with pytest.raises(ValueError, match="probe_every=0"):
+        hq.ddp.comm_hook(hq.Compression.ef_sign, probe_every=0, guard=True)
+    with pytest.raises(ValueError, match="error_bound"):
+        hq.ddp.comm_hook(hq.Compression.ef_sign, guard={"error_bound": -1})
+    with pytest.raises(ValueError, match="unknown settings"):
+        hq.ddp.CompressorHookState(hq.Compression.marsit, guard={"bound": 2})
+    state, _ = hq.ddp.comm_hook(hq.Compression.auto(), probe_every=0)  # auto's own: the non-finite check
+    assert state._guard is not None and "guard" in state.state_dict()
+    assert hq.ddp.comm_hook(hq.Compression.ef_sign)[0]._guard is None  # off by default
 
 
 @pytest.mark.parametrize("method", ALL)

@@ -217,6 +217,7 @@ class Guard:
         self._warned_nonfinite = False
         self._scales = {}  # bucket key -> deque of its last SCALE_WINDOW largest scales
         self._warned_scale = False
+        self._dropped_fallbacks = 0  # the fallbacks of buckets dropped by forget()
 
     def _bucket(self, key):
         return self.buckets.setdefault(key, _BucketState())
@@ -311,9 +312,18 @@ class Guard:
         self._scales.clear()
         self._bad_run, self._last_bad, self._latest = 0, None, 0
 
+    def forget(self, key):
+        """Drop bucket ``key``'s state: its owner no longer reduces it (DDP rebuilt its
+        buckets; every rank drops the same buffer at the same step). Its fallbacks still
+        count in :meth:`fallbacks`."""
+        state = self.buckets.pop(key, None)
+        if state is not None:
+            self._dropped_fallbacks += state.fallbacks
+        self._scales.pop(key, None)
+
     def fallbacks(self):
         """Times any bucket fell back so far."""
-        return sum(state.fallbacks for state in self.buckets.values())
+        return self._dropped_fallbacks + sum(state.fallbacks for state in self.buckets.values())
 
     # --- checkpoints --------------------------------------------------------------------------
     def state_dict(self):
@@ -322,6 +332,7 @@ class Guard:
         run = self._bad_run if self._last_bad is not None and self._last_bad == self._latest else 0
         return {"settings": asdict(self.settings), "nonfinite_run": run,
                 "warned_nonfinite": self._warned_nonfinite, "warned_scale": self._warned_scale,
+                "dropped_fallbacks": self._dropped_fallbacks,
                 "buckets": {str(k): state.to_dict() for k, state in self.buckets.items()}}
 
     def load_state_dict(self, state):
@@ -334,3 +345,4 @@ class Guard:
         self._latest = 0
         self._warned_nonfinite = bool(state.get("warned_nonfinite", False))
         self._warned_scale = bool(state.get("warned_scale", False))
+        self._dropped_fallbacks = int(state.get("dropped_fallbacks", 0))

@@ -403,8 +403,10 @@ class OwnerMetrics:
     def forget(self, group):
         """Drop buffer ``group``'s figures: the owner no longer reduces it (DDP rebuilt its
         buckets after the first step), so its last step must not count in the sums. Its
-        number goes to the next new bucket."""
+        number goes to the next new bucket; the guard drops its state too."""
         self.buckets.pop(group, None)
+        if self.guard is not None:
+            self.guard.forget(group)
 
     def restart(self):
         """Count reductions towards the next probe from zero on every bucket: after an

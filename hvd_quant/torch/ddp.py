@@ -83,6 +83,12 @@ are dropped, and the new ones count their reductions towards a probe from zero. 
 fp32 allreduce of the same buckets timed then, in the last bucket's hook
 (:class:`~hvd_quant.core.metrics.PaysReport`, as ``hq.DistributedOptimizer`` does).
 
+The guard (``guard=``, :mod:`hvd_quant.core.guard`; off by default, on for ``auto``): a
+bucket whose probes stay above the bound is reduced by one fp32 allreduce for its next
+``fallback_steps`` iterations, as in ``hq.DistributedOptimizer``. Its state is keyed by
+the fused buffer (the set of its parameters, as the error feedback is), goes into
+``state.state_dict()``, and is dropped with the figures of a buffer DDP stops using.
+
 ``no_sync()`` (gradient accumulation), ``gradient_as_bucket_view=True``,
 ``static_graph=True`` and ``find_unused_parameters=True`` need nothing special: the hook
 sees the bucket as DDP fills it.
@@ -93,6 +99,7 @@ import time
 
 import torch
 
+from ..core.guard import DIVERGENCE_HINT, checked_guard
 from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, PaysReport, check_probe_every
 from ..core.pipeline import chunked_reduce
 from ..core.runner import digest63
@@ -128,6 +135,10 @@ class CompressorHookState:
         logs one line saying whether the method pays on this link against DDP's own fp32
         allreduce, timed then on the same buckets
         (:class:`~hvd_quant.core.metrics.PaysReport`).
+    guard : bool, dict, GuardSettings or None
+        As ``hq.DistributedOptimizer``'s (:mod:`hvd_quant.core.guard`): ``None`` leaves it
+        to the method (on for ``auto``), ``True`` the defaults, a dict some settings. A bad
+        setting, or a guard with ``probe_every=0``, is a ``ValueError`` here.
 
     Attributes
     ----------
@@ -139,9 +150,13 @@ class CompressorHookState:
     """
 
     def __init__(self, compression, process_group=None, model=None, pipeline_chunk_mb=None,
-                 strict=None, probe_every=DEFAULT_PROBE_EVERY, report_after=DEFAULT_REPORT_AFTER):
+                 strict=None, probe_every=DEFAULT_PROBE_EVERY, report_after=DEFAULT_REPORT_AFTER,
+                 guard=None):
         self.compression = _compressor(compression)
         self.probe_every = check_probe_every(probe_every)
+        self.guard = guard  # as given (pickled); the Guard itself is the metrics' guard
+        self._guard = checked_guard(True, guard, self.compression.algorithm_for(False), self.probe_every,
+                                    _NONFINITE_HINT, DIVERGENCE_HINT)
         self.report_after = report_after
         self._report = PaysReport(report_after, _INSTEAD, compresses=self.compression.name != "none")
         self.process_group = process_group
@@ -194,7 +209,7 @@ class CompressorHookState:
         # exists on its members only): an empty scope keeps the first-step check comparing
         # the model, not how many hook states each process made before.
         self.runner.scope = ""
-        self.runner.observe(self.probe_every, ranges=torch.profiler.record_function)
+        self.runner.observe(self.probe_every, ranges=torch.profiler.record_function, guard=self._guard)
         if self._pending is not None:
             self._apply(self._pending)
             self._pending = None
@@ -256,17 +271,24 @@ class CompressorHookState:
         return self.runner.metrics.snapshot() if self.runner is not None else {}
 
     def state_dict(self):
-        """This rank's compressor state: error feedback per parameter and the random
-        streams' positions (torch tensors: ``torch.load(weights_only=True)`` reads it)."""
+        """This rank's compressor state: error feedback per parameter, the random streams'
+        positions (torch tensors: ``torch.load(weights_only=True)`` reads it) and, with a
+        guard, the guard's (plain numbers, the same on every rank)."""
         if self.runner is None:
-            return dict(self._pending) if self._pending is not None else {
+            saved = dict(self._pending) if self._pending is not None else {
                 "compressor": repr(self.compression), "state": {}, "rng": {}}
-        return {"compressor": repr(self.compression),
-                "state": {k: torch.from_numpy(v) for k, v in self.runner.state_dict().items()},
-                "rng": {int(r): int(c) for r, c in self.runner.rng_state().items()}}
+        else:
+            saved = {"compressor": repr(self.compression),
+                     "state": {k: torch.from_numpy(v) for k, v in self.runner.state_dict().items()},
+                     "rng": {int(r): int(c) for r, c in self.runner.rng_state().items()}}
+        if self._guard is not None:
+            saved["guard"] = self._guard.state_dict()
+        return saved
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict`'s output (before or after the first step)."""
+        if self._guard is not None and "guard" in state:
+            self._guard.load_state_dict(state["guard"])
         state = {"compressor": state.get("compressor"), "state": dict(state.get("state", {})),
                  "rng": dict(state.get("rng", {}))}
         if self.runner is None:
@@ -285,17 +307,25 @@ class CompressorHookState:
         # As PowerSGD's state: everything but the process group (and what is bound to it).
         return {"compression": self.compression, "pipeline_chunk_mb": self.pipeline_chunk_mb,
                 "strict": self.strict, "probe_every": self.probe_every, "report_after": self.report_after,
-                "saved": self.state_dict()}
+                "guard": self.guard, "saved": self.state_dict()}
 
     def __setstate__(self, d):
         self.__init__(d["compression"], None, None, d["pipeline_chunk_mb"], d["strict"],
-                      d.get("probe_every", DEFAULT_PROBE_EVERY), d.get("report_after", DEFAULT_REPORT_AFTER))
+                      d.get("probe_every", DEFAULT_PROBE_EVERY), d.get("report_after", DEFAULT_REPORT_AFTER),
+                      d.get("guard"))
         self.load_state_dict(d["saved"])
 
 
 #: The "does it pay" line's advice when the method does not pay (PaysReport).
 _INSTEAD = ("Use DDP's own allreduce here (no communication hook), or hq.Compression.auto(), which "
             "measures the link and chooses per bucket.")
+
+#: The guard's advice when the averaged gradient stays non-finite (hvd_quant.core.guard).
+_NONFINITE_HINT = (
+    "Without a loss scaler, the first such step already wrote inf or NaN into the parameters and every "
+    "later step follows: check the data and the loss, and lower the learning rate (or warm it up). With "
+    "torch.amp.GradScaler the scale was halved at each of these steps and no step came out finite, so "
+    "the scale is not the cause either: the same applies.")
 
 
 class _Layout:
@@ -346,7 +376,7 @@ def compressor_hook(state, bucket):
 
 def comm_hook(compression=Compression.ef_sign, process_group=None, model=None,
               pipeline_chunk_mb=None, strict=None, probe_every=DEFAULT_PROBE_EVERY,
-              report_after=DEFAULT_REPORT_AFTER):
+              report_after=DEFAULT_REPORT_AFTER, guard=None):
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     ``compression``: ``hq.Compression.<name>`` (or its name); ``process_group``: the one
@@ -355,7 +385,7 @@ def comm_hook(compression=Compression.ef_sign, process_group=None, model=None,
     :class:`CompressorHookState`'s."""
     state = CompressorHookState(compression, process_group=process_group, model=model,
                                 pipeline_chunk_mb=pipeline_chunk_mb, strict=strict,
-                                probe_every=probe_every, report_after=report_after)
+                                probe_every=probe_every, report_after=report_after, guard=guard)
     return state, compressor_hook
 
 
