@@ -33,7 +33,10 @@ which are set so that every timed step communicates at 1 bit):
   (``var_freeze_step=1``: a 1-bit sync at every step, its most expensive step) and
   ``opt=binsgdm``;
 * ``tape:<name>``: a custom loop, ``tf.function`` around ``hq.DistributedGradientTape``
-  and ``Adam.apply_gradients``.
+  and ``Adam.apply_gradients``;
+* ``<compressor>@probe<N>``: the compressor row with ``metrics=True, probe_every=N``
+  (``report_after=0``, as ``benchmarks/monitoring_overhead.py`` sets it): what issue 54's
+  metrics cost in Keras, against the same row without ``@`` (metrics off, the default).
 
 Timing protocol: the baseline and the floor are built once and live for the whole job.
 Each method in turn is built, warmed up (tracing, first-step checks, the optimizers'
@@ -96,6 +99,17 @@ def parse_config(config):
     return name, dict(kv.split("=", 1) for kv in text.split(",") if kv)
 
 
+def metrics_options(suffix):
+    """``DistributedOptimizer``'s monitoring arguments for a label's ``@`` suffix:
+    ``probe<N>`` is ``metrics=True, probe_every=N`` without the "does it pay" line; none
+    is metrics off (the default)."""
+    if not suffix:
+        return {}
+    if not suffix.startswith("probe") or not suffix[len("probe"):].isdigit():
+        raise SystemExit(f"keras_bench_worker: unknown suffix @{suffix} (expected @probe<N>, e.g. @probe0)")
+    return {"metrics": True, "probe_every": int(suffix[len("probe"):]), "report_after": 0}
+
+
 class BatchTimer:
     """Keras callback: the seconds of every training batch (begin to end)."""
 
@@ -141,9 +155,11 @@ class Method:
                    "binsgdm": lambda: hq.BinSGDM(args.lr)}[name]()
             self.warmup = {"onebit_adam": 4, "zero_one_adam": 3, "binsgdm": 2}[name]
         else:
-            name, options = parse_config(label)
+            config, _, measured = label.partition("@")
+            name, options = parse_config(config)
             opt = hq.DistributedOptimizer(keras.optimizers.Adam(args.lr),
-                                          compression=hq.Compression.get(name, **options))
+                                          compression=hq.Compression.get(name, **options),
+                                          **metrics_options(measured))
         self.opt = opt
         self.model.compile(optimizer=opt, loss=loss, jit_compile=False)
 
