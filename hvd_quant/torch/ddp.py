@@ -106,6 +106,7 @@ from ..core.runner import digest63
 from ..core.state import StateStore, layout_digest
 from .compression import Compression, TorchCompressor
 from .dist_comm import DistComm
+from .monitoring import NONFINITE_HINT
 
 __all__ = ["CompressorHookState", "comm_hook", "compressor_hook", "register"]
 
@@ -156,7 +157,7 @@ class CompressorHookState:
         self.probe_every = check_probe_every(probe_every)
         self.guard = guard  # as given (pickled); the Guard itself is the metrics' guard
         self._guard = checked_guard(True, guard, self.compression.algorithm_for(False), self.probe_every,
-                                    _NONFINITE_HINT, DIVERGENCE_HINT)
+                                    NONFINITE_HINT, DIVERGENCE_HINT)
         self.report_after = report_after
         self._report = PaysReport(report_after, _INSTEAD, compresses=self.compression.name != "none")
         self.process_group = process_group
@@ -319,13 +320,6 @@ class CompressorHookState:
 #: The "does it pay" line's advice when the method does not pay (PaysReport).
 _INSTEAD = ("Use DDP's own allreduce here (no communication hook), or hq.Compression.auto(), which "
             "measures the link and chooses per bucket.")
-
-#: The guard's advice when the averaged gradient stays non-finite (hvd_quant.core.guard).
-_NONFINITE_HINT = (
-    "Without a loss scaler, the first such step already wrote inf or NaN into the parameters and every "
-    "later step follows: check the data and the loss, and lower the learning rate (or warm it up). With "
-    "torch.amp.GradScaler the scale was halved at each of these steps and no step came out finite, so "
-    "the scale is not the cause either: the same applies.")
 
 
 class _Layout:

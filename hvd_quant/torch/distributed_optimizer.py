@@ -89,6 +89,7 @@ from ..optimizers.base import same_memory
 from ..process_sets import includes_this_rank
 from .compression import Compression
 from .devices import BucketStreams, home_device
+from .monitoring import NONFINITE_HINT
 from .sparse import fill_flat, kept_flat
 from .staging import host_bytes, make_comm
 
@@ -484,12 +485,8 @@ _INSTEAD = ("Use fp32 here (compression=hq.Compression.none), or hq.Compression.
             "the link and chooses per bucket.")
 
 #: The guard's advice when the averaged gradient stays non-finite (hvd_quant.core.guard).
-_NONFINITE_HINT = (
-    "Without a loss scaler, the first such step already wrote inf or NaN into the parameters and every "
-    "later step follows: check the data and the loss, and lower the learning rate (or warm it up). With "
-    "torch.amp.GradScaler the scale was halved at each of these steps and no step came out finite, so "
-    "the scale is not the cause either: the same applies. Reduce before unscaling (opt.synchronize(); "
-    "scaler.unscale_(opt); with opt.skip_synchronize(): scaler.step(opt)).")
+_NONFINITE_HINT = NONFINITE_HINT + (" Reduce before unscaling (opt.synchronize(); scaler.unscale_(opt); "
+                                    "with opt.skip_synchronize(): scaler.step(opt)).")
 
 
 def _checked_guard(guard, compression, probe_every, adaptive=False, metrics=True):

@@ -80,3 +80,12 @@ class TensorBoardWriter:
     def close(self):
         """Stop writing (removes the step hook); the writer stays open."""
         self._hook.remove()
+
+
+#: The guard's advice when the averaged gradient stays non-finite (hvd_quant.core.guard),
+#: for every torch owner: ``hq.DistributedOptimizer`` adds how to reduce before unscaling.
+NONFINITE_HINT = (
+    "Without a loss scaler, the first such step already wrote inf or NaN into the parameters and every "
+    "later step follows: check the data and the loss, and lower the learning rate (or warm it up). With "
+    "torch.amp.GradScaler the scale was halved at each of these steps and no step came out finite, so "
+    "the scale is not the cause either: the same applies.")
