@@ -129,9 +129,7 @@ def _worker(outdir):
 
     # The state pickles (as PowerSGD's does) without its process group, and keeps its bits.
     _, _, st = probe_run("global_qsgd", "plain", 1)
-    buf = io.BytesIO()
-    torch.save(st, buf)
-    again = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    again = _pickled(st)
     a, b = st.state_dict(), again.state_dict()
     results["pickled"] = (a["rng"] == b["rng"] and a["state"].keys() == b["state"].keys()
                           and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
@@ -237,7 +235,7 @@ def _worker(outdir):
         return rows, checkpoint, gst
     rows, checkpoint, gst = guarded_run(range(6))
     resumed, _, _ = guarded_run(range(3, 6), checkpoint)
-    again = torch.load(io.BytesIO(_saved(gst)), weights_only=False)
+    again = _pickled(gst)
     results["guard"] = {"rows": rows, "resumed": resumed, "checkpoint": checkpoint["guard"],
                         "fallbacks": gst.metrics()["fallbacks"], "pickled": again._guard.settings == gst._guard.settings}
 
@@ -246,11 +244,12 @@ def _worker(outdir):
     dist.destroy_process_group()
 
 
-def _saved(obj):
+def _pickled(obj):
+    """``obj`` through ``torch.save`` and ``torch.load`` (a hook state, as a checkpoint holds it)."""
     import torch
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return buf.getvalue()
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
 
 
 def _collectives(rank, n):

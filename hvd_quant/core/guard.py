@@ -311,6 +311,7 @@ class Guard:
         self.buckets.clear()
         self._scales.clear()
         self._bad_run, self._last_bad, self._latest = 0, None, 0
+        self._dropped_fallbacks = 0
 
     def forget(self, key):
         """Drop bucket ``key``'s state: its owner no longer reduces it (DDP rebuilt its

@@ -121,7 +121,7 @@ class DistComm(Communicator):
         # The receive is posted before the send. Over Gloo, with the send posted first, one
         # exchange in three or so ran one way and then the other: 14.7 MB each way took
         # 2.4 s instead of 1.2 s at 100 Mbit/s, and the 1-bit optimizers' fp32 rounds
-        # (a ring of these) 1.6x Horovod's (benchmarks/reference/ddp-2026-12-03/README.md).
+        # (a ring of these) 1.6x Horovod's (benchmarks/reference/ddp-2026-12-03/gloo-exchange/).
         ops = [dist.P2POp(dist.irecv, out, self._global(source), self.group),
                dist.P2POp(dist.isend, x, self._global(dest), self.group)]
         works = dist.batch_isend_irecv(ops)
