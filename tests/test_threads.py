@@ -208,3 +208,24 @@ def test_prepare_loads_every_kernel_so_no_later_call_compiles():
     assert before > 0
     kernels.warm_up()  # every signature the methods use is already there
     assert kernels.loaded_signatures() == before
+
+
+def test_importing_the_torch_adapter_builds_no_compressor_so_the_threads_check_waits_for_the_call():
+    """``import hvd_quant.torch`` comes before a user's ``torch.set_num_threads``: a
+    compressor built at import (a default argument) would load the kernels then and warn
+    about threads the user is about to set. The check belongs to the first compressor."""
+    pytest.importorskip("torch")
+    script = ("import logging, sys; logging.basicConfig(stream=sys.stdout, format='%(message)s'); "
+              "import torch; torch.set_num_threads(64); "
+              "import hvd_quant.torch as hq; from hvd_quant import kernels; "
+              "print('loaded at import:', kernels.loaded_signatures()); "
+              "hq.Compression.ef_sign; print('built')")
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_NUM_THREADS", "HVD_QUANT_THREADS",
+                                                            threads._OWN_MARK)}
+    env.update(HOROVOD_LOCAL_SIZE="2", HOROVOD_RANK="0")
+    out = subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True,
+                         text=True, timeout=300).stdout
+    at_import, at_build = out.split("loaded at import:")
+    assert "intra-op threads" not in at_import, out
+    assert at_build.startswith(" 0\n"), out  # no kernel loaded either
+    assert "torch uses 64 intra-op threads per rank with 2 ranks" in at_build, out

@@ -368,12 +368,14 @@ def compressor_hook(state, bucket):
     return fut
 
 
-def comm_hook(compression=Compression.ef_sign, process_group=None, model=None,
+def comm_hook(compression="ef_sign", process_group=None, model=None,
               pipeline_chunk_mb=None, strict=None, probe_every=DEFAULT_PROBE_EVERY,
               report_after=DEFAULT_REPORT_AFTER, guard=None):
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
-    ``compression``: ``hq.Compression.<name>`` (or its name); ``process_group``: the one
+    ``compression``: ``hq.Compression.<name>`` (or its name; the default is a name, since
+    building a compressor loads its kernels and checks the host's threads, which belongs to
+    the call, not to ``import hvd_quant.torch``); ``process_group``: the one
     given to DDP (``None``: the world); ``model``: the DDP module, for the parameter names
     that key the state (recommended; see the module docstring). The other arguments are
     :class:`CompressorHookState`'s."""
@@ -383,7 +385,7 @@ def comm_hook(compression=Compression.ef_sign, process_group=None, model=None,
     return state, compressor_hook
 
 
-def register(ddp_model, compression=Compression.ef_sign, process_group=None, **options):
+def register(ddp_model, compression="ef_sign", process_group=None, **options):
     """Register the hook on ``ddp_model`` (named from it) and return its state."""
     state, hook = comm_hook(compression, process_group=process_group, model=ddp_model, **options)
     ddp_model.register_comm_hook(state, hook)
