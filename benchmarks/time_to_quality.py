@@ -527,15 +527,19 @@ def plot(key, by_method, path):
         return None
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     twin = twin_of(None, by_method)
+    # 17 methods and more: matplotlib's default cycle repeats after 10, so two rows would share
+    # a colour; tab20 gives each of 20 its own (black for the fp32 twin).
+    colours = iter(plt.get_cmap("tab20").colors)
     for name in order(by_method):
         hist = [row for row in by_method[name].get("history", []) if math.isfinite(row["val_loss"])]
         if not hist:
             continue
         style = "-" if name not in ONEBIT_OPTIMIZERS else "--"
-        width = 2.5 if by_method[name] is twin else 1.2
+        is_twin = by_method[name] is twin
+        width, colour = (2.5, "black") if is_twin else (1.2, next(colours, None))
         label = name + (" (diverged)" if by_method[name].get("status") == "diverged" else "")
-        ax_t.plot([r["train_time_s"] for r in hist], [r["val_loss"] for r in hist], style, lw=width, label=label)
-        ax_s.plot([r["step"] for r in hist], [r["val_loss"] for r in hist], style, lw=width, label=label)
+        for ax, x in ((ax_t, "train_time_s"), (ax_s, "step")):
+            ax.plot([r[x] for r in hist], [r["val_loss"] for r in hist], style, lw=width, color=colour, label=label)
     if twin is not None:
         for ax in (ax_t, ax_s):
             ax.axhline(twin["history"][-1]["val_loss"], color="grey", ls=":", lw=1)
