@@ -416,6 +416,19 @@ def full_precision_mean(B, comm, g, name):
     :mod:`hvd_quant.core.ring`), so every rank ends with the same bits; Horovod's own
     float allreduce over Gloo was seen to round differently on different ranks, which
     would let the ranks' parameters drift apart. Same bytes as Horovod's allreduce.
+
+    At 2 ranks the transport's own allreduce instead: every algorithm then adds the same
+    two floats once, and float addition is commutative, so the bits are the ring's on both
+    ranks. It is there for speed. A 2-rank ring's two hops each exchange half the gradient
+    with the one peer over one connection, and Gloo's alltoallv (Horovod's ``alltoall``,
+    which carries our hops) posts its send before its receive: when one rank's "ready to
+    receive" notice reaches the other before that rank has posted its send, the other's
+    notice queues behind its own data and the exchange runs one way, then the other.
+    Measured on 2 emulated hosts at 100 Mbit/s (1-bit Adam's warm-up on the
+    time-to-quality LM, 29.5 MB): 20-50% of hops took 2,460 ms instead of 1,230, which made
+    the warm-up step 18% slower than Horovod fp32's
+    (``benchmarks/reference/ttq-fp32-round-2026-12-03/``). At 3 ranks or more a rank sends
+    to one peer and receives from another, over two connections, and the ring stays.
     """
     from ..core.ring import FloatSum, ring_allreduce
 
@@ -423,6 +436,8 @@ def full_precision_mean(B, comm, g, name):
         return g
 
     def mean(B, comm, g):
+        if comm.size == 2:
+            return comm.allreduce(g, "sum", name) * 0.5
         return ring_allreduce(B, comm, g, FloatSum(), name, None) * (1.0 / comm.size)
     # A communicator that stages a GPU's tensors through host memory runs the whole ring
     # there: one copy over and one back, where staging each of its 2 (n - 1) hops would
