@@ -279,3 +279,28 @@ def test_direct_is_one_alltoall_and_one_allgather_of_the_padded_wire(n, d):
         if n > 1 and d:
             assert by_kind["alltoall"] == pytest.approx((n - 1) / n * padded)
             assert by_kind["allgather"] == pytest.approx((n - 1) * padded / n)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_fp32_round_is_the_rings_mean_bit_for_bit_and_at_2_ranks_one_allreduce(n):
+    """``full_precision_mean`` (the 1-bit optimizers' fp32 rounds) gives every rank the ring's
+    bits, signed zeros, subnormals and overflow included. At 2 ranks it is one allreduce
+    (no hop: Horovod's 2-rank hops through Gloo's alltoallv sometimes ran one way at a time),
+    from 3 ranks on the ring's hops, with the same bytes either way."""
+    from hvd_quant.optimizers.base import full_precision_bytes, full_precision_mean
+
+    rng = np.random.default_rng(n)
+    edges = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38, 1.0, -1.0], np.float32)
+    data = [np.concatenate([(rng.standard_normal(1001) * 10.0 ** rng.integers(-40, 38, 1001)).astype(np.float32),
+                            rng.permutation(edges)]) for _ in range(n)]
+    ring = [out * np.float32(1.0 / n) for out in run_ring(data, FloatSum())]
+
+    def body(c):
+        return full_precision_mean(B, c, data[c.rank], "g"), dict(c.meter.by_kind)
+
+    for (mean, sent), want in zip(ThreadWorld(n).run(body), ring):
+        assert mean.dtype == np.float32
+        np.testing.assert_array_equal(mean.view(np.uint32), want.view(np.uint32))
+        assert set(sent) == ({"allreduce"} if n == 2 else {"sendrecv"})
+        # the ring's chunks differ by up to one element: up to 4 bytes more on each of 2 (n - 1) hops
+        assert sum(sent.values()) == pytest.approx(full_precision_bytes(data[0].size, n), abs=8 * (n - 1))

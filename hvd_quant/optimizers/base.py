@@ -417,16 +417,18 @@ def full_precision_mean(B, comm, g, name):
     float allreduce over Gloo was seen to round differently on different ranks, which
     would let the ranks' parameters drift apart. Same bytes as Horovod's allreduce.
 
-    At 2 ranks the transport's own allreduce instead: every algorithm then adds the same
-    two floats once, and float addition is commutative, so the bits are the ring's on both
-    ranks. It is there for speed. A 2-rank ring's two hops each exchange half the gradient
-    with the one peer over one connection, and Gloo's alltoallv (Horovod's ``alltoall``,
-    which carries our hops) posts its send before its receive: when one rank's "ready to
-    receive" notice reaches the other before that rank has posted its send, the other's
-    notice queues behind its own data and the exchange runs one way, then the other.
+    At 2 ranks, the transport's own allreduce instead, for speed: every allreduce
+    algorithm adds the same two floats once, in either order, so both ranks get the ring's
+    bits. The 2-rank ring exchanges half the gradient with the one peer in each of its two
+    hops, by Horovod's ``alltoall`` (Gloo's alltoallv), which posts its send before its
+    receive; Gloo sends data only after the peer's ready-to-receive notice, which travels
+    on the same connection as data. When rank A's notice reaches rank B before B has posted
+    its send, B's data leaves at once and B's own notice waits behind it: A's data leaves
+    only after B's has arrived, and the hop takes twice as long.
     Measured on 2 emulated hosts at 100 Mbit/s (1-bit Adam's warm-up on the
-    time-to-quality LM, 29.5 MB): 20-50% of hops took 2,460 ms instead of 1,230, which made
-    the warm-up step 18% slower than Horovod fp32's
+    time-to-quality LM, 29.5 MB): 4 of 46 hops took 2,460 ms instead of 1,230 (19 of 46
+    when waiting by sleeping), and the warm-up step took 3,383 ms against Horovod fp32's
+    2,863; with the allreduce, 2,993
     (``benchmarks/reference/ttq-fp32-round-2026-12-03/``). At 3 ranks or more a rank sends
     to one peer and receives from another, over two connections, and the ring stays.
     """

@@ -66,7 +66,8 @@ Deliberate departures from DeepSpeed, and why:
   branch once on each rank's own gradient (the engine's allreduce is off), updating the
   variance with it, before compression resumes. Here checkpoints are per rank and a
   restored run continues bit-identically, as if never stopped.
-* The warm-up's fp32 average is our own ring allreduce (identical bits on every rank)
+* The warm-up's fp32 average is our own ring allreduce (identical bits on every rank; at
+  2 ranks the transport's allreduce, the same bits: :func:`~.base.full_precision_mean`)
   rather than the engine's allreduce.
 """
 
