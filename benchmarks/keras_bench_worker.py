@@ -36,7 +36,12 @@ which are set so that every timed step communicates at 1 bit):
   and ``Adam.apply_gradients``;
 * ``<compressor>@probe<N>``: the compressor row with ``metrics=True, probe_every=N``
   (``report_after=0``, as ``benchmarks/monitoring_overhead.py`` sets it): what issue 54's
-  metrics cost in Keras, against the same row without ``@`` (metrics off, the default).
+  metrics cost in Keras, against the same row without ``@`` (metrics off, the default);
+* ``<compressor>@pyfunc``: a diagnosis, not a user's setting: metrics off, but the
+  reduction built as with metrics on, one ``tf.py_function`` per step running the eager
+  code (:func:`hvd_quant.tensorflow.tape.reduce_when_the_graph_runs`), with nothing
+  measured. Beside the two rows above it separates what the ``py_function`` path costs
+  from what the measuring costs.
 
 Timing protocol: the baseline and the floor are built once and live for the whole job.
 Each method in turn is built, warmed up (tracing, first-step checks, the optimizers'
@@ -103,11 +108,27 @@ def metrics_options(suffix):
     """``DistributedOptimizer``'s monitoring arguments for a label's ``@`` suffix:
     ``probe<N>`` is ``metrics=True, probe_every=N`` without the "does it pay" line; none
     is metrics off (the default)."""
-    if not suffix:
+    if not suffix or suffix == "pyfunc":
         return {}
     if not suffix.startswith("probe") or not suffix[len("probe"):].isdigit():
         raise SystemExit(f"keras_bench_worker: unknown suffix @{suffix} (expected @probe<N>, e.g. @probe0)")
     return {"metrics": True, "probe_every": int(suffix[len("probe"):]), "report_after": 0}
+
+
+def py_function_reduction(hq):
+    """``hq.DistributedOptimizer`` whose compiled step reduces as with ``metrics=True`` (one
+    ``tf.py_function`` running the eager reduction) with metrics off: the ``@pyfunc``
+    diagnosis. Every variable is shared and there is no loss scaling in these rows."""
+    from hvd_quant.tensorflow.tape import check_agreement_once, reduce_when_the_graph_runs
+
+    class PyFunctionReduction(hq.DistributedOptimizer):
+        def _reduce(self, grads, variables, scaling):
+            if tf.executing_eagerly() or scaling or len(self._shared(variables)) != len(variables):
+                return super()._reduce(grads, variables, scaling)
+            check_agreement_once(self._runner, self._comm, variables, self._fuse_groups)
+            return reduce_when_the_graph_runs(self._reduce_shared, grads, variables, self._fuse_groups,
+                                              self._sparse_as_dense, "DistributedOptimizer", owner=self)
+    return PyFunctionReduction
 
 
 class BatchTimer:
@@ -157,9 +178,9 @@ class Method:
         else:
             config, _, measured = label.partition("@")
             name, options = parse_config(config)
-            opt = hq.DistributedOptimizer(keras.optimizers.Adam(args.lr),
-                                          compression=hq.Compression.get(name, **options),
-                                          **metrics_options(measured))
+            cls = py_function_reduction(hq) if measured == "pyfunc" else hq.DistributedOptimizer
+            opt = cls(keras.optimizers.Adam(args.lr), compression=hq.Compression.get(name, **options),
+                      **metrics_options(measured))
         self.opt = opt
         self.model.compile(optimizer=opt, loss=loss, jit_compile=False)
 
