@@ -147,31 +147,45 @@ class Progress:
 
 def loopback_job(cmd, ranks, timeout, env):
     """``horovodrun --gloo`` on this machine, killed (its whole session) after ``timeout``."""
-    import signal
-
     launcher = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}",
                 "--gloo"]
+    return killed_after(launcher + cmd, timeout, env)
+
+
+def killed_after(argv, timeout, env):
+    """Run ``argv`` in a session of its own, its output streamed through :class:`Progress`,
+    and kill the whole session after ``timeout`` seconds, also when it has gone silent (the
+    output is read on a thread, so a job that prints nothing cannot hold the deadline off).
+    Returns ``(exit code, last 40 lines, seconds)``; past the deadline, :class:`JobTimeout`."""
+    import signal
+    import threading
+
     began = time.monotonic()
-    proc = subprocess.Popen(launcher + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **env}, start_new_session=True)
     lines = []
-    try:
-        deadline = began + timeout
-        for line in proc.stdout:  # a job that prints nothing for long is caught at the next line or exit
+
+    def read():
+        for line in proc.stdout:
             lines.append(line)
             Progress().write(line)
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(cmd, timeout)
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise JobTimeout(f"loopback job exceeded {timeout:.0f} s and was killed")
+        timed_out = True
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # past the deadline, or the harness itself interrupted
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return proc.returncode, "".join(lines[-40:]), time.monotonic() - began
+        reader.join(timeout=5.0)  # the rest of the output (the pipe closes with the session)
+    tail = "".join(lines[-40:])
+    if timed_out:  # no JobResult: this job ran outside the cluster's launcher
+        raise JobTimeout(f"job exceeded {timeout:.0f} s and was killed; its last lines:\n{tail}", None)
+    return proc.returncode, tail, time.monotonic() - began
 
 
 def run_matrix(args):
@@ -645,5 +659,17 @@ def main(argv=None):
     return code
 
 
+def stop_on_signals():
+    """``kill`` (SIGTERM), and Ctrl-C where a shell started the matrix in the background
+    (which leaves SIGINT ignored), stop it the way Ctrl-C in a terminal does: by an
+    exception, so that the running job's whole session is killed on the way out
+    (:func:`killed_after`'s ``finally``, the cluster's own) instead of left running."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 if __name__ == "__main__":
+    stop_on_signals()
     sys.exit(main())

@@ -10,8 +10,11 @@ finished run.
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,3 +177,69 @@ def test_two_methods_at_two_ranks_and_resume(tmp_path):
         assert merged["derived"]["bit_equal_steps"] == [10]
         assert [r["val_loss"] for r in merged["history"]] == [r["val_loss"] for r in results[method]["history"]]
     assert (timed / "report.md").exists()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child not yet reaped by its parent is a zombie: gone for our purpose.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"
+
+
+def _wait_gone(pid, seconds):
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+# A job that goes silent: it starts a grandchild (its pid written to the file given), prints
+# one line and sleeps, printing nothing more.
+SILENT_JOB = ("import subprocess, sys, time; "
+              "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+              "open(sys.argv[1], 'w').write(str(g.pid)); print('started', flush=True); time.sleep(120)")
+
+
+def test_a_silent_job_is_killed_at_its_deadline_with_its_whole_session(tmp_path):
+    """The loopback jobs' deadline holds when a job prints nothing more (it was checked
+    only when a line arrived, so a silent hang waited for ever), and the kill takes the
+    job's children with it."""
+    pid_file = tmp_path / "grandchild"
+    began = time.monotonic()
+    with pytest.raises(ttq.JobTimeout, match="exceeded 3 s"):
+        ttq.killed_after([sys.executable, "-c", SILENT_JOB, str(pid_file)], 3.0, {})
+    assert time.monotonic() - began < 20
+    assert _wait_gone(int(pid_file.read_text()), 10), "the job's grandchild outlived the kill"
+
+
+def test_a_finished_job_gives_its_code_and_output():
+    code, tail, seconds = ttq.killed_after([sys.executable, "-c", "print('one'); print('two'); raise SystemExit(3)"],
+                                           60.0, {})
+    assert code == 3 and tail.splitlines() == ["one", "two"] and seconds < 60
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_the_harness_kills_the_running_job(tmp_path, signum):
+    """``kill`` (SIGTERM), or SIGINT to a harness a shell started in the background (which
+    leaves SIGINT ignored), stops the harness and the job it runs, children included."""
+    pid_file = tmp_path / "grandchild"
+    harness = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); import time_to_quality as t; "
+               f"t.stop_on_signals(); t.killed_after([sys.executable, '-c', {SILENT_JOB!r}, {str(pid_file)!r}], 120, {{}})")
+    proc = subprocess.Popen([sys.executable, "-c", harness], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pid_file.exists(), proc.stderr.read() if proc.poll() is not None else "the job never started"
+        grandchild = int(pid_file.read_text())
+        proc.send_signal(signum)
+        proc.wait(timeout=20)
+        assert _wait_gone(grandchild, 10), "the running job outlived the harness"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
