@@ -47,3 +47,8 @@ for name, r, step in rows:
     state = "" if r.get("status") == "complete" else f" ({r.get('status')} at step {hist[-1]['step'] if hist else 0})"
     print(f"| {name}{state} | {loss:.4f} | {100 * (loss / final['val_loss'] - 1):+.1f}% | {r['bytes_per_step'] / 1e6:.2f} "
           f"| {r['comm_rounds']} | {1e3 * step:,.0f} | {fp32_step / step:.2f}x | " + " | ".join(cells) + " |")
+
+# The figure: this run's rows with fp32's curve on this session's time (its step times the
+# anchor's), drawn by the harness's own plot.
+fp32_here = {**twin, "history": [{**h, "train_time_s": h["step"] * fp32_step} for h in twin["history"]]}
+print(T.plot(KEY, {"horovod_fp32": fp32_here, **by}, folder / "ttq-8x1-1gbit-rest-with-fp32.png"))
