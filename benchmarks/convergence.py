@@ -32,15 +32,17 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hvd_quant.cluster.launch import JobTimeout, run_ranks  # noqa: E402
+
 EXAMPLES = ROOT / "examples"
 OPTIMIZERS = ("adam", "sgdm", "onebit_adam", "zero_one_adam", "binsgdm")
 WORKLOADS = {
@@ -145,40 +147,30 @@ def job_command(bindir, workload, optimizer, np_, args, out, variant=()):
 
 
 def run_job(cmd, timeout, echo):
-    """Run one horovodrun job in its own process group; echo rank 0's lines as they come.
+    """Run one horovodrun job under the emulated cluster's launcher (a session of its own,
+    its output read on a thread, the whole session killed past ``timeout`` seconds or when
+    this harness is stopped); echo rank 0's lines as they come.
 
     Returns the output. Raises :class:`JobFailed` (with the output's tail) when the job
-    exits non-zero or outlives ``timeout`` seconds (the whole group is killed)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(), start_new_session=True)
-    lines = []
-
-    def pump():
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if echo and line.startswith("[0]<stdout>:"):
-                print("    " + line.split(":", 1)[1].rstrip(), flush=True)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    exits non-zero or outlives ``timeout`` seconds."""
     try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        reader.join(5)
-        raise JobFailed(f"timed out after {timeout:.0f}s and was killed\n{tail(lines)}")
-    finally:
-        _kill_group(proc)  # stragglers of a finished job
-    reader.join(10)
-    if proc.returncode != 0:
-        raise JobFailed(f"exit status {proc.returncode}\n{tail(lines)}")
-    return "\n".join(lines)
+        result = run_ranks([cmd], [_env()], ["job"], timeout, stream=RankZeroEcho() if echo else None)
+    except JobTimeout as exc:
+        raise JobFailed(f"timed out after {timeout:.0f}s and was killed\n{tail(exc.result.rank_output[0])}")
+    if result.returncode != 0:
+        raise JobFailed(f"exit status {result.returncode}\n{tail(result.rank_output[0])}")
+    return result.rank_output[0]
 
 
-def _kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+class RankZeroEcho:
+    """The launcher's stream: horovodrun's lines from rank 0's stdout, indented."""
+
+    def write(self, line):
+        line = line.split("] ", 1)[-1]  # the launcher's "[job] " label
+        if line.startswith("[0]<stdout>:"):
+            print("    " + line.split(":", 1)[1].rstrip(), flush=True)
+
+    def flush(self):
         pass
 
 
@@ -187,8 +179,8 @@ def _env():
                 HOROVOD_GLOO_TIMEOUT_SECONDS=os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "120"))
 
 
-def tail(lines, count=40):
-    keep = [line for line in lines if not any(n in line for n in NOISE)]
+def tail(output, count=40):
+    keep = [line for line in output.splitlines() if not any(n in line for n in NOISE)]
     return "\n".join("    | " + line for line in keep[-count:])
 
 

@@ -48,17 +48,16 @@ def run_one(args, cluster, name, options, index):
            "--eval-every", str(args.steps), "--optimizer-options", json.dumps({**options, "report_after": 0}),
            "--setting", args.setting, "--label", f"{args.method} {name}", "--out", str(out)]
     if cluster is None:
-        code, tail, wall = loopback_job(cmd, args.ranks, args.timeout, {})
+        job = loopback_job(cmd, args.ranks, args.timeout, {})
     else:
         env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "HOROVOD_GLOO_TIMEOUT_SECONDS": "600"}
-        result = cluster.run_horovod(cmd, timeout=args.timeout, env=env)
-        code, tail, wall = result.returncode, result.tail(40), result.elapsed
-    if code != 0:
-        raise SystemExit(f"{name} (round {index}) failed with exit code {code}:\n{tail}")
+        job = cluster.run_horovod(cmd, timeout=args.timeout, env=env)
+    if job.returncode != 0:
+        raise SystemExit(f"{name} (round {index}) failed with exit code {job.returncode}:\n{job.tail(40)}")
     result = json.loads(out.read_text())
     return {"setting": name, "round": index, "step_time_s": result["step_time_s"],
             "bytes_per_step": result["bytes_per_step"], "probes": (result.get("metrics") or {}).get("probes"),
-            "wall_s": wall}
+            "wall_s": job.elapsed}
 
 
 def summarise(runs):

@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime
@@ -52,6 +51,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from hvd_quant.cluster import ClusterUnavailable, EmulatedCluster, JobTimeout, parse_rate  # noqa: E402
+from hvd_quant.cluster.launch import run_ranks  # noqa: E402
 
 WORKER = HERE / "ttq_worker.py"
 REQUIRED_SETTINGS = ("2x1-1gbit", "2x1-100mbit", "8x1-1gbit")
@@ -146,46 +146,20 @@ class Progress:
 
 
 def loopback_job(cmd, ranks, timeout, env):
-    """``horovodrun --gloo`` on this machine, killed (its whole session) after ``timeout``."""
+    """``horovodrun --gloo`` on this machine, as :func:`local_job`."""
     launcher = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}",
                 "--gloo"]
-    return killed_after(launcher + cmd, timeout, env)
+    return local_job(launcher + cmd, timeout, env)
 
 
-def killed_after(argv, timeout, env):
-    """Run ``argv`` in a session of its own, its output streamed through :class:`Progress`,
-    and kill the whole session after ``timeout`` seconds, also when it has gone silent (the
-    output is read on a thread, so a job that prints nothing cannot hold the deadline off).
-    Returns ``(exit code, last 40 lines, seconds)``; past the deadline, :class:`JobTimeout`."""
-    import signal
-    import threading
-
-    began = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **env}, start_new_session=True)
-    lines = []
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            Progress().write(line)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    timed_out = False
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        if proc.poll() is None:  # past the deadline, or the harness itself interrupted
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        reader.join(timeout=5.0)  # the rest of the output (the pipe closes with the session)
-    tail = "".join(lines[-40:])
-    if timed_out:  # no JobResult: this job ran outside the cluster's launcher
-        raise JobTimeout(f"job exceeded {timeout:.0f} s and was killed; its last lines:\n{tail}", None)
-    return proc.returncode, tail, time.monotonic() - began
+def local_job(argv, timeout, env):
+    """Run ``argv`` on this machine under the emulated cluster's own launcher (one "rank"):
+    a session of its own, its output streamed through :class:`Progress` and read on a
+    thread, so the deadline holds for a job gone silent, and the whole session (children
+    included) killed past ``timeout`` seconds, or when the harness itself is stopped.
+    Returns the :class:`hvd_quant.cluster.JobResult`; past the deadline,
+    :class:`JobTimeout`."""
+    return run_ranks([argv], [{**os.environ, **env}], ["loopback"], timeout, stream=Progress())
 
 
 def run_matrix(args):
@@ -249,12 +223,12 @@ def run_matrix(args):
                 error = None
                 try:
                     if cluster is None:
-                        code, tail, elapsed = loopback_job(cmd, hosts * slots, args.run_timeout, env)
+                        result = loopback_job(cmd, hosts * slots, args.run_timeout, env)
                     else:
                         result = cluster.run_horovod(cmd, timeout=args.run_timeout, env=env, stream=Progress())
-                        code, tail, elapsed = result.returncode, result.tail(40), result.elapsed
-                    if code != 0:
-                        error = f"exit {code}\n{tail}"
+                    elapsed = result.elapsed
+                    if result.returncode != 0:
+                        error = f"exit {result.returncode}\n{result.tail(40)}"
                 except JobTimeout as exc:
                     error, elapsed = f"timeout after {args.run_timeout:.0f} s: {exc}", args.run_timeout
                 data = load(path)
@@ -663,7 +637,8 @@ def stop_on_signals():
     """``kill`` (SIGTERM), and Ctrl-C where a shell started the matrix in the background
     (which leaves SIGINT ignored), stop it the way Ctrl-C in a terminal does: by an
     exception, so that the running job's whole session is killed on the way out
-    (:func:`killed_after`'s ``finally``, the cluster's own) instead of left running."""
+    (the launcher's ``finally``: :func:`local_job` and the cluster run on it) instead of
+    left running."""
     import signal
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

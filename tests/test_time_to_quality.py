@@ -209,16 +209,17 @@ def test_a_silent_job_is_killed_at_its_deadline_with_its_whole_session(tmp_path)
     job's children with it."""
     pid_file = tmp_path / "grandchild"
     began = time.monotonic()
-    with pytest.raises(ttq.JobTimeout, match="exceeded 3 s"):
-        ttq.killed_after([sys.executable, "-c", SILENT_JOB, str(pid_file)], 3.0, {})
+    with pytest.raises(ttq.JobTimeout, match="exceeded its time limit of 3s") as err:
+        ttq.local_job([sys.executable, "-c", SILENT_JOB, str(pid_file)], 3.0, {})
+    assert err.value.result.rank_output[0] == "started"
     assert time.monotonic() - began < 20
     assert _wait_gone(int(pid_file.read_text()), 10), "the job's grandchild outlived the kill"
 
 
 def test_a_finished_job_gives_its_code_and_output():
-    code, tail, seconds = ttq.killed_after([sys.executable, "-c", "print('one'); print('two'); raise SystemExit(3)"],
-                                           60.0, {})
-    assert code == 3 and tail.splitlines() == ["one", "two"] and seconds < 60
+    result = ttq.local_job([sys.executable, "-c", "print('one'); print('two'); raise SystemExit(3)"], 60.0, {})
+    assert result.returncode == 3 and result.rank_output[0].splitlines() == ["one", "two"]
+    assert result.tail(40).splitlines() == ["[loopback] one", "[loopback] two"] and result.elapsed < 60
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -227,7 +228,7 @@ def test_stopping_the_harness_kills_the_running_job(tmp_path, signum):
     leaves SIGINT ignored), stops the harness and the job it runs, children included."""
     pid_file = tmp_path / "grandchild"
     harness = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); import time_to_quality as t; "
-               f"t.stop_on_signals(); t.killed_after([sys.executable, '-c', {SILENT_JOB!r}, {str(pid_file)!r}], 120, {{}})")
+               f"t.stop_on_signals(); t.local_job([sys.executable, '-c', {SILENT_JOB!r}, {str(pid_file)!r}], 120, {{}})")
     proc = subprocess.Popen([sys.executable, "-c", harness], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
