@@ -42,6 +42,8 @@
 #      probe say no CUDA: a CPU-operations Horovod, which is all hvd_quant's staged wire
 #      needs (GPU tensors then go to Horovod through pinned host buffers), built in a
 #      fraction of the time and without depending on the machine's CUDA toolkit.
+#      HVD_QUANT_HOROVOD_CUDA=nccl builds the other way: GPU operations by NCCL (nccl_env
+#      below says from where), for one architecture.
 #   7. GCC 13 (the GPU machine's /opt/gcc) no longer includes <string> and <stdexcept>
 #      through other standard headers, which horovod/common/group_table.h and common.h
 #      rely on ("'string' in namespace 'std' does not name a type", "'logic_error' is not
@@ -63,11 +65,15 @@ case ${HVD_QUANT_HOROVOD_MPI:-auto} in
     *) echo "[build_horovod] HVD_QUANT_HOROVOD_MPI must be auto, 0 or 1, not '$HVD_QUANT_HOROVOD_MPI'" >&2; exit 2 ;;
 esac
 if [ "$with_mpi" = 1 ]; then controllers="Gloo, MPI"; key=gloo-mpi; else controllers=Gloo; key=gloo; fi
+nccl=0
 case ${HVD_QUANT_HOROVOD_CUDA:-auto} in
     auto) no_cuda=0 ;;
     0) no_cuda=1; key=$key-nocuda ;;
-    *) echo "[build_horovod] HVD_QUANT_HOROVOD_CUDA must be auto or 0, not '$HVD_QUANT_HOROVOD_CUDA'" >&2; exit 2 ;;
+    nccl) no_cuda=0; nccl=1; key=$key-nccl ;;
+    *) echo "[build_horovod] HVD_QUANT_HOROVOD_CUDA must be auto, 0 or nccl, not '$HVD_QUANT_HOROVOD_CUDA'" >&2; exit 2 ;;
 esac
+# Where to install (pip --target), instead of the active Python: HVD_QUANT_HOROVOD_TARGET.
+target=${HVD_QUANT_HOROVOD_TARGET:-}
 if [ "${1:-}" = --controllers ]; then
     echo "$controllers"
     exit 0
@@ -93,6 +99,27 @@ if [ "$key" = gloo ] && ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1 \
         && ls "$legacy"/horovod-*.whl >/dev/null 2>&1; then
     wheel_dir=$legacy
 fi
+
+# HVD_QUANT_HOROVOD_CUDA=nccl: GPU operations by NCCL (issue 56), for the machine's GPU
+# architecture only (HOROVOD_BUILD_CUDA_CC_LIST, default 90: Hopper), with the CUDA toolkit
+# of the nvcc on PATH and the NCCL of the nvidia-nccl wheel torch depends on (its folder has
+# libnccl.so.2 but no libnccl.so for the linker: $1/nccl gets the headers and that link).
+nccl_env() {
+    local nvcc pkg cuda
+    nvcc=$(command -v nvcc) || { echo "[build_horovod] HVD_QUANT_HOROVOD_CUDA=nccl needs nvcc on PATH" >&2; exit 1; }
+    # The toolkit's folder: nvcc says where it runs from (the one on PATH may be a wrapper script).
+    cuda=$("$nvcc" --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -1)
+    export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_CUDA_HOME=${HOROVOD_CUDA_HOME:-$(dirname "${cuda:-$(dirname "$nvcc")}")} \
+           HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-90} HOROVOD_NCCL_LINK=SHARED
+    pkg=$("$PY" -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null) || pkg=""
+    if [ -z "${HOROVOD_NCCL_HOME:-}" ] && [ -n "$pkg" ] && [ -f "$pkg/include/nccl.h" ]; then
+        mkdir -p "$1/nccl/lib"
+        ln -s "$pkg/include" "$1/nccl/include"
+        ln -s "$pkg"/lib/libnccl.so.2 "$1/nccl/lib/libnccl.so"
+        export HOROVOD_NCCL_HOME="$1/nccl"
+    fi
+    echo "[build_horovod] NCCL: CUDA at $HOROVOD_CUDA_HOME, NCCL at ${HOROVOD_NCCL_HOME:-its default search}, architectures $HOROVOD_BUILD_CUDA_CC_LIST"
+}
 
 if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     echo "[build_horovod] using cached wheel in $wheel_dir"
@@ -131,6 +158,12 @@ else
             exit 1
         fi
     fi
+    # Fix 8 (with HVD_QUANT_HOROVOD_CUDA=nccl): Horovod's CUDA kernels in C++17, as the rest of
+    # the build (Fix 1), not C++11 (horovod/common/ops/cuda/CMakeLists.txt): CUDA 13's CCCL
+    # headers need C++17. Built so on an H200 (CUDA 13.0, 2026-12-04); C++11 was not tried.
+    if [ "$nccl" = 1 ]; then
+        sed -i 's/set(CMAKE_CUDA_STANDARD 11)/set(CMAKE_CUDA_STANDARD 17)/' "$src/horovod/common/ops/cuda/CMakeLists.txt"
+    fi
     for check in "CMAKE_CXX_STANDARD 14:$src/CMakeLists.txt" \
                  "CMAKE_CXX_STANDARD 14:$src/horovod/torch/CMakeLists.txt" \
                  "-std=c++11 -fPIC:$src/third_party/gloo/CMakeLists.txt" \
@@ -154,6 +187,7 @@ else
         # Fix 7: GCC 13's missing transitive includes.
         export CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept"
         unset HOROVOD_WITH_MPI HOROVOD_WITHOUT_MPI HOROVOD_CPU_OPERATIONS
+        if [ "$nccl" = 1 ]; then nccl_env "$work"; fi
         if [ "$with_mpi" = 1 ]; then
             # CPU operations default to MPI (Horovod's own default when it has MPI): see the top.
             export HOROVOD_WITH_MPI=1
@@ -175,7 +209,12 @@ else
     echo "[build_horovod] cached $(ls "$wheel_dir")"
 fi
 
-"$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+if [ -n "$target" ]; then
+    "$PY" -m pip install --quiet --no-deps --force-reinstall --target "$target" "$wheel_dir"/horovod-*.whl
+    export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+else
+    "$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+fi
 # A wheel from the cache must be what its key says (a hand-copied one may not be).
 has_mpi=$("$PY" -c "import horovod.torch as h; print(int(h.mpi_built()))" 2>/dev/null) || has_mpi=?
 if [ "$has_mpi" != "$with_mpi" ]; then

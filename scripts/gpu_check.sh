@@ -16,6 +16,10 @@
 # Steps, each under its own time limit, in order (a failed step does not stop the next):
 #   prepare  versions; carried wheels; the numba kernels and every Triton kernel variant
 #            compiled (in parallel processes; both cache on disk for the later steps)
+#   tune     benchmarks/bench_gpu.py --tune: the launch settings (warps, elements per program) of
+#            the kernel families of hvd_quant.kernels.gpu.LAUNCH timed on the device; the fastest
+#            whose outputs equal the defaults' go to OUTDIR/launch.json, and every later step
+#            runs with them (HVD_QUANT_GPU_LAUNCH), so the tests check their bits
 #   tests    tests/test_cuda.py: every Triton primitive against the numba kernels, bit for
 #            bit, on the GPU; whole methods against the numpy oracle; dispatch; no host sync
 #   bench    benchmarks/bench_gpu.py: primitives and methods against the host path, torch
@@ -24,6 +28,11 @@
 #            method (the shortest job), each step's bits against a CPU twin, then timed;
 #            Horovod comes from .gpu_carry/ where it is missing: its carried wheel, else
 #            built there (torch only, Gloo, no CUDA parts), in the background from the start
+#   nccl     scripts/gpu_train_check.sh --nccl: Horovod built with NCCL (in the background from
+#            the start, beside the other build, into a folder of its own), the same job at 1
+#            rank on the direct path (GPU tensors to Horovod), bits against the CPU twin; the
+#            step fails, with the build's log, where that build failed (GPU machine only;
+#            HVD_QUANT_GPU_NCCL=0 skips the build and the step)
 #
 # Budget: 8 minutes from a bare machine with every step (HVD_QUANT_GPU_CHECK_S, seconds);
 # the train step gets what is left, at least 150 s. On an H200 (2026-11-28): 258 s with
@@ -32,7 +41,8 @@
 # .gpu_carry/, the next run installs it in seconds.
 #
 # OUTDIR receives gpu_check.log (all
-# output), tests.xml (JUnit), bench_gpu.json, bench_gpu.md, summary.json, summary.md, and train/
+# output), launch.json, tune.json, tune.md, tests.xml (JUnit), bench_gpu.json, bench_gpu.md,
+# summary.json, summary.md, and train/
 # (the training job's files, and a Horovod wheel it built).
 # Exit status 0 when every step passed (a target missed is reported, not a failure).
 # shellcheck disable=SC2317  # the step functions run through bash -c "step_$name"
@@ -43,7 +53,7 @@ out=""
 for arg in "$@"; do
     case "$arg" in
         --cpu) cpu=1 ;;
-        -h|--help) sed -n '2,37p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h|--help) sed -n '2,42p' "${BASH_SOURCE[0]}"; exit 0 ;;
         -*) echo "gpu_check: unknown option $arg" >&2; exit 2 ;;
         *) out=$arg ;;
     esac
@@ -59,8 +69,8 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 
 # Step names and their time limits (seconds), in order; train's is set when it starts.
-STEPS=(prepare tests bench train)
-declare -A LIMIT=([prepare]=120 [tests]=150 [bench]=140 [train]=150)
+STEPS=(prepare tune tests bench train nccl)
+declare -A LIMIT=([prepare]=120 [tune]=90 [tests]=150 [bench]=140 [train]=150 [nccl]=100)
 BUDGET=${HVD_QUANT_GPU_CHECK_S:-480}  # seconds for every step together (the train step gets what is left)
 # The benchmark stops timing the (slow) host path after this many seconds, to end in its limit.
 BENCH_HOST_BUDGET=90
@@ -153,6 +163,15 @@ step_tests() {
     return "$rc"
 }
 
+step_tune() {
+    if [ "$cpu" = 1 ]; then  # the interpreter: two families, the harness only
+        "$PYTHON" benchmarks/bench_gpu.py --interpret --tune "$out/launch.json" --only sums,quantize_lanes \
+            --out "$out"
+    else
+        PYTHONPATH="$(standin)$PYTHONPATH" "$PYTHON" benchmarks/bench_gpu.py --tune "$out/launch.json" --out "$out"
+    fi
+}
+
 step_bench() {
     if [ "$cpu" = 1 ]; then
         "$PYTHON" benchmarks/bench_gpu.py --interpret --layouts 1 --repeats 1 --host-repeats 1 --profile onebit \
@@ -162,6 +181,18 @@ step_bench() {
             --budget-s "$BENCH_HOST_BUDGET" --profile "$BENCH_PROFILE" --out "$out"
     fi
 }
+step_nccl() {
+    if [ "$cpu" = 1 ]; then say "nccl: a GPU machine's step (nvcc, NCCL); nothing to do here"; return 0; fi
+    if [ "${HVD_QUANT_GPU_NCCL:-1}" = 0 ]; then say "nccl: skipped (HVD_QUANT_GPU_NCCL=0)"; return 0; fi
+    local status
+    status=$(cat "$out/nccl/build.status" 2>/dev/null || echo "unfinished")
+    if [ "$status" != 0 ]; then
+        say "nccl: the NCCL build did not succeed (status $status); last lines of its output:"
+        tail -25 "$out/nccl/build.out"
+        return 1
+    fi
+    bash scripts/gpu_train_check.sh "$out/nccl" --nccl -- --bits-steps 3 --warmup 2 --steps 3
+}
 step_train() {
     if [ "$cpu" = 1 ]; then
         bash scripts/gpu_train_check.sh "$out/train" --cpu
@@ -169,7 +200,7 @@ step_train() {
         bash scripts/gpu_train_check.sh "$out/train" -- --bits-steps 3 --warmup 2 --steps 3
     fi
 }
-export -f step_prepare step_tests step_bench step_train
+export -f step_prepare step_tune step_tests step_bench step_train step_nccl
 
 status=0
 start=$SECONDS
@@ -186,22 +217,45 @@ if [ "$cpu" = 0 ] && ! "$PYTHON" -c "import horovod.torch" >/dev/null 2>&1; then
     bash scripts/gpu_train_check.sh "$out/train" --build-only >"$out/train/build.out" 2>&1 &
     BUILD_PID=$!
 fi
-wait_for_build() {  # $1: at most this many seconds
+# Horovod with NCCL (issue 56), for the nccl step: built beside the other, from the start.
+NCCL_PID=""
+if [ "$cpu" = 0 ] && [ "${HVD_QUANT_GPU_NCCL:-1}" != 0 ]; then
+    say "building Horovod with NCCL in the background too (log: nccl/build.out)"
+    mkdir -p "$out/nccl"
+    (bash scripts/gpu_train_check.sh "$out/nccl" --nccl --build-only >"$out/nccl/build.out" 2>&1
+     echo $? >"$out/nccl/build.status") &
+    NCCL_PID=$!
+fi
+nccl_building() { [ -n "$NCCL_PID" ] && kill -0 "$NCCL_PID" 2>/dev/null; }
+wait_for_build() {  # $1: at most this many seconds; $2: also the NCCL build
     local t0=$SECONDS
-    building || return 0
-    say "waiting for the Horovod build (at most $1 s)"
-    while building && [ $((SECONDS - t0)) -lt "$1" ]; do sleep 2; done
-    if building; then say "the Horovod build is still running after $1 s"; else
-        wait "$BUILD_PID"; say "the Horovod build ended (status $?) after a wait of $((SECONDS - t0)) s"; fi
+    building || { [ "${2:-}" = nccl ] && nccl_building; } || return 0
+    say "waiting for the Horovod build(s) (at most $1 s)"
+    while { building || { [ "${2:-}" = nccl ] && nccl_building; }; } && [ $((SECONDS - t0)) -lt "$1" ]; do
+        sleep 2
+    done
+    if building; then say "the Horovod build is still running after $1 s"
+    elif [ -n "$BUILD_PID" ]; then wait "$BUILD_PID"; say "the Horovod build ended (status $?)"; BUILD_PID=""; fi
+    if [ "${2:-}" = nccl ]; then
+        if nccl_building; then say "the NCCL build is still running after $1 s"
+        elif [ -n "$NCCL_PID" ]; then say "the NCCL build ended (status $(cat "$out/nccl/build.status"))"; NCCL_PID=""; fi
+    fi
+    say "waited $((SECONDS - t0)) s"
 }
 for step in "${STEPS[@]}"; do
     case "$step" in
-        bench) wait_for_build 150 ;;
-        train) wait_for_build $((BUDGET - (SECONDS - start) - 60)) ;;
+        # The benchmark's host path times CPU work: both builds done first (a quiet machine).
+        bench) wait_for_build 150 nccl ;;
+        train) wait_for_build $((BUDGET - (SECONDS - start) - 60 - LIMIT[nccl])) ;;
+        nccl) wait_for_build $((BUDGET - (SECONDS - start) - 60)) nccl ;;
     esac
     limit=${LIMIT[$step]}
-    if [ "$step" = train ] && [ $((BUDGET - (SECONDS - start))) -gt "$limit" ]; then
-        limit=$((BUDGET - (SECONDS - start)))
+    # The train step gets what is left, less the nccl step's share; the nccl step what is left.
+    left=$((BUDGET - (SECONDS - start)))
+    if [ "$step" = train ] && [ $((left - LIMIT[nccl])) -gt "$limit" ]; then
+        limit=$((left - LIMIT[nccl]))
+    elif [ "$step" = nccl ] && [ "$left" -gt "$limit" ]; then
+        limit=$left
     fi
     say "step $step (limit ${limit} s)"
     t0=$SECONDS
@@ -214,6 +268,10 @@ for step in "${STEPS[@]}"; do
         *) verdict="failed (exit $rc)"; status=1 ;;
     esac
     say "step $step $verdict in ${took} s"
+    if [ "$step" = tune ] && [ "$rc" = 0 ] && [ -s "$out/launch.json" ]; then
+        export HVD_QUANT_GPU_LAUNCH="$out/launch.json"  # the later steps run with the tuned settings
+        say "the later steps run with HVD_QUANT_GPU_LAUNCH=$HVD_QUANT_GPU_LAUNCH: $(tr -d ' \n' <"$out/launch.json")"
+    fi
     printf '%s\t%s\t%s\t%s\n' "$step" "$verdict" "$took" "$limit" >>"$state"
 done
 
@@ -235,6 +293,10 @@ if xml.exists():
     summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     summary["tests"]["seconds"] = float(suite.get("time", 0))
     summary["tests"]["failed"] = failed
+tune = out / "tune.json"
+if tune.exists():
+    summary["tune"] = {f: {k: r[k] for k in ("default", "default_ms", "best", "best_ms")}
+                       for f, r in json.loads(tune.read_text())["tune"].items()}
 bench = out / "bench_gpu.json"
 if bench.exists():
     report = json.loads(bench.read_text())
@@ -249,11 +311,17 @@ if "tests" in summary:
     lines += ["", f"tests/test_cuda.py: {t['tests']} tests, {t['failures']} failed, {t['errors']} errors, "
               f"{t['skipped']} skipped, {t['seconds']:.0f} s."]
     lines += [f"* FAILED {name}" for name in t["failed"]]
+if "tune" in summary:
+    lines += ["", "Launch settings tuned (tune.md has every timing; the later steps ran with the best):", "",
+              "| family | default | ms | best | ms |", "|---|---|---:|---|---:|"]
+    ms = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines += [f"| {f} | `{json.dumps(r['default'])}` | {ms(r['default_ms'])} | `{json.dumps(r['best'])}` | "
+              f"{ms(r['best_ms'])} |" for f, r in summary["tune"].items()]
 if "versions" in summary:
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in summary["versions"].items())]
 if summary.get("targets"):
     judged = [t for t in summary["targets"] if t["passed"] is not None]
-    lines += ["", f"Issue 39's targets: {sum(t['passed'] for t in judged)} of {len(judged)} met "
+    lines += ["", f"The targets of issues 39 and 56: {sum(t['passed'] for t in judged)} of {len(judged)} met "
               "(bench_gpu.md has every measurement).", "", "| target | measured | result |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | "
               f"{'n/a' if t['passed'] is None else 'pass' if t['passed'] else 'FAIL'} |" for t in summary["targets"]]

@@ -11,6 +11,10 @@
 #   scripts/gpu_train_check.sh OUTDIR -- --methods ef_sign --steps 4   # arguments for the job
 #   scripts/gpu_train_check.sh OUTDIR --build-only   # only install or build Horovod (gpu_check.sh
 #                                                    # runs this in the background from its start)
+#   scripts/gpu_train_check.sh OUTDIR --nccl [--build-only]   # issue 56: Horovod built with NCCL
+#       (HOROVOD_GPU_OPERATIONS=NCCL, build_horovod.sh's nccl_env) into a folder of its own, and
+#       the job at 1 rank (NCCL refuses two ranks on one GPU): every method's GPU tensors go to
+#       Horovod directly, each step's bits against the CPU twin, as the staged job's are
 #
 # Writes OUTDIR/gpu_train.json, OUTDIR/gpu_train.md and OUTDIR/gpu_train.log. When it
 # built Horovod, also OUTDIR/horovod-build.log and the wheel it built, cut into parts of at
@@ -46,10 +50,15 @@ if [ "${1:-}" = --fetch ]; then
     exit 0
 fi
 
-out=${1:?usage: scripts/gpu_train_check.sh OUTDIR [--build-only | --cpu] [-- job arguments] | --fetch}
+out=${1:?usage: scripts/gpu_train_check.sh OUTDIR [--nccl] [--build-only | --cpu] [-- job arguments] | --fetch}
 shift
 job=(--out "$out")
 build_only=0
+nccl=0
+if [ "${1:-}" = --nccl ]; then
+    nccl=1
+    shift
+fi
 if [ "${1:-}" = --build-only ]; then
     build_only=1
     shift
@@ -69,12 +78,25 @@ cd "$root"  # python -m hvd_quant.cluster finds this checkout's hvd_quant
 log="$out/gpu_train.log"
 say() { echo "[gpu_train_check] $*" | tee -a "$log"; }
 
+# The Horovod this job runs with: the active Python's, or (--nccl) the NCCL build's folder.
+build_env=(HVD_QUANT_HOROVOD_CUDA=0)
+ranks=2
+wants="import horovod.torch"
+if [ "$nccl" = 1 ]; then
+    nccl_site=${TMPDIR:-/tmp}/hvd_quant_horovod_nccl
+    export PYTHONPATH="$nccl_site${PYTHONPATH:+:$PYTHONPATH}"
+    build_env=(HVD_QUANT_HOROVOD_CUDA=nccl HVD_QUANT_HOROVOD_TARGET="$nccl_site"
+               HVD_QUANT_CACHE="${TMPDIR:-/tmp}/hvd_quant_cache_nccl")
+    ranks=1
+    wants="import horovod.torch as h; assert h.nccl_built(), 'Horovod without NCCL'"
+fi
+
 built=$(ls "$carry"/horovod-"$HOROVOD_VERSION"-*.whl 2>/dev/null | head -1 || true)
-if [ -n "$built" ] && ! "$PY" -c "import horovod.torch" 2>/dev/null; then
+if [ "$nccl" = 0 ] && [ -n "$built" ] && ! "$PY" -c "$wants" 2>/dev/null; then
     say "installing the carried $(basename "$built") (built by an earlier run)"
     "$PY" -m pip install --quiet --no-deps --no-index "$built" || say "it does not install here: building"
 fi
-if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
+if ! "$PY" -c "$wants" 2>/dev/null; then
     sdist="$carry/horovod-$HOROVOD_VERSION.tar.gz"
     if [ ! -f "$sdist" ]; then
         say "no Horovod here and no $sdist: run scripts/gpu_train_check.sh --fetch where there is network"
@@ -85,14 +107,15 @@ if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
     "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "$carry"/cffi-*.whl \
         "$carry"/pycparser-*.whl
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-    say "building Horovod $HOROVOD_VERSION (torch only, Gloo) from $sdist on $(nproc) cores"
+    say "building Horovod $HOROVOD_VERSION (torch only, Gloo, ${build_env[0]}) from $sdist on $(nproc) cores"
     start=$SECONDS
     export HVD_QUANT_CACHE=${HVD_QUANT_CACHE:-${TMPDIR:-/tmp}/hvd_quant_cache}
     status=0
     # Torch only, Gloo only, no CUDA parts (build_horovod.sh's Fix 6): the staged wire needs
     # no more, and that build neither waits on nvcc nor depends on the machine's toolkit.
-    HVD_QUANT_HOROVOD_SDIST="$sdist" HOROVOD_WITHOUT_TENSORFLOW=1 HVD_QUANT_HOROVOD_MPI=0 \
-        HVD_QUANT_HOROVOD_CUDA=0 PYTHON="$PY" \
+    # --nccl: the CUDA parts and NCCL, into a folder and a cache of their own.
+    env HVD_QUANT_HOROVOD_SDIST="$sdist" HOROVOD_WITHOUT_TENSORFLOW=1 HVD_QUANT_HOROVOD_MPI=0 \
+        "${build_env[@]}" PYTHON="$PY" \
         timeout "${HVD_QUANT_GPU_BUILD_S:-300}" bash "$root/scripts/build_horovod.sh" 2>&1 | tee -a "$log" \
         || status=$?
     cp "$HVD_QUANT_CACHE/horovod-build.log" "$out/horovod-build.log" 2>/dev/null || true
@@ -102,21 +125,21 @@ if ! "$PY" -c "import horovod.torch" 2>/dev/null; then
     fi
     say "Horovod built and installed in $((SECONDS - start)) s"
     wheel=$(ls "$HVD_QUANT_CACHE"/wheels/*/horovod-*.whl 2>/dev/null | head -1 || true)
-    if [ -n "$wheel" ]; then  # for the next run (the files that come back are 16 MiB at most)
+    if [ "$nccl" = 0 ] && [ -n "$wheel" ]; then  # for the next run (files that come back: 16 MiB at most)
         basename "$wheel" > "$out/horovod-wheel.name"
         split -b 15M "$wheel" "$out/horovod-wheel.part-"
     fi
 fi
 if [ "$build_only" = 1 ]; then
-    "$PY" -c "import horovod.torch" && say "Horovod is importable"
+    "$PY" -c "$wants" && say "Horovod is importable"
     exit
 fi
 
-say "2 ranks: benchmarks/gpu_train.py ${job[*]}"
+say "$ranks rank$([ "$ranks" = 1 ] || echo s): benchmarks/gpu_train.py ${job[*]}"
 start=$SECONDS
 status=0
 HOROVOD_GLOO_TIMEOUT_SECONDS=${HOROVOD_GLOO_TIMEOUT_SECONDS:-120} PYTHONUNBUFFERED=1 \
-    timeout "${HVD_QUANT_GPU_TRAIN_S:-240}" "$PY" -m horovod.runner.launch -np 2 -H localhost:2 --gloo \
+    timeout "${HVD_QUANT_GPU_TRAIN_S:-240}" "$PY" -m horovod.runner.launch -np "$ranks" -H localhost:"$ranks" --gloo \
     "$PY" "$root/benchmarks/gpu_train.py" "${job[@]}" 2>&1 | tee -a "$log" || status=$?
 say "job finished with status $status in $((SECONDS - start)) s"
 

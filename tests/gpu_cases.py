@@ -440,4 +440,44 @@ def cases(G, device, backend, sizes, tile_sizes, sum_sizes, abs_sizes, byte_size
         base, ww = torch.empty(d, device=device), torch.empty(d, device=device)
         assert G.zero_one_sync_input(T(x), T(m), T(w), T(v), T(u), 0.9, 1e-3, 1e-8, 0.0, base=base, w=ww)[0] is base
 
+    # --- launch settings (issue 56) ------------------------------------------------------------------
+    @pytest.mark.parametrize("family,settings", LAUNCH_TRIED,
+                             ids=[f"{f}-" + "-".join(f"{k}{v}" for k, v in s.items()) for f, s in LAUNCH_TRIED])
+    def test_launch_settings_keep_the_bits(family, settings):
+        """Other launch settings of a kernel family (``G.LAUNCH``; what ``bench_gpu.py --tune``
+        tries) give the CPU kernels' outputs: the family's cases at the sizes around its
+        programs, and for the lane kernels one program of the new block and a bit more."""
+        saved = {f: dict(v) for f, v in G.LAUNCH.items()}
+        G.set_launch({family: settings})
+        try:
+            if family == "sums":
+                for d in sum_sizes[-2:]:
+                    test_compensate_sums_and_signs(d, True)
+            elif family == "unpack":
+                for d in tile_sizes[-2:]:
+                    test_unpack_scaled_sum(d, 3)
+                    test_unpack_sum_residual(d, 3)
+            elif family in ("quantize_lanes", "dequantize_lanes"):
+                for d in sizes[-1:] + [settings["block"] + 5]:
+                    for width in (8, 16):
+                        test_quantize_and_dequantize_lanes(d, width)
+            elif family == "marsit_select":
+                for nbytes in byte_sizes[-2:]:
+                    test_marsit_select(nbytes)
+            else:
+                for width in byte_sizes[-2:]:
+                    test_rebinarize(width, 3)
+        finally:
+            G.LAUNCH.clear()
+            G.LAUNCH.update(saved)
+
     return {name: fn for name, fn in locals().items() if name.startswith("test_")}
+
+
+#: Launch settings other than the defaults, per kernel family, for
+#: ``test_launch_settings_keep_the_bits`` (every family; warps both ways; lane blocks both ways).
+LAUNCH_TRIED = [("sums", {"num_warps": 4}), ("sums", {"num_warps": 16}), ("unpack", {"num_warps": 16}),
+                ("quantize_lanes", {"num_warps": 8, "block": 8192}), ("quantize_lanes", {"num_warps": 2, "block": 4096}),
+                ("dequantize_lanes", {"num_warps": 4, "block": 8192}),
+                ("dequantize_lanes", {"num_warps": 2, "block": 2048}),
+                ("marsit_select", {"num_warps": 8}), ("rebinarize", {"num_warps": 16})]

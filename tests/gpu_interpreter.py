@@ -263,3 +263,39 @@ def test_importing_hvd_quant_does_not_import_triton():
     code = ("import sys, hvd_quant, hvd_quant.torch.backend, hvd_quant.kernels; "
             "sys.exit(1 if 'triton' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_launch_settings_are_checked(monkeypatch, tmp_path):
+    """``set_launch`` refuses unknown families and keys and values that are not powers of
+    two in range; ``HVD_QUANT_GPU_LAUNCH`` (JSON text or a file) is applied when the GPU
+    kernels are first handed out, and a bad value raises there, to the caller."""
+    saved = {f: dict(v) for f, v in G.LAUNCH.items()}
+    for bad, match in (({"nope": {"num_warps": 4}}, "unknown family"), ({"sums": {"block": 1024}}, "keys must be"),
+                       ({"sums": {"num_warps": 3}}, "power of two"), ({"quantize_lanes": {"block": 32}}, "64..65536"),
+                       ([1], "JSON object")):
+        with pytest.raises(ValueError, match=match):
+            G.set_launch(bad)
+    assert G.LAUNCH == saved  # nothing half-applied
+    try:
+        path = tmp_path / "launch.json"
+        path.write_text('{"sums": {"num_warps": 8}, "quantize_lanes": {"block": 4096}}')
+        for value in (str(path), path.read_text()):
+            monkeypatch.setenv("HVD_QUANT_GPU_LAUNCH", value)
+            monkeypatch.setattr(kernels, "_gpu", {"checked": False, "module": None, "why": ""})
+            monkeypatch.setitem(sys.modules, "hvd_quant.kernels.gpu", G)
+            assert kernels.gpu_module() is G
+            assert G.LAUNCH["sums"] == {"num_warps": 8}
+            assert G.LAUNCH["quantize_lanes"] == {"num_warps": saved["quantize_lanes"]["num_warps"], "block": 4096}
+            G.LAUNCH.clear()
+            G.LAUNCH.update(saved)
+        for value, match in (("{not json", "HVD_QUANT_GPU_LAUNCH"), (str(tmp_path / "missing.json"), "No such file"),
+                             ('{"sums": {"num_warps": 5}}', "power of two")):
+            monkeypatch.setenv("HVD_QUANT_GPU_LAUNCH", value)
+            monkeypatch.setattr(kernels, "_gpu", {"checked": False, "module": None, "why": ""})
+            with pytest.raises(ValueError, match=match):
+                kernels.gpu_module()
+            with pytest.raises(ValueError, match=match):  # again on the next call, until it is fixed
+                kernels.gpu_module()
+    finally:
+        G.LAUNCH.clear()
+        G.LAUNCH.update(saved)

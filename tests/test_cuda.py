@@ -23,6 +23,8 @@ differ is where a reduction's order rounds (the L2 norms of the scales): the com
 allows a few float32 ulps there, and nothing else.
 """
 
+import types
+
 import numpy as np
 import pytest
 
@@ -235,7 +237,9 @@ def test_the_distributed_optimizer_takes_a_gpu_model(name, bucket_size_mb, monke
     from hvd_quant.torch import Compression, DistributedOptimizer
     from hvd_quant.torch import distributed_optimizer as topt
 
-    monkeypatch.setattr(topt, "make_comm", lambda process_set, device: None)
+    # Each simulated rank sets its communicator in body(); the constructor's adaptive-method
+    # check reads a rank before that (0: this is rank 0).
+    monkeypatch.setattr(topt, "make_comm", lambda process_set, device: types.SimpleNamespace(rank=0, size=1))
     tokens = torch.tensor([[1, 5, 7, 1], [9, 9, 2, 3]])
     weights = {"emb": dyadic((2, 4, 16), 21), "w": dyadic((8, 16), 22), "b": dyadic(8, 23),
                "half": dyadic((4, 8), 24)}

@@ -74,7 +74,7 @@ NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sum
 
 _cpu = None
 _state = {"checked": False, "ok": False, "why": "", "prepared": False}
-_gpu = {"checked": False, "module": None, "why": ""}
+_gpu = {"checked": False, "module": None, "why": "", "launch_read": False}
 _gpu_lock = threading.RLock()
 _gpu_interpreted = None
 
@@ -144,6 +144,9 @@ def gpu_module():
                     "hvd_quant: fused GPU kernels off, %s; CUDA tensors take the generic path "
                     "instead (plain torch operations, several passes per primitive): install "
                     "the Triton that matches your torch (pip install triton)")
+        if _gpu["module"] is not None and not _gpu.get("launch_read"):
+            _gpu["module"].launch_from_env()  # a bad HVD_QUANT_GPU_LAUNCH raises to the caller
+            _gpu["launch_read"] = True
     return _gpu["module"]
 
 

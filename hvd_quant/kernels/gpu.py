@@ -74,6 +74,9 @@ is the GPU's (canonical) one. Non-finite inputs to the stochastic roundings
 give unspecified codes, as a float-to-int conversion of NaN does on the CPU.
 """
 
+import json
+import os
+
 import numpy as np
 import torch
 import triton
@@ -89,6 +92,68 @@ _ABS_BLOCK = 8192        # elements per program of the max / finiteness scan
 _SUM_BLOCK = 1024        # partial sums per step of a segment's total
 _WARPS = 4
 _INTERPRETED = None      # set below: whether Triton's interpreter runs these kernels
+
+#: Launch settings of the kernels whose speed depends on them (issue 56), by the primitive
+#: family that launches them: ``num_warps`` per program and, for the lane kernels,
+#: ``block`` elements per program (a power of two). ``benchmarks/bench_gpu.py --tune``
+#: times candidates on the device and checks that each gives the same outputs (bits, and
+#: the float64 sums to 1e-12: a reduction's order follows the warps). Every rank of a job
+#: must launch with the same settings (the sums set the scales), so this is a constant,
+#: not a per-process autotune. Families not named here run with ``_WARPS`` warps.
+#: The values (H200, 2026-12-04, ``benchmarks/reference/gpu-2026-12-04-h200/``): the lane
+#: kernels take ``--tune``'s fastest (GPT-2 small's gradient, against 4 warps and 2048
+#: elements: dequantize_lanes 0.341 -> 0.231 ms, quantize_lanes 0.280 -> 0.266 ms). The
+#: others stay at 4 warps: 8 for ``sums`` timed 2% faster on compensate_sums_signs, but
+#: onebit's two ``_sums_k`` (the second decodes as well) then took 1381 us against 979 us
+#: at 4 warps (its profile, 2026-11-28), so the tune now times every call site of a
+#: family; 2 for marsit_select was within 1%.
+LAUNCH = {
+    "sums": {"num_warps": 4},              # compensate_sums(_signs), unpack_sums_signs
+    "unpack": {"num_warps": 4},            # unpack_scaled_sum, unpack_sum_residual
+    "quantize_lanes": {"num_warps": 4, "block": 1024},
+    "dequantize_lanes": {"num_warps": 8, "block": 1024},
+    "marsit_select": {"num_warps": 4},
+    "rebinarize": {"num_warps": 4},
+}
+
+
+def set_launch(settings):
+    """Merge ``{family: {"num_warps": w, "block": b}}`` into :data:`LAUNCH` after checking
+    it (known families and keys, powers of two); returns the settings now in force."""
+    if not isinstance(settings, dict):
+        raise ValueError(f"launch settings must be a JSON object of families, got {type(settings).__name__}")
+    checked = {}
+    for family, values in settings.items():
+        if family not in LAUNCH:
+            raise ValueError(f"launch settings: unknown family {family!r}; known: {', '.join(LAUNCH)}")
+        if not isinstance(values, dict) or not set(values) <= set(LAUNCH[family]):
+            raise ValueError(f"launch settings for {family!r}: keys must be among {sorted(LAUNCH[family])}, "
+                             f"got {values!r}")
+        for key, value in values.items():
+            low, high = (1, 32) if key == "num_warps" else (64, 65536)
+            if not isinstance(value, int) or value & (value - 1) or not low <= value <= high:
+                raise ValueError(f"launch settings: {family}.{key} must be a power of two in {low}..{high}, "
+                                 f"got {value!r}")
+        checked[family] = values
+    for family, values in checked.items():
+        LAUNCH[family] = {**LAUNCH[family], **values}
+    return {family: dict(values) for family, values in LAUNCH.items()}
+
+
+def launch_from_env():
+    """``HVD_QUANT_GPU_LAUNCH``: launch settings as JSON text or a JSON file's path (what
+    ``bench_gpu.py --tune`` writes), for a GPU other than the one the defaults were tuned
+    on. Every rank must see the same value (launchers pass the environment on)."""
+    text = os.environ.get("HVD_QUANT_GPU_LAUNCH", "").strip()
+    if text:
+        try:
+            set_launch(json.loads(text if text.startswith("{") else open(text).read()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"HVD_QUANT_GPU_LAUNCH={text!r}: {exc}") from None
+
+
+def _warps(family):
+    return LAUNCH[family]["num_warps"]
 
 
 # --- exact float operations, the hash ---------------------------------------------------------
@@ -818,7 +883,8 @@ def unpack_scaled_sum(packed, scales, bounds, d, base=None, out=None, base_scale
     lay = _layout(bounds, device)
     _launch(_unpack_k, lay.tiles_count, packed, scales, lay.bounds, lay.tiles, out if base is None else base,
             scales if folds is None else folds, out, out, scales, out, out, d, nbytes, rows, lay.segments,
-            HAS_BASE=base is not None, FOLDS=folds is not None, RESID=False, HAS_E=False, NB=_NB)
+            HAS_BASE=base is not None, FOLDS=folds is not None, RESID=False, HAS_E=False, NB=_NB,
+            num_warps=_warps("unpack"))
     return out
 
 
@@ -835,7 +901,8 @@ def unpack_sum_residual(packed, scales, bounds, d, x, e, own_scales, out=None, r
     lay = _layout(bounds, x.device)
     _launch(_unpack_k, lay.tiles_count, packed, scales, lay.bounds, lay.tiles, x, scales, x,
             x if e is None else e, _flat(own_scales, x.device, torch.float32), out, resid, d, nbytes, rows,
-            lay.segments, HAS_BASE=False, FOLDS=False, RESID=True, HAS_E=e is not None, NB=_NB)
+            lay.segments, HAS_BASE=False, FOLDS=False, RESID=True, HAS_E=e is not None, NB=_NB,
+            num_warps=_warps("unpack"))
     return out, resid
 
 
@@ -861,7 +928,7 @@ def _compensate(x, e, bounds, squares, bits):
         _launch(_sums_k, lay.tiles_count, x, x if e is None else e, x, partial, partial, partial,
                 lay.bounds, lay.tiles, partial, x, x if bits is None else bits, x.numel(), (x.numel() + 7) // 8,
                 1, 1, HAS_E=e is not None, DECODE=False, HAS_BASE=False, FOLDS=False, SQUARES=bool(squares),
-                BITS=bits is not None, NB=_NB)
+                BITS=bits is not None, NB=_NB, num_warps=_warps("sums"))
     return _sums(lay, x.device, pieces)
 
 
@@ -898,7 +965,7 @@ def unpack_sums_signs(packed, scales, bounds, d, base=None, base_scales=None, ou
         _launch(_sums_k, lay.tiles_count, out, out, packed, scales, out if base is None else base,
                 scales if folds is None else folds, lay.bounds, lay.tiles, partial, out, bits, d, nbytes, rows,
                 lay.segments, HAS_E=False, DECODE=True, HAS_BASE=base is not None, FOLDS=folds is not None,
-                SQUARES=bool(squares), BITS=True, NB=_NB)
+                SQUARES=bool(squares), BITS=True, NB=_NB, num_warps=_warps("sums"))
     return out, _sums(lay, device, pieces), bits
 
 
@@ -941,10 +1008,10 @@ def quantize_lanes(x, pre, scale, levels, key, width, add_offset, first=0, out=N
     offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1)) if add_offset else 0
     (pre, pre_ptr), (scale, scale_ptr) = _scalar(pre, x.device), _scalar(scale, x.device)
     key, key_ptr = _key_arg(key, x.device)
-    nw = BLOCK // lanes
+    nw = LAUNCH["quantize_lanes"]["block"] // lanes
     _launch(_quantize_lanes_k, _cdiv(nwords, nw), x, words, x.numel(), nwords, pre, scale,
             float(np.float32(levels)), key, int(first), offset, PRE=pre_ptr, SCALE=scale_ptr, KEY=key_ptr,
-            LANES=lanes, WIDTH=width, NW=nw)
+            LANES=lanes, WIDTH=width, NW=nw, num_warps=_warps("quantize_lanes"))
     return words
 
 
@@ -980,9 +1047,9 @@ def dequantize_lanes(words, numel, width, factor, out=None):
     out = _output(out, numel, torch.float32, words.device)
     lanes = 32 // width
     factor, factor_ptr = _scalar(factor, words.device)
-    nw = BLOCK // lanes
+    nw = LAUNCH["dequantize_lanes"]["block"] // lanes
     _launch(_dequantize_lanes_k, _cdiv(_cdiv(numel, lanes), nw), words, out, numel, words.numel(), factor,
-            FACTOR=factor_ptr, LANES=lanes, WIDTH=width, NW=nw)
+            FACTOR=factor_ptr, LANES=lanes, WIDTH=width, NW=nw, num_warps=_warps("dequantize_lanes"))
     return out
 
 
@@ -1039,7 +1106,7 @@ def marsit_select(own, recv, keep, key, out=None):
     keep, keep_ptr = _scalar(keep, own.device)
     key, key_ptr = _key_arg(key, own.device)
     _launch(_marsit_select_k, _cdiv(own.numel(), _NB), own, recv, out, own.numel(), keep, key, KEEP=keep_ptr,
-            KEY=key_ptr, NB=_NB)
+            KEY=key_ptr, NB=_NB, num_warps=_warps("marsit_select"))
     return out
 
 
@@ -1060,7 +1127,7 @@ def rebinarize(rows, k, key, out=None):
     out = _output(out, width, torch.uint8, rows.device)
     key, key_ptr = _key_arg(key, rows.device)
     _launch(_rebinarize_k, _cdiv(width, _NB), rows, out, width, k, float(np.float32(1.0 / k)), key, KEY=key_ptr,
-            NB=_NB)
+            NB=_NB, num_warps=_warps("rebinarize"))
     return out
 
 
