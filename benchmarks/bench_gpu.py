@@ -636,7 +636,6 @@ def tune(gpu, fast, device, args, clock, log):
         best = min(alike, key=lambda r: r["ms"]) if alike else {"settings": default, "ms": now and now["ms"]}
         result[family] = {"case": " + ".join(sites), "default": default, "default_ms": now and now["ms"],
                           "best": best["settings"], "best_ms": best["ms"], "rows": rows}
-        del reference
     return result
 
 

@@ -272,6 +272,7 @@ def test_launch_settings_are_checked(monkeypatch, tmp_path):
     saved = {f: dict(v) for f, v in G.LAUNCH.items()}
     for bad, match in (({"nope": {"num_warps": 4}}, "unknown family"), ({"sums": {"block": 1024}}, "keys must be"),
                        ({"sums": {"num_warps": 3}}, "power of two"), ({"quantize_lanes": {"block": 32}}, "64..65536"),
+                       ({"sums": {"num_warps": True}}, "power of two"),
                        ([1], "JSON object")):
         with pytest.raises(ValueError, match=match):
             G.set_launch(bad)

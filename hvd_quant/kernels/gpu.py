@@ -76,6 +76,7 @@ give unspecified codes, as a float-to-int conversion of NaN does on the CPU.
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -131,7 +132,8 @@ def set_launch(settings):
                              f"got {values!r}")
         for key, value in values.items():
             low, high = (1, 32) if key == "num_warps" else (64, 65536)
-            if not isinstance(value, int) or value & (value - 1) or not low <= value <= high:
+            if isinstance(value, bool) or not isinstance(value, int) or value & (value - 1) \
+                    or not low <= value <= high:
                 raise ValueError(f"launch settings: {family}.{key} must be a power of two in {low}..{high}, "
                                  f"got {value!r}")
         checked[family] = values
@@ -147,7 +149,7 @@ def launch_from_env():
     text = os.environ.get("HVD_QUANT_GPU_LAUNCH", "").strip()
     if text:
         try:
-            set_launch(json.loads(text if text.startswith("{") else open(text).read()))
+            set_launch(json.loads(text if text.startswith("{") else Path(text).read_text()))
         except (OSError, ValueError) as exc:
             raise ValueError(f"HVD_QUANT_GPU_LAUNCH={text!r}: {exc}") from None
 
