@@ -49,12 +49,23 @@
 #      rely on ("'string' in namespace 'std' does not name a type", "'logic_error' is not
 #      a member of 'std'"). We force-include them, and <cstdint>, the other header GCC 13
 #      stopped pulling in, into every C++ file (CXXFLAGS); nothing changes for GCC 12.
+#   9. Gloo has an fp16 sum with F16C's vector conversions (third_party/gloo/gloo/math.cc),
+#      used where GLOO_USE_AVX is 1 in every file that includes gloo/math.h; nothing in
+#      Horovod's build defines it (gloo's config.h would, from a USE_AVX nobody sets, but
+#      math.h does not include config.h), and the vendored gloo does not even compile
+#      math.cc. So the sum of every fp16 allreduce on the CPU (Horovod's Compression.fp16,
+#      hvd_quant's fp16) converted each element in software and took 2 to 3.5 times as long
+#      as fp32's (docs/benchmarks/time-to-quality.md, 8 hosts). Where the compiler flags
+#      hold -mf16c and -mavx (Horovod adds them when -march=native has them,
+#      cmake/Utilities.cmake) we define it for the whole build, compile math.cc, and set
+#      gloo's config.h to match. Both sums add in float32 and round to nearest even: the
+#      finite sums' bits do not change (a NaN keeps its payload instead of 0x7fff).
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
 # Bump when a patch below changes: it is part of the wheel cache's key, so a machine
 # that cached a wheel built without it builds again.
-PATCH_LEVEL=p5
+PATCH_LEVEL=p6
 PY=${PYTHON:-python}
 
 # Which controllers: "Gloo" or "Gloo, MPI" (as the bootstrap's summary line names them).
@@ -144,6 +155,17 @@ else
         "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     # Fix 2: the vendored gloo in C++17 as well.
     sed -i 's/-std=c++11 -fPIC/-std=c++17 -fPIC/' "$src/third_party/gloo/CMakeLists.txt"
+    # Fix 9: Gloo's vector fp16 sum where the build targets F16C and AVX.
+    sed -i 's/^set_build_arch_flags("${ARCH_FLAGS}")$/&\nif(CMAKE_CXX_FLAGS MATCHES "-mf16c" AND CMAKE_CXX_FLAGS MATCHES "-mavx")\n    add_definitions(-DGLOO_USE_AVX=1)\nendif()/' \
+        "$src/CMakeLists.txt"
+    sed -i 's/^set(GLOO_USE_AVX ${USE_AVX})$/if(CMAKE_CXX_FLAGS MATCHES "-mf16c" AND CMAKE_CXX_FLAGS MATCHES "-mavx")\n  set(GLOO_USE_AVX 1)\nelse()\n  set(GLOO_USE_AVX 0)\nendif()/' \
+        "$src/third_party/gloo/gloo/CMakeLists.txt"
+    sed -i 's|^  "${CMAKE_CURRENT_SOURCE_DIR}/types.cc"$|&\n  "${CMAKE_CURRENT_SOURCE_DIR}/math.cc"|' \
+        "$src/third_party/gloo/gloo/CMakeLists.txt"
+    grep -qF '/math.cc"' "$src/third_party/gloo/gloo/CMakeLists.txt" \
+        || { echo "[build_horovod] patch did not apply: math.cc not among gloo's sources" >&2; exit 1; }
+    grep -qF 'add_definitions(-DGLOO_USE_AVX=1)' "$src/CMakeLists.txt" \
+        || { echo "[build_horovod] patch did not apply: no GLOO_USE_AVX definition in $src/CMakeLists.txt" >&2; exit 1; }
     # Fix 3: drop the optional XLA MPI ops that do not compile against TF 2.21.
     sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
     # Fix 5: the rendezvous server clears the finished scope's list, not every scope's.
@@ -168,6 +190,7 @@ else
                  "CMAKE_CXX_STANDARD 14:$src/horovod/torch/CMakeLists.txt" \
                  "-std=c++11 -fPIC:$src/third_party/gloo/CMakeLists.txt" \
                  "xla_mpi_ops.cc:$src/horovod/tensorflow/CMakeLists.txt" \
+                 "set(GLOO_USE_AVX \${USE_AVX}):$src/third_party/gloo/gloo/CMakeLists.txt" \
                  "self.server.finished_list.clear():$src/horovod/runner/http/http_server.py"; do
         if grep -qF -- "${check%%:*}" "${check#*:}"; then
             echo "[build_horovod] patch did not apply: '${check%%:*}' still in ${check#*:}" >&2

@@ -310,7 +310,7 @@ def test_scale_warning_from_a_runner_and_a_rule(caplog):
 
 
 # --- Compression.auto ---------------------------------------------------------------------------
-from hvd_quant.compressors.auto import AutoCompressor, choose, link_from_timings  # noqa: E402
+from hvd_quant.compressors.auto import AutoCompressor, choose, link_from_timings, local_timings  # noqa: E402
 
 
 def _link(rate_bps, latency_s, memory_bps=20e9):
@@ -354,6 +354,84 @@ def test_link_from_timings():
     assert link.rate_bps == pytest.approx(1e8)
     assert link.latency("alltoall", 16) == pytest.approx(0.01)
     assert link.memory_bps == pytest.approx(2 * 16 * 2 ** 20 / 0.004)
+
+
+def test_a_slow_fp16_sum_is_measured_and_priced():
+    """Gloo without GLOO_USE_AVX sums fp16 in software: the fp16 probe's excess over the fp32
+    probe of the same bytes becomes a cost per byte summed, which only fp16's allreduces pay,
+    and which can take ``fp16`` out of the running on a fast link."""
+    n, probe = 2, 0.0005
+    summed = (n - 1) / n * 2 ** 20
+    link = link_from_timings(0.0002, probe, 0.002, n, probe16_s=3 * probe)
+    assert link.sum_s_per_byte == {"float16": pytest.approx(2 * probe / summed)}
+    assert link_from_timings(0.0002, probe, 0.002, n, probe16_s=0.5 * probe).sum_s_per_byte == {"float16": 0.0}
+    assert link_from_timings(0.0002, probe, 0.002, n).sum_s_per_byte == {}
+    plain = link_from_timings(0.0002, probe, 0.002, n)
+    half = costmodel.Collective("allreduce", 1e6, n, dtype="float16")
+    assert link.collective_s(half) - plain.collective_s(half) == pytest.approx(2 * probe / summed * 0.5e6)
+    for c in (costmodel.Collective("allreduce", 1e6, n), costmodel.Collective("allgather", 1e6, n, dtype="float16")):
+        assert link.collective_s(c) == plain.collective_s(c)
+    family = ("fp16", "global_qsgd", "global_qsgd_exp")
+    assert choose(family, 400_000, n, plain)[0] == "fp16"  # about 29 Gbit/s: fp16's fewer passes win
+    assert choose(family, 400_000, n, link)[0] != "fp16"
+    assert LinkModel.from_dict(link.to_dict()) == link
+    assert link.with_rate(1e9).sum_s_per_byte == link.sum_s_per_byte
+
+
+class _Timed16(AutoCompressor):
+    """Made-up timings with an fp16 probe three times the fp32 one on the slowest rank."""
+
+    def _local_timings(self, B, comm):
+        return [0.0002, 0.0005, 0.002, 0.0005 * (1 + 2 * (comm.rank == 1))]
+
+
+def test_auto_prices_the_fp16_sum_every_rank_measured():
+    """The fp16 probe travels with the other timings; the slowest rank's makes every rank's
+    link, so every rank leaves fp16 out alike; without it fp16 would be chosen."""
+    n, x = 2, np.ones(400_000, np.float32)
+
+    def run(cls):
+        comps = [cls("no_feedback") for _ in range(n)]
+        return ThreadWorld(n).run(lambda c: (CompressorRunner(comps[c.rank], B, seed=3).reduce(
+            x, c, "b", [("b", x.size)]), comps[c.rank].choices(c))[1])
+
+    slow = run(_Timed16)
+    assert slow[0] == slow[1] and slow[0]["b"] != "fp16"
+    assert run(_Timed3)[0] == {"b": "fp16"}
+
+
+class _Timed3(AutoCompressor):
+    def _local_timings(self, B, comm):
+        return [0.0002, 0.0005, 0.002]
+
+
+def test_the_fp16_probe_runs_only_for_families_with_fp16():
+    """``local_timings`` times fp16 allreduces only when asked; auto asks only where fp16
+    is a candidate. Its collectives are named, as every rank issues them."""
+    names = {}
+
+    def body(c):
+        comm = _Recording(c)
+        with_fp16 = local_timings(B, comm, fp16=True)
+        names[c.rank] = comm.names
+        return len(with_fp16), len(local_timings(B, _Recording(c)))
+
+    assert ThreadWorld(2).run(body) == [(4, 3), (4, 3)]
+    assert names[0] == names[1]
+    assert [k for k in names[0] if ".fp16" in k] == [f"hvd_quant.auto.fp16{i}" for i in range(3)]
+    assert AutoCompressor("onebit_ef").candidates.count("fp16") == 0
+    assert "fp16" in AutoCompressor("no_feedback").candidates
+
+
+class _Recording:
+    """A communicator that records the names of its allreduces."""
+
+    def __init__(self, comm):
+        self.comm, self.names = comm, []
+
+    def allreduce(self, x, op, name):
+        self.names.append(name)
+        return self.comm.allreduce(x, op, name)
 
 
 class _Timed(AutoCompressor):

@@ -168,6 +168,20 @@ def test_ring_equals_horovod_integer_sum_bit_for_bit(job):
             assert res["torus"] == res["hvd"]
 
 
+def test_horovod_sums_fp16_as_numpy_adds_it(job):
+    """Every element of Horovod's fp16 allreduce is a correctly rounded fp16 sum in some order
+    of the ranks, bit for bit: ties to even, overflow to inf, subnormals. Holds for Gloo's
+    software sum and for its F16C one (scripts/build_horovod.sh, Fix 9), and for MPI's."""
+    inputs = cases.fp16_sum_inputs(job["size"])
+    with np.errstate(over="ignore"):
+        allowed = np.stack([s.view(np.uint16) for s in cases.fp16_sums(inputs)])
+    for rank in job["ranks"]:
+        got = np.array(_ok(rank["fp16_sum"]), dtype=np.uint16)
+        bad = ~(allowed == got).any(axis=0)
+        assert not bad.any(), (f"rank {rank['rank']}: {int(bad.sum())} sums not numpy's, first at "
+                               f"{int(np.argmax(bad))}: {got[bad][:3].view(np.float16)}")
+
+
 def test_disagreeing_ranks_raise_the_same_clear_error(job):
     for rank in job["ranks"]:
         for key in ("disagree_compressor", "disagree_options"):

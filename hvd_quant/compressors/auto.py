@@ -6,7 +6,10 @@
 1. **the link is measured**: after an untimed 4-byte allreduce that brings the ranks
    together, the fastest of :data:`LINK_REPEATS` 4-byte allreduces times the latency and
    the fastest of as many allreduces of 1 MB the rate; a copy of 16 MB times the memory
-   bandwidth. Every rank's three
+   bandwidth. Where ``fp16`` is a candidate, as many fp16 allreduces of 1 MB time what
+   summing fp16 costs beyond fp32 (Gloo converts each element in software unless built
+   with ``GLOO_USE_AVX``, which Horovod's own build does not set: 2 to 3.5 times fp32's
+   allreduce of the same elements here; ``scripts/build_horovod.sh``, Fix 9). Every rank's
    timings travel by one allgather and the slowest of each is used, so that **every rank
    holds the same figures** (a rank's own timing differs from its peers', and the choice
    below must not);
@@ -72,45 +75,62 @@ COPY_BYTES = 16 << 20
 LINK_REPEATS = 3
 
 
-def link_from_timings(latency_s, probe_s, copy_s, n, probe_bytes=PROBE_BYTES, copy_bytes=COPY_BYTES):
+def link_from_timings(latency_s, probe_s, copy_s, n, probe16_s=None, probe_bytes=PROBE_BYTES,
+                      copy_bytes=COPY_BYTES):
     """A :class:`~hvd_quant.core.costmodel.LinkModel` from the slowest rank's timings: the
     4-byte allreduce's ``latency_s`` (every kind's latency), the rate that makes an
     allreduce of ``probe_bytes`` take ``probe_s`` at the allreduce's calibrated share of
-    the rate, and the copy bandwidth (read + write) of ``copy_bytes`` in ``copy_s``."""
+    the rate, the copy bandwidth (read + write) of ``copy_bytes`` in ``copy_s``, and, given
+    ``probe16_s`` (an fp16 allreduce of as many bytes), the fp16 sum's cost beyond fp32's
+    per byte summed (:attr:`~hvd_quant.core.costmodel.LinkModel.sum_s_per_byte`)."""
     eff = dict(costmodel.EMULATED_EFFICIENCY)
     wire = 2.0 * (n - 1) / n * probe_bytes
     moving = max(probe_s - latency_s, 1e-6)
     rate = 8.0 * wire / moving / eff["allreduce"]
+    sums = {}
+    if probe16_s is not None and n > 1:
+        # Same bytes on the wire, so the difference is the sums': each rank sums (n - 1) / n
+        # of the buffer. Never below fp32's: noise only ever adds time.
+        sums["float16"] = max(0.0, probe16_s - probe_s) / ((n - 1) / n * probe_bytes)
     return costmodel.LinkModel(rate, dict.fromkeys(costmodel.KINDS, float(latency_s)),
                                dict.fromkeys(costmodel.KINDS, 0.0), eff,
-                               2.0 * copy_bytes / max(copy_s, 1e-9), "measured at start (auto)")
+                               2.0 * copy_bytes / max(copy_s, 1e-9), "measured at start (auto)",
+                               sum_s_per_byte=sums)
 
 
-def measure_link(B, comm, prefix="hvd_quant.auto"):
+def measure_link(B, comm, prefix="hvd_quant.auto", fp16=False):
     """The link figures every rank shares (module docstring, 1.): each rank's timings,
-    gathered, the slowest. Every rank of ``comm`` must call it at the same point; its
-    collectives are named ``<prefix>.start``, ``.latency``, ``.rate`` and ``.timings``."""
-    return _gathered_link(B, comm, lambda: local_timings(B, comm, prefix), prefix)
+    gathered, the slowest. Every rank of ``comm`` must call it at the same point, with the
+    same ``fp16`` (also time the fp16 sum); its collectives are named ``<prefix>.start``,
+    ``.latency``, ``.rate``, ``.fp16`` and ``.timings``."""
+    return _gathered_link(B, comm, lambda: local_timings(B, comm, prefix, fp16), prefix)
 
 
 def _gathered_link(B, comm, timings, prefix):
     n = comm.size
     with getattr(B, "eager_scope", nullcontext)():
         mine = B.constant(np.array(timings(), np.float64), "float64")
-        rows = B.to_numpy(comm.allgather(mine, prefix + ".timings")).reshape(n, 3)
-    return link_from_timings(*(float(v) for v in rows.max(axis=0)), n)
+        rows = B.to_numpy(comm.allgather(mine, prefix + ".timings")).reshape(n, -1)
+    return link_from_timings(*(float(v) for v in rows.max(axis=0)[:3]), n,
+                             probe16_s=float(rows[:, 3].max()) if rows.shape[1] > 3 else None)
 
 
-def local_timings(B, comm, prefix="hvd_quant.auto"):
-    """This rank's ``[latency, probe, copy]`` seconds: the fastest of :data:`LINK_REPEATS`
-    4-byte allreduces (after an untimed one that brings the ranks together) and of as
-    many allreduces of 1 MB, and a 16 MB copy."""
+def local_timings(B, comm, prefix="hvd_quant.auto", fp16=False):
+    """This rank's ``[latency, probe, copy]`` seconds, and ``probe16`` after them with
+    ``fp16``: the fastest of :data:`LINK_REPEATS` 4-byte allreduces (after an untimed one
+    that brings the ranks together), of as many allreduces of 1 MB, and, with ``fp16``,
+    of as many fp16 allreduces of 1 MB; a 16 MB copy."""
     tiny, probe = B.zeros(1), B.zeros(PROBE_BYTES // 4)
     B.to_numpy(comm.allreduce(tiny, "sum", prefix + ".start"))
     latency = min(_timed(lambda: B.to_numpy(comm.allreduce(tiny, "sum", f"{prefix}.latency{i}")))
                   for i in range(LINK_REPEATS))
     rate = min(_timed(lambda: B.to_numpy(comm.allreduce(probe, "sum", f"{prefix}.rate{i}")))
                for i in range(LINK_REPEATS))
+    probe16 = []
+    if fp16:
+        half = B.cast(B.zeros(PROBE_BYTES // 2), "float16")
+        probe16 = [min(_timed(lambda: B.to_numpy(comm.allreduce(half, "sum", f"{prefix}.fp16{i}")))
+                       for i in range(LINK_REPEATS))]
     src = np.ones(COPY_BYTES // 4, np.float32)
     dst = np.empty_like(src)
     # The first copy writes fresh pages and pays their page faults (149 ms against 4.3 for
@@ -123,7 +143,7 @@ def local_timings(B, comm, prefix="hvd_quant.auto"):
         t = time.perf_counter()
         np.copyto(dst, src)
         copies.append(time.perf_counter() - t)
-    return [latency, rate, min(copies)]
+    return [latency, rate, min(copies)] + probe16
 
 
 def _timed(fn):
@@ -234,7 +254,7 @@ class AutoCompressor(Compressor):
         return _gathered_link(B, comm, lambda: self._local_timings(B, comm), "hvd_quant.auto")
 
     def _local_timings(self, B, comm):
-        return local_timings(B, comm)
+        return local_timings(B, comm, fp16="fp16" in self.candidates)
 
     def choice(self, B, comm, group, segments):
         entry = self.world(B, comm)
@@ -249,7 +269,9 @@ class AutoCompressor(Compressor):
                     f"hvd_quant auto({self.family}): bucket {group} ({numel:,} elements, {len(segments)} "
                     f"tensors) at {comm.size} ranks, link {link.rate_bps / 1e6:.0f} Mbit/s with "
                     f"{1e3 * link.latency0['allreduce']:.1f} ms per collective, memory "
-                    f"{link.memory_bps / 1e9:.1f} GB/s; predicted ms: "
+                    f"{link.memory_bps / 1e9:.1f} GB/s"
+                    + "".join(f", {dtype} sum +{1e9 * v:.2g} ns/byte" for dtype, v in link.sum_s_per_byte.items())
+                    + "; predicted ms: "
                     + ", ".join(f"{m} {1e3 * s:.1f}" for m, s in sorted(predicted.items(), key=lambda i: i[1]))
                     + f" -> {best}")
         return self._methods[entry["choices"][group]]

@@ -53,7 +53,7 @@ class FP16Compression(Compressor):
         return 2.0 * (world_size - 1) / world_size * 2 * numel
 
     def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
-        return [Collective("allreduce", 2.0 * numel, world_size)]
+        return [Collective("allreduce", 2.0 * numel, world_size, dtype="float16")]
 
     def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
         # the casts (read fp32, write fp16; read fp16, write fp32), half a ring's passes

@@ -59,11 +59,13 @@ class Collective:
     """One collective a rank issues: its ``kind``, the bytes this rank passes in
     (``nbytes``: an allreduce's buffer, an allgather's contribution, an alltoall's whole
     input, a hop's chunk) and the ranks of the communicator it runs on. ``overlapped``:
-    in flight beside the ones after it (its time is not on the step's critical path)."""
+    in flight beside the ones after it (its time is not on the step's critical path).
+    ``dtype``: what an allreduce sums (:attr:`LinkModel.sum_s_per_byte`)."""
     kind: str
     nbytes: float
     ranks: int
     overlapped: bool = False
+    dtype: str = "float32"
 
     def wire_bytes(self):
         """Bytes this rank sends (:class:`~hvd_quant.core.comm.WireMeter` cost model)."""
@@ -279,6 +281,14 @@ class LinkModel:
         Bytes read plus written per second (a copy's bandwidth).
     flops : float
         Floating-point operations per second of a rank (PowerSGD's matrix products).
+    sum_s_per_byte : dict dtype -> seconds
+        What an allreduce's sum of that dtype costs per byte summed beyond fp32's, which
+        the rate already holds (the rate is measured or fitted on fp32 allreduces). A ring
+        allreduce sums ``(n - 1) / n`` of its buffer on each rank. Gloo's fp16 sum converts
+        each element in software unless it was built with ``GLOO_USE_AVX`` (Horovod's own
+        build does not set it; ``scripts/build_horovod.sh`` Fix 9 does): there it took 2 to
+        3.5 times fp32's allreduce of the same elements on this project's CPUs.
+        :mod:`hvd_quant.compressors.auto` measures it; empty: no dtype costs more.
     source : str
         Where the figures come from (a calibration file, an assumption).
     """
@@ -289,6 +299,7 @@ class LinkModel:
     memory_bps: float = 10e9
     source: str = "defaults"
     flops: float = 50e9
+    sum_s_per_byte: dict = field(default_factory=dict)
 
     def latency(self, kind, n):
         return self.latency0[kind] + self.latency1[kind] * max(0, n - 1)
@@ -297,21 +308,25 @@ class LinkModel:
         """Seconds of one collective on its critical path."""
         if c.ranks <= 1:
             return 0.0
-        return self.latency(c.kind, c.ranks) + 8.0 * c.wire_bytes() / (self.efficiency[c.kind] * self.rate_bps)
+        seconds = self.latency(c.kind, c.ranks) + 8.0 * c.wire_bytes() / (self.efficiency[c.kind] * self.rate_bps)
+        if c.kind == "allreduce":
+            seconds += self.sum_s_per_byte.get(c.dtype, 0.0) * (c.ranks - 1) / c.ranks * c.nbytes
+        return seconds
 
     def with_rate(self, rate_bps):
         return LinkModel(rate_bps, dict(self.latency0), dict(self.latency1), dict(self.efficiency),
-                         self.memory_bps, self.source, self.flops)
+                         self.memory_bps, self.source, self.flops, dict(self.sum_s_per_byte))
 
     def to_dict(self):
         return {"rate_bps": self.rate_bps, "latency0": self.latency0, "latency1": self.latency1,
                 "efficiency": self.efficiency, "memory_bps": self.memory_bps, "source": self.source,
-                "flops": self.flops}
+                "flops": self.flops, "sum_s_per_byte": self.sum_s_per_byte}
 
     @classmethod
     def from_dict(cls, d):
         return cls(float(d["rate_bps"]), dict(d["latency0"]), dict(d["latency1"]), dict(d["efficiency"]),
-                   float(d.get("memory_bps", 10e9)), str(d.get("source", "")), float(d.get("flops", 50e9)))
+                   float(d.get("memory_bps", 10e9)), str(d.get("source", "")), float(d.get("flops", 50e9)),
+                   {k: float(v) for k, v in d.get("sum_s_per_byte", {}).items()})
 
     @classmethod
     def datacenter(cls, rate_bps, message_s=25e-6, horovod_s=1e-3, memory_bps=20e9, efficiency=None,

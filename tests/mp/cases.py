@@ -37,6 +37,34 @@ def rank_ints(rank, numel):
     return rng.integers(-1000, 1000, numel).astype(np.int32)
 
 
+# fp16 sums under Horovod (Gloo or MPI on the CPU): pairs whose sum ties between two fp16
+# values (round to nearest even decides), overflows to inf at 65520, or is subnormal,
+# then random values over eleven decades. Ranks beyond the second add zeros to the pairs.
+FP16_PAIRS = [(1.0, 2.0 ** -11), (1.0 + 2.0 ** -10, 2.0 ** -11), (-1.0 - 2.0 ** -10, -(2.0 ** -11)),
+              (2048.0, 1.0), (2049.0 + 1.0, 1.0), (65504.0, 16.0), (65504.0, 8.0), (-65504.0, -16.0),
+              (2.0 ** -24, 2.0 ** -24), (2.0 ** -24, -(2.0 ** -24)), (6.1e-05, 2.0 ** -24), (0.1, 0.2)]
+
+
+def fp16_sum_inputs(size, numel=1000):
+    """Every rank's fp16 input for the sum check, ``(size, len(FP16_PAIRS) + numel)``."""
+    rng = np.random.default_rng(11)
+    rand = rng.standard_normal((size, numel)) * 10.0 ** rng.uniform(-7, 4, (size, numel))
+    pairs = np.zeros((size, len(FP16_PAIRS)))
+    pairs[:2] = np.array(FP16_PAIRS).T[:size]
+    return np.concatenate([pairs, rand], axis=1).astype(np.float16)
+
+
+def fp16_sums(inputs):
+    """The sums an allreduce may return for each element: fp16 additions in any order of the
+    ranks (a ring starts each chunk at another rank), each correctly rounded as numpy adds
+    fp16. Up to 3 ranks."""
+    n = len(inputs)
+    if n == 2:
+        return [inputs[0] + inputs[1]]
+    return [(inputs[0] + inputs[1]) + inputs[2], (inputs[1] + inputs[2]) + inputs[0],
+            (inputs[2] + inputs[0]) + inputs[1]]
+
+
 def segments(numel):
     """Two named segments (one empty when numel < 2) to exercise per-segment state."""
     first = numel // 3

@@ -105,6 +105,13 @@ def ring_int_sum():
     return out
 
 
+def fp16_sum():
+    """Horovod's own fp16 sum (its CPU operations, Gloo or MPI): the bits of each element,
+    for the test to set beside numpy's fp16 additions."""
+    x = tensor(cases.fp16_sum_inputs(SIZE)[RANK])
+    return B.to_numpy(hvd.allreduce(x, op=hvd.Sum, name="fp16sum")).view(np.uint16).tolist()
+
+
 def disagreeing_compressor():
     name = "ef_sign" if RANK == 0 else "none"
     runner = CompressorRunner(__import__("hvd_quant").get(name), B)
@@ -156,6 +163,7 @@ record("reduce", reduce_cases)
 if FRAMEWORK != "torch":
     record("reduce_graph", reduce_cases_graph)
 record("ring_int_sum", ring_int_sum)
+record("fp16_sum", fp16_sum)
 record("exact", exact_cases)
 record("disagree_compressor", disagreeing_compressor)
 record("disagree_options", disagreeing_options)
