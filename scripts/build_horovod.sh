@@ -54,7 +54,7 @@
 #      Horovod's build defines it (gloo's config.h would, from a USE_AVX nobody sets, but
 #      math.h does not include config.h), and the vendored gloo does not even compile
 #      math.cc. So the sum of every fp16 allreduce on the CPU (Horovod's Compression.fp16,
-#      hvd_quant's fp16) converted each element in software and took 2 to 3.5 times as long
+#      hvd_quant's fp16) converted each element in software and took 2.5 to 4 times as long
 #      as fp32's (docs/benchmarks/time-to-quality.md, 8 hosts). Where the compiler flags
 #      hold -mf16c and -mavx (Horovod adds them when -march=native has them,
 #      cmake/Utilities.cmake) we define it for the whole build, compile math.cc, and set

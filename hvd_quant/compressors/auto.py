@@ -8,7 +8,7 @@
    the fastest of as many allreduces of 1 MB the rate; a copy of 16 MB times the memory
    bandwidth. Where ``fp16`` is a candidate, as many fp16 allreduces of 1 MB time what
    summing fp16 costs beyond fp32 (Gloo converts each element in software unless built
-   with ``GLOO_USE_AVX``, which Horovod's own build does not set: 2 to 3.5 times fp32's
+   with ``GLOO_USE_AVX``, which Horovod's own build does not set: 2.5 to 4 times fp32's
    allreduce of the same elements here; ``scripts/build_horovod.sh``, Fix 9). Every rank's
    timings travel by one allgather and the slowest of each is used, so that **every rank
    holds the same figures** (a rank's own timing differs from its peers', and the choice

@@ -286,8 +286,8 @@ class LinkModel:
         the rate already holds (the rate is measured or fitted on fp32 allreduces). A ring
         allreduce sums ``(n - 1) / n`` of its buffer on each rank. Gloo's fp16 sum converts
         each element in software unless it was built with ``GLOO_USE_AVX`` (Horovod's own
-        build does not set it; ``scripts/build_horovod.sh`` Fix 9 does): there it took 2 to
-        3.5 times fp32's allreduce of the same elements on this project's CPUs.
+        build does not set it; ``scripts/build_horovod.sh`` Fix 9 does): there it took 2.5 to
+        4 times fp32's allreduce of the same elements on this project's CPUs.
         :mod:`hvd_quant.compressors.auto` measures it; empty: no dtype costs more.
     source : str
         Where the figures come from (a calibration file, an assumption).
