@@ -4,6 +4,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -163,6 +164,19 @@ def test_one_thread_runs_the_serial_twins_with_the_same_results(clean):
     for a, b in zip(results[1][1], results[2][1]):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(results[1][2], results[2][2])
+
+
+def test_a_choice_made_while_the_kernels_import_is_applied_once_they_are_in(clean):
+    """Ranks on threads (a ThreadWorld) prepare at once: one imports the kernels while
+    another remakes the choice, and sees the module half imported, without use_serial.
+    That raised AttributeError; the choice is now applied when the import is done."""
+    half = types.ModuleType("hvd_quant.kernels.cpu")  # what sys.modules holds mid-import
+    clean.setitem(sys.modules, "hvd_quant.kernels.cpu", half)
+    threads.set_threads(1)  # remakes the choice: serial
+    half._SERIAL = [False]
+    half.use_serial = lambda flag: half._SERIAL.__setitem__(0, bool(flag))  # the import ends
+    threads.apply_to(half)
+    assert half._SERIAL == [True]
 
 
 def test_the_choice_is_logged_once_at_info_on_rank_0_and_debug_elsewhere(clean, caplog):

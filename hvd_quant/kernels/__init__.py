@@ -123,7 +123,7 @@ def cpu_module():
     global _cpu
     if _cpu is None:
         from . import cpu
-        cpu.use_serial(threads.choice().serial)
+        threads.apply_to(cpu)
         _cpu = cpu
     return _cpu
 

@@ -265,6 +265,16 @@ def choice():
     return _state["choice"]
 
 
+def apply_to(cpu):
+    """Run ``cpu``'s (:mod:`hvd_quant.kernels.cpu`, just imported) serial or parallel twins
+    as the choice in effect says, under the lock :func:`configure` changes it under, so
+    that a choice made while the module was importing is not undone by an older one."""
+    if _state["choice"] is None:
+        configure()
+    with _lock:
+        cpu.use_serial(_state["choice"].serial)
+
+
 def describe():
     """One line: the threads per rank and why."""
     return choice().describe()
@@ -288,8 +298,12 @@ def configure(log_choice=True):
                 new = Choice(pool, new.source + f" (capped at numba's pool of {pool})", new.cores,
                              new.cores_why, new.local_size, new.local_size_why)
         old, _state["choice"] = _state["choice"], new
-        if "hvd_quant.kernels.cpu" in sys.modules:
-            sys.modules["hvd_quant.kernels.cpu"].use_serial(new.serial)
+        # The kernels' module may be in sys.modules half imported, by another thread (the
+        # ranks of a ThreadWorld preparing at once): it then has no use_serial yet, and
+        # hvd_quant.kernels applies the choice itself once the import is done (apply_to).
+        use_serial = getattr(sys.modules.get("hvd_quant.kernels.cpu"), "use_serial", None)
+        if use_serial is not None:
+            use_serial(new.serial)
         _local.__dict__.clear()  # every thread re-applies the count on its next call
         if log_choice and (not _state["logged"] or old != new):
             _state["logged"] = True
