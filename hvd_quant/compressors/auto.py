@@ -111,9 +111,9 @@ def _gathered_link(B, comm, timings, prefix):
     n = comm.size
     with getattr(B, "eager_scope", nullcontext)():
         mine = B.constant(np.array(timings(), np.float64), "float64")
-        rows = B.to_numpy(comm.allgather(mine, prefix + ".timings")).reshape(n, -1)
-    return link_from_timings(*(float(v) for v in rows.max(axis=0)[:3]), n,
-                             probe16_s=float(rows[:, 3].max()) if rows.shape[1] > 3 else None)
+        slowest = B.to_numpy(comm.allgather(mine, prefix + ".timings")).reshape(n, -1).max(axis=0)
+    return link_from_timings(*(float(v) for v in slowest[:3]), n,
+                             probe16_s=float(slowest[3]) if len(slowest) > 3 else None)
 
 
 def local_timings(B, comm, prefix="hvd_quant.auto", fp16=False):
@@ -123,18 +123,15 @@ def local_timings(B, comm, prefix="hvd_quant.auto", fp16=False):
     of as many fp16 allreduces of 1 MB (:func:`fp16_probe_values`); a 16 MB copy."""
     tiny, probe = B.zeros(1), B.zeros(PROBE_BYTES // 4)
     B.to_numpy(comm.allreduce(tiny, "sum", prefix + ".start"))
-    latency = min(_timed(lambda: B.to_numpy(comm.allreduce(tiny, "sum", f"{prefix}.latency{i}")))
-                  for i in range(LINK_REPEATS))
-    rate = min(_timed(lambda: B.to_numpy(comm.allreduce(probe, "sum", f"{prefix}.rate{i}")))
-               for i in range(LINK_REPEATS))
+    latency = _fastest_allreduce(B, comm, tiny, prefix + ".latency")
+    rate = _fastest_allreduce(B, comm, probe, prefix + ".rate")
     probe16 = []
     if fp16:
         # Values like a gradient's, not zeros: Gloo's software conversion is quicker on zeros.
         # Horovod without Fix 9, 16 MB, beyond fp32: 2.6 ns per byte summed on zeros and 7.7 on
         # these at 2 ranks, 19 and 37 at 8 (benchmarks/reference/ttq-fp16-sum-2026-12-04).
         half = B.cast(B.constant(fp16_probe_values(), "float32"), "float16")
-        probe16 = [min(_timed(lambda: B.to_numpy(comm.allreduce(half, "sum", f"{prefix}.fp16{i}")))
-                       for i in range(LINK_REPEATS))]
+        probe16 = [_fastest_allreduce(B, comm, half, prefix + ".fp16")]
     src = np.ones(COPY_BYTES // 4, np.float32)
     dst = np.empty_like(src)
     # The first copy writes fresh pages and pays their page faults (149 ms against 4.3 for
@@ -155,6 +152,11 @@ def fp16_probe_values():
     """What the fp16 probe sums (1 MB of fp16): a fixed draw on the scale of a gradient,
     the same on every rank."""
     return (np.random.default_rng(0).standard_normal(PROBE_BYTES // 2) * 0.01).astype(np.float32)
+
+
+def _fastest_allreduce(B, comm, x, name):
+    """The fastest of :data:`LINK_REPEATS` sum-allreduces of ``x``, named ``<name><i>``."""
+    return min(_timed(lambda: B.to_numpy(comm.allreduce(x, "sum", f"{name}{i}"))) for i in range(LINK_REPEATS))
 
 
 def _timed(fn):
