@@ -34,7 +34,7 @@ from hvd_quant.optimizers import elementwise as ew  # noqa: E402
 from hvd_quant.optimizers.binsgdm import binary_randomize  # noqa: E402
 from hvd_quant.tensorflow import kernels as tfk  # noqa: E402
 from hvd_quant.tensorflow.backend import TFBackend  # noqa: E402
-from hvd_quant.tensorflow.tape import flatten_gradients  # noqa: E402
+from hvd_quant.tensorflow.tape import flatten_gradients, gradients_for_py_function  # noqa: E402
 
 from solo_comm import SoloComm as _Solo  # noqa: E402
 
@@ -382,6 +382,35 @@ def test_embedding_gradients_are_made_dense_bit_for_bit(mode):
     equal(np.asarray(fn()), np.asarray(generic()))
     with pytest.raises(ValueError, match="sparse_as_dense"):
         flat(sparse_as_dense=False)
+
+
+def test_a_py_function_gets_a_sparse_gradient_as_rows_and_flattens_it_bit_for_bit():
+    """The measured Keras step's py_function (tape.reduce_when_the_graph_runs) takes an
+    embedding's gradient as its rows and indices, not as a dense table built in the
+    graph, and flattens it inside to the same bits."""
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    emb, dense = keras.layers.Embedding(50, 8), keras.layers.Dense(3)
+    tokens = tf.constant([[1, 7, 7, 49], [7, 0, 3, 1]])
+    dense(emb(tokens))  # built: their variables exist
+    unused = tf.Variable(tf.zeros([5]))
+    variables = emb.trainable_variables + dense.trainable_variables + [unused]
+    handed = []
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dense(emb(tokens)) ** 2)
+        grads = tape.gradient(loss, variables[:-1]) + [None]
+        passed, rebuild = gradients_for_py_function(grads, variables)
+        handed.append([tuple(t.shape) for t in passed])
+        flat = tf.py_function(lambda *t: flatten_gradients(rebuild(t), variables), passed, tf.float32)
+        generic = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads[:-1]] + [tf.zeros([5])], 0)
+        return flat, generic
+
+    flat, generic = step()
+    equal(np.asarray(flat), np.asarray(generic))
+    assert handed[0][:2] == [(8, 8), (8,)], handed  # 8 looked-up rows, not the 50 x 8 table
 
 
 def test_rows_of_a_sparse_gradient_add_in_order_and_drop_negative_indices():

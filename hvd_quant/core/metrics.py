@@ -419,13 +419,15 @@ class OwnerMetrics:
     def probes_now(self, bucket):
         return bool(self.probe_every) and (bucket.since_restart + 1) % self.probe_every == 0
 
-    def measure(self, runner, flat, comm, group, segments, reduce, probing=True, finite=None):
+    def measure(self, runner, flat, comm, group, segments, reduce, probing=True, finite=None, finite_of=None):
         """``reduce(comm)``, the reduction of buffer ``group`` (``flat``, made of
         ``segments``) by ``runner``, run on a :class:`TimedComm` and recorded, with a
         probe around it on probe steps (``probing=False``: never, for an exact round).
         Returns the reduction's result. ``finite()``, where given, says whether the
         reduction's inputs were finite on every rank (a result that carries no NaN, such
-        as a sum of signs, cannot say it); else whether the result is. ``runner`` is a
+        as a sum of signs, cannot say it); else whether the result is, by
+        ``finite_of(result)`` where given (an adapter that needs the flag itself computes
+        it once, for both) or by its sum. ``runner`` is a
         :class:`~hvd_quant.core.runner.CompressorRunner`, or anything with its
         ``backend``, ``collective_prefix(group)`` and ``residual(group, segments)``."""
         bucket = self.bucket(group)
@@ -466,7 +468,10 @@ class OwnerMetrics:
         with self._lock:
             # The sum, not the elements: one pass with no temporary (a float32 sum
             # overflows only past 3e38, where a gradient is lost anyway).
-            flag = finite() if finite is not None and not fallback else B.all_finite(B.sum(mean))
+            if finite is not None and not fallback:
+                flag = finite()
+            else:
+                flag = finite_of(mean) if finite_of is not None else B.all_finite(B.sum(mean))
             self._pending.append((bucket, bucket.steps, self._step_number(bucket), flag, B, clock.scales))
             waiting = len(self._pending)
         if waiting >= MAX_PENDING_FLAGS:

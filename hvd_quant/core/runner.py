@@ -382,14 +382,16 @@ class CompressorRunner:
         self.metrics = OwnerMetrics(probe_every, ranges, guard)
         return self.metrics
 
-    def measured(self, flat, comm, group, segments, reduce):
+    def measured(self, flat, comm, group, segments, reduce, finite_of=None):
         """``reduce(comm)``, the reduction of buffer ``group`` (``flat``, made of
         ``segments``: :meth:`reduce` or a pipelined one), measured when metrics are on
         (:meth:`observe`): then it runs on a timing wrapper of ``comm``, and on probe
-        steps with one extra allreduce and allgather around it, on every rank alike."""
+        steps with one extra allreduce and allgather around it, on every rank alike.
+        ``finite_of(mean)``: how the metrics tell whether the mean is finite, where the
+        caller computes that flag anyway (one pass over the mean, not two)."""
         if self.metrics is None:
             return reduce(comm)
-        return self.metrics.measure(self, flat, comm, group, segments, reduce)
+        return self.metrics.measure(self, flat, comm, group, segments, reduce, finite_of=finite_of)
 
     def residual(self, group, segments):
         """This rank's error-feedback residual of buffer ``group`` (the ``"residual"``

@@ -313,11 +313,19 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
                                  where)
         if scale is not None:
             flat = flat / tf.cast(scale, tf.float32)
+        flags = []  # the mean's finiteness, computed once for the metrics (when on) and here
+
+        def finite_of(mean, flags=flags):
+            flags.append(runner.backend.all_finite(mean))
+            return flags[-1]
+
         mean = runner.measured(flat, comm, key, segments,
-                               lambda c, flat=flat, key=key, segments=segments: runner.reduce(flat, c, key, segments))
+                               lambda c, flat=flat, key=key, segments=segments: runner.reduce(flat, c, key, segments),
+                               finite_of=finite_of)
         if op == hvd.Sum:
             mean = mean * float(comm.size)
-        finite.append(runner.backend.all_finite(mean))
+            flags.clear()  # the sum's own flag: it may overflow where the mean did not
+        finite.append(flags[-1] if flags else runner.backend.all_finite(mean))
         offset = 0
         for i, (_, n) in zip(index, segments):
             out[i] = tf.cast(tf.reshape(mean[offset:offset + n], variables[i].shape), variables[i].dtype)
@@ -374,25 +382,23 @@ def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_
     for g, v in zip(grads, variables):
         if isinstance(g, tf.IndexedSlices) and not sparse_as_dense:
             raise sparse_gradient_error(v, where)
-    # None is reduced as zeros (flatten_gradients), so zeros in its place give the same bits.
-    dense = [tf.zeros(v.shape, tf.as_dtype(v.dtype)) if g is None else tf.convert_to_tensor(g)
-             for g, v in zip(grads, variables)]
+    passed, rebuild = gradients_for_py_function(grads, variables)
     values = [tf.convert_to_tensor(v) for v in variables]
     extra = [tf.convert_to_tensor(x) for x in extra]
     index_groups = split_groups(variables, groups)
-    count = len(variables)
+    count, given = len(variables), len(passed)
 
     def reduce_now(*tensors):
-        views = [_VariableValue(v, value) for v, value in zip(variables, tensors[count:2 * count])]
-        out, finite = reduce_eagerly(list(tensors[:count]), views,
+        views = [_VariableValue(v, value) for v, value in zip(variables, tensors[given:given + count])]
+        out, finite = reduce_eagerly(rebuild(tensors[:given]), views,
                                      [[views[i] for i in index] for index in index_groups],
-                                     *tensors[2 * count:])
+                                     *tensors[given + count:])
         return list(out) + [finite]
 
     built = _graph_reductions.setdefault(tf.compat.v1.get_default_graph(), {})
     previous = built.get(owner)
     with tf.control_dependencies([previous] if previous is not None else []):
-        results = tf.py_function(reduce_now, dense + values + extra,
+        results = tf.py_function(reduce_now, passed + values + extra,
                                  [tf.as_dtype(v.dtype) for v in variables] + [tf.bool],
                                  name="hvd_quant_reduce")
     built[owner] = results[-1]
@@ -400,6 +406,29 @@ def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_
         r.set_shape(v.shape)
     results[-1].set_shape([])
     return results[:-1], results[-1]
+
+
+def gradients_for_py_function(grads, variables):
+    """``grads`` as the tensors a ``tf.py_function`` takes, and the function that gives
+    them back inside it: ``(tensors, rebuild)``. A ``tf.IndexedSlices`` goes in as its
+    values and indices and comes back as one, with its variable's shape, so that the
+    eager flattening adds its rows into the kept buffer (:func:`flatten_gradients`): made
+    dense in the graph, an embedding's gradient would be allocated, zeroed and scattered
+    at its full size each step, then copied (32000 x 384 floats in the Keras benchmark's
+    model), for the same bits. ``None`` goes in as zeros, which the reduction treats alike."""
+    tensors, layout = [], []
+    for g, v in zip(grads, variables):
+        if isinstance(g, tf.IndexedSlices):
+            layout.append(("rows", len(tensors), tuple(v.shape)))
+            tensors += [g.values, g.indices]
+        else:
+            layout.append(("dense", len(tensors), None))
+            tensors.append(tf.zeros(v.shape, tf.as_dtype(v.dtype)) if g is None else tf.convert_to_tensor(g))
+
+    def rebuild(given):
+        return [tf.IndexedSlices(given[i], given[i + 1], tf.constant(shape, tf.int64)) if kind == "rows"
+                else given[i] for kind, i, shape in layout]
+    return tensors, rebuild
 
 
 # graph -> {owner: the last reduction built for that owner's state in that graph}

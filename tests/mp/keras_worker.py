@@ -223,15 +223,20 @@ def callbacks_behave():
 
 def fit_embedding():
     """A Keras Embedding (its gradient is always tf.IndexedSlices) in model.fit, with a
-    compressor and with each 1-bit optimizer: made dense by default (sparse_as_dense),
-    identical weights on every rank; with sparse_as_dense=False (Horovod's default) the
-    same, and one warning on rank 0."""
+    compressor (also with metrics on, where the reduction runs in a py_function) and with
+    each 1-bit optimizer: made dense by default (sparse_as_dense), identical weights on
+    every rank; with sparse_as_dense=False (Horovod's default) the same, and one warning
+    on rank 0."""
     keras = keras3()
     rng = np.random.default_rng(70 + RANK)
     tokens = rng.integers(0, 40, (STEPS * BATCH, 5)).astype("int32")
     y = (tokens[:, 0] % 3).astype("int64")
     optimizers = {"ef_sign": lambda: hq.DistributedOptimizer(keras.optimizers.Adam(3e-2),
                                                              compression=hq.Compression.ef_sign),
+                  # measured: the reduction runs in a py_function, the rows handed in as slices
+                  "ef_sign@metrics": lambda: hq.DistributedOptimizer(keras.optimizers.Adam(3e-2),
+                                                                     compression=hq.Compression.ef_sign,
+                                                                     metrics=True, report_after=0),
                   "onebit_adam": lambda: hq.OnebitAdam(3e-3, freeze_step=4),
                   "zero_one_adam": lambda: hq.ZeroOneAdam(3e-3, var_freeze_step=4, exact_sync=True),
                   "binsgdm": lambda: hq.BinSGDM(3e-2)}
