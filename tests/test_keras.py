@@ -319,6 +319,16 @@ def test_values_that_differ_in_a_tf1_graph_warn_or_raise_when_strict(keras_job, 
 
 
 @pytest.mark.multiprocess
+def test_values_that_differ_fail_a_measured_tf_function_when_strict(keras_job):
+    """With metrics on, a ``tf.function``'s reduction runs in a py_function that reads the
+    variables itself for the first step's check: it still sees values that differ."""
+    for r in keras_job["ranks"]:
+        strict = _ok(r["graph_tapes"])["strict/measured"]
+        assert strict["error"] is not None, strict
+        assert "RankDisagreement" in strict["message"] and "parameter values" in strict["message"], strict
+
+
+@pytest.mark.multiprocess
 def test_partial_distributed_optimizer_trains_local_layers_locally(keras_job):
     if keras_job["size"] != 2:
         pytest.skip("checked at 2 ranks")

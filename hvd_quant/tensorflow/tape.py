@@ -348,15 +348,18 @@ def building_graph():
 
 class _VariableValue:
     """What the reduction reads of a variable (its name, shape, dtype and, for the
-    agreement check, its value), with the value read when the graph runs."""
+    agreement check, its value), with the value read when the graph runs: ``value``, the
+    graph's read of it handed in, or (``None``) the variable itself, read only when asked."""
 
-    def __init__(self, variable, value):
+    def __init__(self, variable, value=None):
         self.path = variable_name(variable)
         self.shape, self.dtype = variable.shape, variable.dtype
-        self._value = value
+        self._variable, self._value = variable, value
 
     def numpy(self):
-        return self._value.numpy()
+        if self._value is not None:
+            return self._value.numpy()
+        return tf.convert_to_tensor(self._variable).numpy()
 
 
 def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_as_dense, where, owner,
@@ -371,8 +374,10 @@ def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_
     At build time nothing can run: the first-step agreement check reads the variables'
     values (``.numpy()``), and the compressor's state variables would be graph variables
     that the program's initializer, run before, never saw. When the graph runs, the
-    function gets the gradients and the variables' current values (``views``: what the
-    reduction reads of each variable), and the check runs once, as in eager mode (a
+    function gets the gradients (a ``tf.IndexedSlices`` as its rows:
+    :func:`gradients_for_py_function`) and ``views`` of the variables (what the reduction
+    reads of each: their current values, handed in by a TF1-style graph, else read by the
+    function when the check asks), and the check runs once, as in eager mode (a
     difference warns, ``strict`` raises: the graph's run then fails with a
     ``tf.errors.UnknownError`` carrying the :class:`RankDisagreement`'s message). Each
     run of the graph reduces once more, as each eager call does. Reductions of the same
@@ -383,13 +388,19 @@ def reduce_when_the_graph_runs(reduce_eagerly, grads, variables, groups, sparse_
         if isinstance(g, tf.IndexedSlices) and not sparse_as_dense:
             raise sparse_gradient_error(v, where)
     passed, rebuild = gradients_for_py_function(grads, variables)
-    values = [tf.convert_to_tensor(v) for v in variables]
+    # The variables' values are read for the first step's check only. In a tf.function of
+    # an eager program the function reads them itself, then: a value handed in is read by
+    # the graph every step, and reading an embedding's variable (in copy-on-read mode once
+    # a gather has touched it) copies the whole table each time. A TF1-style graph's
+    # variables cannot be read from the function, so there the graph hands them in.
+    values = [tf.convert_to_tensor(v) for v in variables] if building_graph() else []
     extra = [tf.convert_to_tensor(x) for x in extra]
     index_groups = split_groups(variables, groups)
-    count, given = len(variables), len(passed)
+    count, given = len(values), len(passed)
 
     def reduce_now(*tensors):
-        views = [_VariableValue(v, value) for v, value in zip(variables, tensors[given:given + count])]
+        handed = tensors[given:given + count] or [None] * len(variables)
+        views = [_VariableValue(v, value) for v, value in zip(variables, handed)]
         out, finite = reduce_eagerly(rebuild(tensors[:given]), views,
                                      [[views[i] for i in index] for index in index_groups],
                                      *tensors[given + count:])

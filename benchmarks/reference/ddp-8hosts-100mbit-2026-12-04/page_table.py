@@ -9,8 +9,9 @@ the harness's --time-curves. A row takes a curve only where bits say it may:
 * a Horovod row: its own curve, if this run's validation loss at step 25 equals the curve's
   bit for bit (the 1-bit optimizers ran here with freeze_step 10, so their step 25 cannot
   be checked against a freeze_step-40 curve: theirs are taken as they are);
-* a torch.distributed row: its own 200-step curve where one was run (DDP fp32, PowerSGD),
-  else its Horovod twin's, if the two rows' losses at step 25 in this run are equal bit for
+* a torch.distributed row: its own 200-step curve where one was run (DDP fp32, PowerSGD;
+  DDP fp16 and the `marsit`, `global_qsgd` and `onebit` hooks since
+  ../ddp-8hosts-curves-2026-12-04/), if this run's loss at step 25 equals it, else its Horovod twin's, if the two rows' losses at step 25 in this run are equal bit for
   bit (and the twin's curve is usable); otherwise no curve, and per step only."""
 import json
 import sys
@@ -33,6 +34,12 @@ CURVES = {  # the 200-step curves at 8 hosts (lr 5e-4, seed 0, freeze_step 40)
     "onebit_adam": "ttq-8hosts-2026-12-03/loss/8x1-loopback",
     "zero_one_adam": "ttq-8hosts-2026-12-03/loss/8x1-loopback",
     "binsgdm": "ttq-8hosts-2026-12-03/loss/8x1-loopback",
+    # the hooks whose step 25 differs from their Horovod twins, and DDP fp16: their own
+    # curves, run later the same day (../ddp-8hosts-curves-2026-12-04/)
+    "ddp_fp16": "ddp-8hosts-curves-2026-12-04/loss/8x1-loopback",
+    "ddp_marsit": "ddp-8hosts-curves-2026-12-04/loss/8x1-loopback",
+    "ddp_global_qsgd": "ddp-8hosts-curves-2026-12-04/loss/8x1-loopback",
+    "ddp_onebit": "ddp-8hosts-curves-2026-12-04/loss/8x1-loopback",
 }
 ROWS = ("horovod_fp32", "ddp_fp32", "ddp_fp16", "ddp_powersgd", "ddp_ef_sign", "ef_sign", "ddp_marsit",
         "marsit", "ddp_global_qsgd", "global_qsgd", "ddp_onebit", "onebit", "onebit_adam_dist",
