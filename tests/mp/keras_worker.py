@@ -420,9 +420,12 @@ def graph_tapes():
     emb0, dense0 = start.normal(size=(5, 3)), start.normal(size=(3, 2))
     x = np.random.default_rng(100 + RANK).normal(size=(4, 5)).astype(np.float32)
 
+    def loss_of(emb, dense):
+        return tf.reduce_sum(tf.matmul(tf.tanh(tf.matmul(x, emb.w)), dense.w) ** 2)
+
     def tapes(kind, comp, emb, dense, strict=None):
         with tf.GradientTape(persistent=True) as tape:
-            loss = tf.reduce_sum(tf.matmul(tf.tanh(tf.matmul(x, emb.w)), dense.w) ** 2)
+            loss = loss_of(emb, dense)
         raw = tape.gradient(loss, [emb.w, dense.w])
         if kind == "register":
             dist = hq.DistributedGradientTape(tape, compression=comp, strict=strict)
@@ -476,7 +479,7 @@ def graph_tapes():
     @tf.function
     def measured():
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.matmul(tf.tanh(tf.matmul(x, emb.w)), dense.w) ** 2)
+            loss = loss_of(emb, dense)
         dist = hq.DistributedGradientTape(tape, compression=compression("ef_sign"), strict=True, metrics=True,
                                           report_after=0)
         return dist.gradient(loss, [emb.w, dense.w])
