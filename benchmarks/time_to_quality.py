@@ -280,6 +280,20 @@ def seconds_per_kind(time_by_kind):
     return out
 
 
+def platform_note(loss_run, timing_run):
+    """Why two runs' bits may differ though code and seed agree: they ran on different CPUs
+    (``ttq_worker.float_platform``), or one of them did not record its CPU."""
+    a, b = (run["config"].get("platform") for run in (loss_run, timing_run))
+    if a == b:
+        return ""
+    if a is None or b is None:
+        return "; one of the runs did not record its CPU (runs before 2026-12-05)"
+    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return (f"; the two runs ran on different CPUs or kernel libraries ({', '.join(changed)} differ), "
+            "and ATen, MKL and oneDNN pick their kernels, and so the order of their sums, by the CPU: "
+            "run the loss curve again on this machine")
+
+
 def combine(loss_run, timing_run, loss_path, timing_path):
     """The loss curve with the cluster's training time: at each evaluation, every kind's step
     count times its cluster seconds per step (plus its first step's excess once). Refused
@@ -300,7 +314,7 @@ def combine(loss_run, timing_run, loss_path, timing_path):
                       "first_step_excess_s": {k: v[1] for k, v in per_kind.items()}}
     if not common or unequal or untimed:
         out["status"] = "mismatch"
-        out["error"] = (f"losses differ at steps {unequal}" if unequal else
+        out["error"] = (f"losses differ at steps {unequal}{platform_note(loss_run, timing_run)}" if unequal else
                         f"kinds {untimed} were not timed" if untimed else "no evaluation in common")
         return out
     for row in out["history"]:

@@ -320,6 +320,44 @@ def array_digest(*arrays):
     return h.hexdigest()[:16]
 
 
+# Environment switches that change which kernels ATen, MKL and oneDNN pick.
+ISA_SWITCHES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "avx_vnni")
+
+
+def float_platform():
+    """What a run's float bits depend on besides the code, the seed and the thread count.
+
+    ATen, MKL and oneDNN each pick their kernels by the CPU's instruction set, and each
+    pick sums in its own order: on one Xeon (2026-12-05) forcing any one of them to AVX2
+    changed the model's gradient bits. So two runs agree bit for bit only on the same kind
+    of CPU, and a loss curve recorded in another session, on another host, may differ in
+    the 6th or 7th digit. Recorded with every run so that such a difference can be told
+    apart from a change in the code."""
+    first = {}  # the first core's /proc/cpuinfo ("model name" can be generic under a hypervisor)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            first.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(first.get("flags", "").split())
+    model = " ".join(first.get(k, "?") for k in ("model name", "cpu family", "model", "stepping")) if first else ""
+    caches = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:  # cache sizes set the libraries' blocking, and so the order of their sums
+            level, kind = (index / "level").read_text().strip(), (index / "type").read_text().strip()
+            caches[f"L{level}{'d' if kind == 'Data' else 'i' if kind == 'Instruction' else ''}"] = (
+                (index / "size").read_text().strip())
+        except OSError:
+            pass
+    libraries = [line.strip(" -") for line in torch.__config__.show().splitlines()
+                 if "Math Kernel Library" in line or "MKL-DNN" in line or "oneDNN" in line]
+    return {"cpu": model or None, "aten_isa": torch.backends.cpu.get_cpu_capability(),
+            "isa_flags": [f for f in ISA_FLAGS if f in flags], "caches": caches, "libraries": libraries,
+            "switches": {k: os.environ[k] for k in ISA_SWITCHES if k in os.environ}}
+
+
 # --- the run -------------------------------------------------------------------------------------
 @dataclass
 class Context:
@@ -427,6 +465,7 @@ def train(args):
         "base_optimizer": {"sgd_momentum": args.momentum} if args.base_optimizer == "sgdm" else
         args.base_optimizer,
         "python": ".".join(map(str, sys.version_info[:3])), "torch": torch.__version__,
+        "platform": float_platform(),
     }
     result = {"config": config, "status": "running", "history": [], "data_digest": None}
     log(rank, label, f"{numel:,} parameters (vocab {vocab}, width {args.d_model}, {args.layers} layers, "

@@ -106,7 +106,16 @@ def test_time_curves_time_every_phase_and_refuse_unequal_losses():
     assert [r["train_time_s"] for r in merged["history"]] == pytest.approx([0.0, 11.0, 17.8, 19.8, 21.8])
     assert merged["step_time_s"] == pytest.approx(21.8 / 40)
     timing["history"][2]["val_loss"] = 4.0000001
-    assert "steps [20]" in ttq.combine(loss, timing, "l", "t")["error"]
+    assert ttq.combine(loss, timing, "l", "t")["error"] == "losses differ at steps [20]"
+    # Bits that differ across CPUs are said to, with what differed.
+    avx512 = {"cpu": "Xeon 6 143 8", "aten_isa": "AVX512", "isa_flags": ["avx2", "avx512f"]}
+    loss["config"]["platform"] = {**avx512, "aten_isa": "AVX2", "isa_flags": ["avx2"]}
+    timing["config"]["platform"] = avx512
+    error = ttq.combine(loss, timing, "l", "t")["error"]
+    assert error.startswith("losses differ at steps [20]; the two runs ran on different CPUs")
+    assert "(aten_isa, isa_flags differ)" in error
+    del loss["config"]["platform"]
+    assert "did not record its CPU" in ttq.combine(loss, timing, "l", "t")["error"]
     timing["history"][2]["val_loss"] = loss["history"][2]["val_loss"]
     del timing["time_by_kind"]["compressed"]
     bad = ttq.combine(loss, timing, "l", "t")
@@ -148,6 +157,7 @@ def test_two_methods_at_two_ranks_and_resume(tmp_path):
             assert row["val_loss"] == row["val_loss"] and row["val_loss"] < 1e3
         assert r["history"][-1]["val_loss"] < r["history"][0]["val_loss"]  # it learns
         assert r["config"]["data"]["tokens"] in ("words", "bytes") and r["ranks_agree"]
+        assert r["config"]["platform"]["aten_isa"] and r["config"]["platform"]["libraries"]  # what the bits rest on
     # The same data in both runs: validation windows and each rank's training windows.
     assert results["none"]["data_digest"] == results["ef_sign"]["data_digest"]
     assert len(set(results["none"]["data_digest"]["train_by_rank"])) == 2  # ranks differ
