@@ -421,6 +421,32 @@ def record_probe(result, opt, done):
         probes.append({"step": done, "probes": snap["probes"], **{k: snap[k] for k in PROBE_KEPT}})
 
 
+def adam_variance(opt, model):
+    """Adam's bias-corrected second moment ``v_hat`` per parameter, in ``model``'s order
+    (torch.optim.Adam's state, also under Horovod's DistributedOptimizer)."""
+    out = []
+    for p in model.parameters():
+        state = opt.state[p]
+        step = float(state["step"])
+        beta2 = next(g["betas"][1] for g in opt.param_groups if any(q is p for q in g["params"]))
+        out.append((state["exp_avg_sq"] / (1 - beta2 ** step)).numpy().ravel().copy())
+    return out
+
+
+def variance_vs_frozen(frozen, now, model):
+    """``--variance-from``: the quartiles of ``sqrt(v_hat(now) / v_hat(frozen))`` over the
+    elements whose frozen variance is positive, for the tied embedding and for the rest:
+    the factor by which a step with the variance frozen at that step is smaller than
+    Adam's (below 1: the frozen variance holds larger gradients than the present's)."""
+    names = [name for name, _ in model.named_parameters()]
+    parts = {"embedding": [], "blocks": []}
+    for name, then, v in zip(names, frozen, now):
+        keep = then > 0
+        parts["embedding" if name.startswith("tok.") else "blocks"].append(np.sqrt(v[keep] / then[keep]))
+    parts["all"] = parts["embedding"] + parts["blocks"]
+    return {k: [float(q) for q in np.percentile(np.concatenate(v), (25, 50, 75))] for k, v in parts.items()}
+
+
 def train(args):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -446,12 +472,15 @@ def train(args):
         raise SystemExit(f"ranks built different initial weights: {init_digests}")
     ctx = Context(rank, size, numel, args)
     trainer = method.build(ctx, model, lr)
+    if args.variance_from and not isinstance(trainer.opt, torch.optim.Adam):
+        raise SystemExit(f"--variance-from reads torch.optim.Adam's state; {args.method} does not train with it")
     schedule = lr_schedule(args)
     config = {
         "method": args.method, "family": method.family, "doc": method.doc, "lr": lr,
         "lr_by_family": {**DEFAULT_LR, **({method.family: lr} if args.lr_given else {})},
         "schedule": args.schedule, "warmup_steps": schedule.warmup,
         "min_lr_ratio": schedule.min_lr_ratio, "steps": args.steps, "stop_after": args.stop_after or None,
+        "variance_from": args.variance_from or None,
         "eval_every": args.eval_every,
         "seed": args.seed, "ranks": size, "local_size": hvd.local_size(), "batch_per_rank": args.batch,
         "threads": torch.get_num_threads(), "setting": args.setting,
@@ -501,7 +530,7 @@ def train(args):
         return diverged
 
     record(0, schedule.lr if args.schedule == "constant" else stdlib_text.lr_at(0, schedule))
-    diverged, done = False, 0
+    diverged, done, frozen_variance = False, 0, None
     last_step = min(args.steps, args.stop_after or args.steps)  # the schedule still spans --steps
     for step in range(last_step):
         current_lr = stdlib_text.lr_at(step, schedule)
@@ -524,7 +553,12 @@ def train(args):
         seen = count_kind(by_kind, seen, trainer.kinds(done), elapsed)
         if args.record_probes:
             record_probe(result, trainer.opt, done)
+        if args.variance_from and done == args.variance_from:
+            frozen_variance = adam_variance(trainer.opt, model)
         if done % args.eval_every == 0 or done == last_step:
+            if frozen_variance is not None:
+                result.setdefault("variance_vs_frozen", []).append(
+                    {"step": done, **variance_vs_frozen(frozen_variance, adam_variance(trainer.opt, model), model)})
             if record(done, current_lr):
                 diverged = True
                 break
@@ -610,6 +644,10 @@ def parser():
     p.add_argument("--record-probes", action="store_true",
                    help="keep each probe step's figures (hq.DistributedOptimizer rows; set probe_every "
                         "with --optimizer-options)")
+    p.add_argument("--variance-from", type=int, default=0, metavar="STEP",
+                   help="a diagnosis for Adam rows: at each evaluation after STEP, the quartiles of "
+                        "sqrt(v_hat(now) / v_hat(STEP)), the factor by which a variance frozen at STEP "
+                        "(the 1-bit Adams' freeze) makes a step smaller than Adam's")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: threads_per_rank())")
     p.add_argument("--setting", default="", help="recorded (the driver's setting name)")
     p.add_argument("--label", default="")

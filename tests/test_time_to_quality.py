@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,3 +255,27 @@ def test_stopping_the_harness_kills_the_running_job(tmp_path, signum):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_variance_diagnosis_compares_adams_corrected_variance_with_a_frozen_one(monkeypatch):
+    """``--variance-from``: sqrt(v_hat(now) / v_hat(frozen)) per element, from Adam's own
+    state with its bias correction, split into the tied embedding and the rest."""
+    import torch
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "1")  # the worker sets it on import; undone after the test
+    import ttq_worker
+    from lm_torch import ByteTransformer
+    torch.manual_seed(0)
+    model = ByteTransformer(8, 16, 2, 1, vocab=32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randint(0, 32, (2, 8))).square().mean().backward()
+        opt.step()
+    frozen = ttq_worker.adam_variance(opt, model)
+    for v, p in zip(frozen, model.parameters()):
+        np.testing.assert_allclose(v, (opt.state[p]["exp_avg_sq"] / (1 - 0.99 ** 3)).numpy().ravel(), rtol=1e-6)
+    assert ttq_worker.variance_vs_frozen(frozen, frozen, model) == {k: [1.0] * 3 for k in ("embedding", "blocks", "all")}
+    later = [4 * v for v in frozen]
+    frozen[0][:16] = 0.0  # elements with no gradient before the freeze are left out
+    later[0][:16] = 1e6
+    assert ttq_worker.variance_vs_frozen(frozen, later, model) == {k: [2.0] * 3 for k in ("embedding", "blocks", "all")}
