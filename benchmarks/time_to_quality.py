@@ -284,10 +284,10 @@ def platform_note(loss_run, timing_run):
     """Why two runs' bits may differ though code and seed agree: they ran on different CPUs
     (``ttq_worker.float_platform``), or one of them did not record its CPU."""
     a, b = (run["config"].get("platform") for run in (loss_run, timing_run))
+    if a is None or b is None:
+        return "; not both runs recorded their CPU (runs before 2026-12-05 did not), and the bits follow it"
     if a == b:
         return ""
-    if a is None or b is None:
-        return "; one of the runs did not record its CPU (runs before 2026-12-05)"
     changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     return (f"; the two runs ran on different CPUs or kernel libraries ({', '.join(changed)} differ), "
             "and ATen, MKL and oneDNN pick their kernels, and so the order of their sums, by the CPU: "

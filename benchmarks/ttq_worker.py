@@ -659,6 +659,9 @@ def main(argv=None):
     args = parser().parse_args(argv)
     if args.steps < 1 or args.eval_every < 1 or args.stop_after < 0:
         raise SystemExit("--steps and --eval-every must be positive, --stop-after not negative")
+    if not 0 <= args.variance_from < args.steps:
+        raise SystemExit(f"--variance-from must be a step before --steps ({args.steps}), or 0 for off; "
+                         f"got {args.variance_from}")
     if args.tokens is None:
         args.tokens = "words" if words_available() else "bytes"
     args.lr_given = args.lr is not None

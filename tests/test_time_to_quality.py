@@ -107,16 +107,18 @@ def test_time_curves_time_every_phase_and_refuse_unequal_losses():
     assert [r["train_time_s"] for r in merged["history"]] == pytest.approx([0.0, 11.0, 17.8, 19.8, 21.8])
     assert merged["step_time_s"] == pytest.approx(21.8 / 40)
     timing["history"][2]["val_loss"] = 4.0000001
+    avx512 = {"cpu": "Xeon 6 143 8", "aten_isa": "AVX512", "isa_flags": ["avx2", "avx512f"]}
+    loss["config"]["platform"] = timing["config"]["platform"] = avx512
     assert ttq.combine(loss, timing, "l", "t")["error"] == "losses differ at steps [20]"
     # Bits that differ across CPUs are said to, with what differed.
-    avx512 = {"cpu": "Xeon 6 143 8", "aten_isa": "AVX512", "isa_flags": ["avx2", "avx512f"]}
     loss["config"]["platform"] = {**avx512, "aten_isa": "AVX2", "isa_flags": ["avx2"]}
-    timing["config"]["platform"] = avx512
     error = ttq.combine(loss, timing, "l", "t")["error"]
     assert error.startswith("losses differ at steps [20]; the two runs ran on different CPUs")
     assert "(aten_isa, isa_flags differ)" in error
     del loss["config"]["platform"]
-    assert "did not record its CPU" in ttq.combine(loss, timing, "l", "t")["error"]
+    assert "not both runs recorded their CPU" in ttq.combine(loss, timing, "l", "t")["error"]
+    del timing["config"]["platform"]
+    assert "not both runs recorded their CPU" in ttq.combine(loss, timing, "l", "t")["error"]
     timing["history"][2]["val_loss"] = loss["history"][2]["val_loss"]
     del timing["time_by_kind"]["compressed"]
     bad = ttq.combine(loss, timing, "l", "t")
@@ -279,3 +281,6 @@ def test_the_variance_diagnosis_compares_adams_corrected_variance_with_a_frozen_
     frozen[0][:16] = 0.0  # elements with no gradient before the freeze are left out
     later[0][:16] = 1e6
     assert ttq_worker.variance_vs_frozen(frozen, later, model) == {k: [2.0] * 3 for k in ("embedding", "blocks", "all")}
+    for bad in ("-1", "400"):  # a step that never comes is refused, not silently ignored
+        with pytest.raises(SystemExit, match="--variance-from must be a step before --steps"):
+            ttq_worker.main(["--method", "horovod_fp32", "--steps", "400", "--variance-from", bad])
