@@ -15,9 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "benchmarks")]
 from lm_torch import ByteTransformer as GPT  # noqa: E402
-
-MODEL = dict(vocab=16384, d_model=256, heads=4, layers=4, context=64)  # ttq_worker.MODEL
-BATCH = 8
+from ttq_worker import BATCH, MODEL  # noqa: E402  (the benchmark's model and windows per rank)
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
