@@ -204,6 +204,25 @@ def test_residual_norm_is_the_compressors_own_state(n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_onebits_residual_is_its_worker_error_without_the_padding(n):
+    """``onebit`` keeps its error feedback per buffer (``worker_error``, padded to a
+    multiple of 8 elements per rank): its residual is that error's first ``D`` elements.
+    At 3 ranks the 64 elements are padded to 72, and the padding holds an error too."""
+    xs = inputs(n, 2, seed=3)
+    _, runners, _ = run("onebit", xs)
+    errors = [next(v.astype(np.float64) for k, v in r.state_dict().items() if k.endswith("/worker_error"))
+              for r in runners]
+    if n == 3:
+        assert len(errors[0]) == 72 and np.any(errors[0][D:] != 0)
+    squares = [float(e[:D] @ e[:D]) for e in errors]
+    grad = np.mean([float(x.astype(np.float64) @ x) for x in xs[-1]])
+    for r in runners:
+        s = r.metrics.snapshot()
+        assert s["residual_norm"] == pytest.approx(math.sqrt(np.mean(squares)), rel=1e-5)
+        assert s["residual_ratio"] == pytest.approx(math.sqrt(np.mean(squares) / grad), rel=1e-5)
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_bytes_are_the_meters_and_fp32_is_a_rings(n):
     xs = inputs(n, 4)
     _, runners, meters = run("ef_sign", xs, probe_every=2)

@@ -113,6 +113,9 @@ class OnebitCompressor(Compressor):
     error_feedback = True
     state_slots = ()  # nothing per element: both error buffers are buffer slots
     buffer_slots = ("worker_error", "server_error", "server_scale")
+    # What this rank held back of its own input, as ef_sign's residual; the server error is
+    # the chunk's error of the averaging stage, shared out among the ranks.
+    residual_slot = "worker_error"
 
     def __init__(self, layout="auto"):
         if layout not in LAYOUTS:

@@ -119,6 +119,11 @@ class Compressor:
     #: restored only into the same buffer on the same rank of a world of the same size;
     #: otherwise they restart from zero (see :mod:`hvd_quant.core.state`).
     buffer_slots = ()
+    #: The state slot (per element or per buffer) that holds this rank's error-feedback
+    #: residual, what it held back from the mean: the metrics' ``residual_norm`` reads it
+    #: on probe steps (:mod:`hvd_quant.core.metrics`). A compressor without such a slot
+    #: reports none.
+    residual_slot = "residual"
     #: True when :meth:`reduce_chunked` pipelines the buffer in chunks, bit-identical to
     #: :meth:`reduce` (:func:`hvd_quant.core.pipeline.chunked_reduce` asks this, and
     #: otherwise runs :meth:`reduce`).

@@ -429,7 +429,7 @@ class OwnerMetrics:
         ``finite_of(result)`` where given (an adapter that needs the flag itself computes
         it once, for both) or by its sum. ``runner`` is a
         :class:`~hvd_quant.core.runner.CompressorRunner`, or anything with its
-        ``backend``, ``collective_prefix(group)`` and ``residual(group, segments)``."""
+        ``backend``, ``collective_prefix(group)`` and ``residual(group, segments, comm)``."""
         bucket = self.bucket(group)
         B = runner.backend
         bucket.numel = int(B.numel(flat))
@@ -644,7 +644,7 @@ class _Probe:
         ``None`` when they are not finite."""
         B, start = self.B, time.perf_counter()
         with self._range():
-            residual = self.runner.residual(self.group, self.segments)
+            residual = self.runner.residual(self.group, self.segments, self.comm)
             sq_residual = _sum_squares(B, residual) if residual is not None else float("nan")
             row = [self.sq_grad, sq_residual, _sum_squares(B, mean - self.exact),
                    _sum_squares(B, self.exact), _dot(B, mean, self.exact), _sum_squares(B, mean)]

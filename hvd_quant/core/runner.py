@@ -393,12 +393,21 @@ class CompressorRunner:
             return reduce(comm)
         return self.metrics.measure(self, flat, comm, group, segments, reduce, finite_of=finite_of)
 
-    def residual(self, group, segments):
-        """This rank's error-feedback residual of buffer ``group`` (the ``"residual"``
-        slot of a stateful compressor), or ``None`` for compressors that keep none."""
-        if self.store is None or "residual" not in self.state_slots():
+    def residual(self, group, segments, comm=None):
+        """This rank's error-feedback residual of buffer ``group`` (the compressor's
+        ``residual_slot``), or ``None`` for compressors that keep none. A residual kept
+        per buffer (``onebit``'s padded worker error) needs ``comm``, the world it is
+        kept for, and comes without its padding."""
+        slot = getattr(self.compressor, "residual_slot", "residual")
+        if self.store is None:
             return None
-        return self.store.view(group, segments).get("residual")
+        if slot in self.state_slots():
+            return self.store.view(group, segments).get(slot)
+        if slot not in getattr(self.compressor, "buffer_slots", ()) or comm is None:
+            return None
+        view = self.store.view(group, segments, world=(comm.rank, comm.size),
+                               buffer_sizes=self.buffer_sizes(segments, comm.size))
+        return self.backend.slice(view.get(slot), 0, view.numel)
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
