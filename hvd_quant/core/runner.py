@@ -396,8 +396,8 @@ class CompressorRunner:
     def residual(self, group, segments, comm=None):
         """This rank's error-feedback residual of buffer ``group`` (the compressor's
         ``residual_slot``), or ``None`` for compressors that keep none. A residual kept
-        per buffer (``onebit``'s padded worker error) needs ``comm``, the world it is
-        kept for, and comes without its padding."""
+        per buffer (a buffer slot, padded for the world's ranks) needs ``comm``, the
+        world it is kept for, and comes without its padding."""
         slot = getattr(self.compressor, "residual_slot", "residual")
         if self.store is None:
             return None
