@@ -361,12 +361,16 @@ class CompressorRunner:
         ``out``: where the result may be written (:class:`ReduceContext`)."""
         scale_check.warn_once(self, self.compressor.name, comm, sum(int(c) for _, c in segments),
                               self.compressor.options())
-        state = None
-        if self.store is not None:
-            state = self.store.view(group, segments, world=(comm.rank, comm.size),
-                                    buffer_sizes=self.buffer_sizes(segments, comm.size))
-        return ReduceContext(self.backend, comm, self.collective_prefix(group), segments, state=state,
-                             rng=self.rng(comm.rank), out=out)
+        return ReduceContext(self.backend, comm, self.collective_prefix(group), segments,
+                             state=self.state_view(group, segments, comm), rng=self.rng(comm.rank), out=out)
+
+    def state_view(self, group, segments, comm):
+        """The state of buffer ``group`` on ``comm``, its buffer slots sized for
+        ``comm.size`` ranks (``None`` for a stateless compressor)."""
+        if self.store is None:
+            return None
+        return self.store.view(group, segments, world=(comm.rank, comm.size),
+                               buffer_sizes=self.buffer_sizes(segments, comm.size))
 
     def reduce(self, flat, comm, group, segments, out=None):
         """Mean over ranks of the flat float32 buffer ``flat`` made of ``segments``
@@ -393,21 +397,18 @@ class CompressorRunner:
             return reduce(comm)
         return self.metrics.measure(self, flat, comm, group, segments, reduce, finite_of=finite_of)
 
-    def residual(self, group, segments, comm=None):
-        """This rank's error-feedback residual of buffer ``group`` (the compressor's
-        ``residual_slot``), or ``None`` for compressors that keep none. A residual kept
-        per buffer (a buffer slot, padded for the world's ranks) needs ``comm``, the
-        world it is kept for, and comes without its padding."""
+    def residual(self, group, segments, comm):
+        """This rank's error-feedback residual of buffer ``group`` on ``comm`` (the
+        compressor's ``residual_slot``), or ``None`` for compressors that keep none. A
+        residual kept per buffer (a buffer slot, padded for the world's ranks) comes
+        without its padding."""
         slot = getattr(self.compressor, "residual_slot", "residual")
-        if self.store is None:
+        buffer_slots = tuple(getattr(self.compressor, "buffer_slots", ()))
+        if self.store is None or slot not in self.state_slots() + buffer_slots:
             return None
-        if slot in self.state_slots():
-            return self.store.view(group, segments).get(slot)
-        if slot not in getattr(self.compressor, "buffer_slots", ()) or comm is None:
-            return None
-        view = self.store.view(group, segments, world=(comm.rank, comm.size),
-                               buffer_sizes=self.buffer_sizes(segments, comm.size))
-        return self.backend.slice(view.get(slot), 0, view.numel)
+        view = self.state_view(group, segments, comm)
+        residual = view.get(slot)
+        return self.backend.slice(residual, 0, view.numel) if slot in buffer_slots else residual
 
     # --- checkpoints ------------------------------------------------------------------------
     def state_dict(self):

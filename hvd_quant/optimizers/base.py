@@ -248,7 +248,7 @@ class _Round:
     def collective_prefix(self, group):
         return group
 
-    def residual(self, group, segments, comm=None):
+    def residual(self, group, segments, comm):
         return self._residual() if self._residual is not None else None
 
 
