@@ -30,23 +30,26 @@ host's times (the kernels run asynchronously); staged collectives wait for the d
 Probe steps
 -----------
 Every ``probe_every`` reductions of a bucket (the ``probe_every``-th, ``2 * probe_every``-th,
-...; ``0``: never), the owner pays for an exact answer: before the reduction one fp32
-sum-allreduce of the bucket's gradient (named ``hvd_quant.<owner>.<bucket>.probe`` on every
-rank, issued before the method's own collectives) gives the exact mean ``g``; after it,
-with the method's estimate ``ĝ``, one allgather of six float64 numbers per rank
-(``...probe.figures``) shares
+...; ``0``: never), the owner pays for an exact answer. Before the reduction one fp32
+reduce-scatter of the bucket's gradient (an alltoall named
+``hvd_quant.<owner>.<bucket>.probe`` on every rank, issued before the method's own
+collectives, and a sum of the blocks received: :func:`exact_mean_shard`) gives each rank
+its shard of the exact mean ``g``; after it, with the method's estimate ``ĝ``, one
+allgather of six float64 numbers per rank (``...probe.figures``) shares
 
-* ``||ĝ - g||^2``, ``||g||^2``, ``<ĝ, g>`` and ``||ĝ||^2`` as rank 0 computed them, so
-  that the relative error ``||ĝ - g|| / ||g||`` and the cosine similarity
-  ``<ĝ, g> / (||ĝ|| ||g||)`` are the same number on every rank;
+* ``||ĝ - g||^2``, ``||g||^2``, ``<ĝ, g>`` and ``||ĝ||^2`` over each rank's shard, which
+  every rank adds up the same way, so that the relative error ``||ĝ - g|| / ||g||`` and
+  the cosine similarity ``<ĝ, g> / (||ĝ|| ||g||)`` are the same number on every rank;
 * each rank's ``||x_r||^2`` (its own gradient) and ``||e_r||^2`` (its error-feedback
   residual after the step, for compressors that keep one), averaged over ranks: the
   residual's and the gradient's root mean square over ranks, also the same everywhere.
 
-A probe step sends ``2 (n - 1) / n * 4 d`` bytes more (an fp32 ring allreduce of the
-bucket's ``d`` elements) and makes three to four passes over it: at 2 ranks that is 32
-times what a 1-bit allgather sends, so ``probe_every=1000`` adds about 3% to the bytes of
-``ef_sign``. Non-finite probes (a rank's gradient held inf or NaN) are not recorded.
+No rank needs the whole exact mean, so the probe sends half of what an allreduce would:
+``(n - 1) / n * 4 d`` bytes more for the bucket's ``d`` elements (until 2026-12-05 it was
+an allreduce, twice that), and makes two passes over the bucket (a padded copy and its
+norm) and a few over the rank's shard. At 2 ranks that is 16 times what a 1-bit
+allgather sends, so ``probe_every=1000`` adds about 1.6% to the bytes of ``ef_sign``.
+Non-finite probes (a rank's gradient held inf or NaN) are not recorded.
 
 Every rank takes the same decisions: whether a step probes depends only on how many
 times the bucket was reduced (the same on every rank; restarted on every rank by
@@ -81,13 +84,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .comm import RoutedGroup, WrappingComm
+from .comm import RoutedGroup, WrappingComm, exchange_blocks, rank_order_sum
 from .costmodel import fp32_ring_bytes
 
 log = logging.getLogger("hvd_quant")
 
 #: Default of ``probe_every`` (reductions of a bucket between probes): rare enough to add
-#: about 3% to a 1-bit method's bytes at 2 ranks (module docstring), often enough to see
+#: about 1.6% to a 1-bit method's bytes at 2 ranks (module docstring), often enough to see
 #: a drift over a run.
 DEFAULT_PROBE_EVERY = 1000
 
@@ -106,10 +109,10 @@ STEP_FIGURES = {
 PROBE_FIGURES = {
     "sq_grad": "mean over ranks of ||x_r||^2, each rank's own gradient",
     "sq_residual": "mean over ranks of ||e_r||^2, the error-feedback residual after the step",
-    "sq_error": "||g_hat - g||^2, the estimate against the exact fp32 mean (rank 0's)",
-    "sq_exact": "||g||^2 of the exact fp32 mean (rank 0's)",
-    "dot": "<g_hat, g> (rank 0's)",
-    "sq_estimate": "||g_hat||^2 (rank 0's)",
+    "sq_error": "||g_hat - g||^2, the estimate against the exact fp32 mean",
+    "sq_exact": "||g||^2 of the exact fp32 mean",
+    "dot": "<g_hat, g>",
+    "sq_estimate": "||g_hat||^2",
 }
 #: Per bucket, the steps whose method reported the scales it sent (``note_scales``):
 #: every scale the step's estimate is built from, as every rank holds it after the
@@ -621,6 +624,21 @@ def _put(out, prefix, last, mean):
             out[f"{prefix}{k}{name}"] = derive(figures) if figures else None
 
 
+def exact_mean_shard(B, comm, flat, name):
+    """This rank's shard of the exact fp32 mean of ``flat`` over ranks, by one
+    reduce-scatter: ``(lo, hi, mean[lo:hi])``. The buffer is cut into ``size`` blocks of
+    ``ceil(d / size)`` elements (the last padded with zeros), block ``j`` goes to rank
+    ``j`` (:func:`~hvd_quant.core.comm.exchange_blocks`, an alltoall) and each rank adds
+    the blocks it received in rank order. It sends ``(n - 1) / n`` of the buffer, half
+    of what an allreduce that gave every rank the whole mean would."""
+    n, d = comm.size, int(B.numel(flat))
+    block = -(-d // n)
+    received = exchange_blocks(B, comm, B.pad(flat, block * n - d), name)
+    lo, hi = min(comm.rank * block, d), min((comm.rank + 1) * block, d)
+    total = rank_order_sum(B, received, n)
+    return lo, hi, B.slice(total, 0, hi - lo) * (1.0 / n)
+
+
 class _Probe:
     """One probe step of one bucket (module docstring, "Probe steps"): the exact mean
     before the reduction, the shared figures after it."""
@@ -632,7 +650,7 @@ class _Probe:
         start = time.perf_counter()
         with self._range():
             # Before the reduction: it may write its result over ``flat``.
-            self.exact = comm.allreduce(flat, "sum", self.name) * (1.0 / comm.size)
+            self.lo, self.hi, self.exact = exact_mean_shard(B, comm, flat, self.name)
             self.sq_grad = _sum_squares(B, flat)
         self.seconds = time.perf_counter() - start
 
@@ -646,14 +664,18 @@ class _Probe:
         with self._range():
             residual = self.runner.residual(self.group, self.segments, self.comm)
             sq_residual = _sum_squares(B, residual) if residual is not None else float("nan")
-            row = [self.sq_grad, sq_residual, _sum_squares(B, mean - self.exact),
-                   _sum_squares(B, self.exact), _dot(B, mean, self.exact), _sum_squares(B, mean)]
+            estimate = B.slice(mean, self.lo, self.hi)
+            row = [self.sq_grad, sq_residual, _sum_squares(B, estimate - self.exact),
+                   _sum_squares(B, self.exact), _dot(B, estimate, self.exact),
+                   _sum_squares(B, estimate)]
             gathered = self.comm.allgather(B.constant(np.array(row, np.float64), "float64"),
                                            self.name + ".figures")
             rows = np.asarray(B.to_numpy(gathered), np.float64).reshape(self.comm.size, len(row))
         self.seconds += time.perf_counter() - start
+        # Each rank's row holds its shard's sums; every rank adds the same gathered rows
+        # the same way, so every rank holds the same figures.
         shared = {"sq_grad": rows[:, 0].mean(), "sq_residual": rows[:, 1].mean()}
-        shared.update(zip(("sq_error", "sq_exact", "dot", "sq_estimate"), rows[0, 2:]))
+        shared.update(zip(("sq_error", "sq_exact", "dot", "sq_estimate"), rows[:, 2:].sum(axis=0)))
         if residual is None:
             del shared["sq_residual"]
         shared = {k: float(v) for k, v in shared.items()}
