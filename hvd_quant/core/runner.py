@@ -390,7 +390,7 @@ class CompressorRunner:
         """``reduce(comm)``, the reduction of buffer ``group`` (``flat``, made of
         ``segments``: :meth:`reduce` or a pipelined one), measured when metrics are on
         (:meth:`observe`): then it runs on a timing wrapper of ``comm``, and on probe
-        steps with one extra allreduce and allgather around it, on every rank alike.
+        steps with one extra reduce-scatter and allgather around it, on every rank alike.
         ``finite_of(mean)``: how the metrics tell whether the mean is finite, where the
         caller computes that flag anyway (one pass over the mean, not two)."""
         if self.metrics is None:

@@ -126,7 +126,7 @@ class DistributedOptimizer(LossScaleOptimizer):
         why it is asked for (:mod:`hvd_quant.tensorflow.monitoring`). Default False.
     probe_every, guard, report_after :
         As the torch ``hq.DistributedOptimizer``'s, with ``metrics=True``: a probe step
-        (one extra fp32 allreduce) every ``probe_every`` reductions of a buffer; the guard
+        (one extra fp32 reduce-scatter) every ``probe_every`` reductions of a buffer; the guard
         that sends a buffer whose compressed mean stays far from the exact one to fp32
         (``None``: on for ``auto``; :meth:`guard_state_dict` for checkpoints); rank 0's
         "does it pay here?" line after ``report_after`` steps (``0``: none).

@@ -662,11 +662,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         step's own times, no probe, no "does it pay" line and no guard (the benchmark
         ``benchmarks/monitoring_overhead.py`` compares the two).
     probe_every : int
-        Every that many steps, each bucket's exact fp32 mean is computed as well, by one
-        extra fp32 allreduce (and a 6-number allgather), for the relative error and
-        cosine of the compressed mean and the residual's norm. Default 1000
-        (:data:`hvd_quant.core.metrics.DEFAULT_PROBE_EVERY`: about 3% more bytes for a
-        1-bit method at 2 ranks); ``0``: never. Every rank must pass the same value.
+        Every that many steps, each bucket's exact fp32 mean is computed as well, a
+        shard on each rank, by one extra fp32 reduce-scatter (and a 6-number
+        allgather), for the relative error and cosine of the compressed mean and the
+        residual's norm. Default 1000 (:data:`hvd_quant.core.metrics.DEFAULT_PROBE_EVERY`:
+        about 1.6% more bytes for a 1-bit method at 2 ranks); ``0``: never. Every rank must pass the same value.
     report_after : int
         After that many steps, rank 0 logs one line (INFO, the ``hvd_quant`` logger):
         the method's measured communication and compute per step (the means over the

@@ -105,6 +105,26 @@ def ring_int_sum():
     return out
 
 
+def probe_shards():
+    """A probe's shard of the exact mean (``exact_mean_shard``) by the communicator's own
+    reduce-scatter and by the alltoall it falls back to, with the bytes each counted."""
+    from hvd_quant.core.comm import WrappingComm
+    from hvd_quant.core.metrics import exact_mean_shard
+
+    class AlltoallOnly(WrappingComm):  # no reduce_scatter of its own: sum_scatter's fallback
+        def alltoall(self, x, name):
+            return self.inner.alltoall(x, name)
+
+    out = {}
+    for d in cases.SIZES[1:]:
+        x = tensor(cases.rank_input(RANK, d, 0))
+        for path, comm in (("own", Comm()), ("alltoall", AlltoallOnly(Comm()))):
+            lo, hi, shard = exact_mean_shard(B, comm, x, f"probeshard.{path}.{d}")
+            out.setdefault(str(d), {})[path] = {"lo": lo, "hi": hi, "shard": B.to_numpy(shard).tolist(),
+                                                "bytes": comm.meter.bytes_sent}
+    return out
+
+
 def fp16_sum():
     """Horovod's own fp16 sum (its CPU operations, Gloo or MPI): the bits of each element,
     for the test to set beside numpy's fp16 additions."""
@@ -164,6 +184,7 @@ if FRAMEWORK != "torch":
     record("reduce_graph", reduce_cases_graph)
 record("ring_int_sum", ring_int_sum)
 record("fp16_sum", fp16_sum)
+record("probe_shards", probe_shards)
 record("exact", exact_cases)
 record("disagree_compressor", disagreeing_compressor)
 record("disagree_options", disagreeing_options)
