@@ -168,22 +168,21 @@ def test_ring_equals_horovod_integer_sum_bit_for_bit(job):
             assert res["torus"] == res["hvd"]
 
 
-def test_probe_shards_are_the_exact_mean_by_either_path(job):
-    """A probe step's reduce-scatter (hvd_quant.core.metrics.exact_mean_shard): each rank's
-    shard of the mean, by Horovod's reducescatter and by the alltoall fallback, is the
-    float64 mean's to float32 rounding, the shards tile the buffer in rank order, and
-    each path counts (n - 1) / n of the padded buffer's bytes."""
+def test_probe_shards_are_the_exact_mean(job):
+    """A probe step's reduce-scatter (hvd_quant.core.metrics.exact_mean_shard, an alltoall
+    and a sum): each rank's shard of the mean is the float64 mean's to float32 rounding,
+    the shards tile the buffer in rank order, and it counts (n - 1) / n of the padded
+    buffer's bytes."""
     n = job["size"]
     for d in cases.SIZES[1:]:
         oracle = np.mean([cases.rank_input(r, d, 0).astype(np.float64) for r in range(n)], axis=0)
         block = -(-d // n)
-        for path in ("own", "alltoall"):
-            got = [_ok(rank["probe_shards"])[str(d)][path] for rank in job["ranks"]]
-            assert [g["lo"] for g in got] == [min(r * block, d) for r in range(n)]
-            assert [g["hi"] for g in got] == [min((r + 1) * block, d) for r in range(n)]
-            for g in got:
-                np.testing.assert_allclose(g["shard"], oracle[g["lo"]:g["hi"]], rtol=1e-6, atol=1e-6)
-                assert g["bytes"] == pytest.approx((n - 1) * 4 * block), (path, d)
+        got = [_ok(rank["probe_shards"])[str(d)] for rank in job["ranks"]]
+        assert [g["lo"] for g in got] == [min(r * block, d) for r in range(n)]
+        assert [g["hi"] for g in got] == [min((r + 1) * block, d) for r in range(n)]
+        for g in got:
+            np.testing.assert_allclose(g["shard"], oracle[g["lo"]:g["hi"]], rtol=1e-6, atol=1e-6)
+            assert g["bytes"] == pytest.approx((n - 1) * 4 * block), d
 
 
 def test_horovod_sums_fp16_as_numpy_adds_it(job):

@@ -16,7 +16,6 @@ class WireMeter:
     * allreduce of ``b`` bytes (ring): ``2 * (n - 1) / n * b``
     * allgather of a ``b``-byte contribution (ring): ``(n - 1) * b``
     * alltoall of ``b`` bytes in ``n`` equal chunks: ``(n - 1) / n * b`` (the own chunk stays)
-    * reduce-scatter of ``b`` bytes: ``(n - 1) / n * b`` (an allreduce's first half)
     * point-to-point send of ``b`` bytes: ``b``
     """
 
@@ -73,14 +72,6 @@ class Communicator:
         ``source = rank - 1``, modulo ``size``)."""
         raise NotImplementedError
 
-    def reduce_scatter(self, x, name):
-        """Optional hook: the sum over ranks of the float tensor ``x``, whose length is a
-        multiple of ``size``, cut into ``size`` equal blocks, of which this rank gets
-        block ``rank``; ``(n - 1) / n`` of ``x``'s bytes on the wire. ``None`` where the
-        communicator has no reduce-scatter of its own (the default):
-        :func:`sum_scatter` then builds one from ``alltoall``."""
-        return None
-
     def ranks_per_node(self):
         """Optional hook: ``k`` when this communicator's ranks lie node by node, ``k``
         contiguous ranks on each of ``size // k`` nodes (more than one node, more than one
@@ -134,10 +125,6 @@ class Communicator:
     def _count_allgather(self, nbytes):
         self.meter.add("allgather", float((self.size - 1) * nbytes))
 
-    def _count_reduce_scatter(self, nbytes):
-        if self.size > 1:
-            self.meter.add("reduce_scatter", (self.size - 1) / self.size * nbytes)
-
     def _count_alltoall(self, nbytes):
         if self.size > 1:
             self.meter.add("alltoall", (self.size - 1) / self.size * nbytes)
@@ -179,20 +166,6 @@ def all_ranks_finite(B, comm, x, name):
     """
     flag = B.where(B.all_finite(x), B.zeros(1), B.full(1, 1.0))
     return B.less(comm.allreduce(flag, "max", name), B.full(1, 0.5))
-
-
-def sum_scatter(B, comm, x, name):
-    """Block ``comm.rank`` of the sum over ranks of ``x`` (its length a multiple of
-    ``comm.size``, cut into equal blocks): the communicator's own reduce-scatter where it
-    has one (:meth:`Communicator.reduce_scatter`), else an alltoall of the blocks
-    (:func:`exchange_blocks`) and their sum in rank order. Both send ``(n - 1) / n`` of
-    ``x``. Why not always the alltoall: at 2 ranks Horovod's over Gloo posts its send
-    before its receive, and a large one was seen to run one way and then the other, twice
-    as long (``benchmarks/reference/monitoring-probe-2026-12-05/``)."""
-    own = comm.reduce_scatter(x, name)
-    if own is not None:
-        return own
-    return rank_order_sum(B, exchange_blocks(B, comm, x, name), comm.size)
 
 
 def gather_blocks(B, comm, x, name):

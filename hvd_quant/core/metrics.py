@@ -84,7 +84,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .comm import RoutedGroup, WrappingComm, sum_scatter
+from .comm import RoutedGroup, WrappingComm, exchange_blocks, rank_order_sum
 from .costmodel import fp32_ring_bytes
 
 log = logging.getLogger("hvd_quant")
@@ -627,13 +627,18 @@ def _put(out, prefix, last, mean):
 def exact_mean_shard(B, comm, flat, name):
     """This rank's shard of the exact fp32 mean of ``flat`` over ranks, by one
     reduce-scatter: ``(lo, hi, mean[lo:hi])``. The buffer is cut into ``size`` blocks of
-    ``ceil(d / size)`` elements (the last padded with zeros), and rank ``j`` gets the sum
-    of block ``j`` (:func:`~hvd_quant.core.comm.sum_scatter`). It sends ``(n - 1) / n`` of
-    the buffer, half of what an allreduce that gave every rank the whole mean would."""
+    ``ceil(d / size)`` elements (the last padded with zeros), block ``j`` goes to rank
+    ``j`` (:func:`~hvd_quant.core.comm.exchange_blocks`, an alltoall) and each rank adds
+    the blocks it received in rank order. It sends ``(n - 1) / n`` of the buffer, half
+    of what an allreduce that gave every rank the whole mean would. Horovod's own
+    reducescatter (over Gloo) was timed as well, in Keras at 2 hosts and 1 Gbit/s, and
+    took as long as the allreduce (a probe step's excess 1,281 ms against 1,245; the
+    alltoall: 973 against 1,253): ``benchmarks/reference/monitoring-probe-2026-12-05/``."""
     n, d = comm.size, int(B.numel(flat))
     block = -(-d // n)
-    total = sum_scatter(B, comm, B.pad(flat, block * n - d), name)
+    received = exchange_blocks(B, comm, B.pad(flat, block * n - d), name)
     lo, hi = min(comm.rank * block, d), min((comm.rank + 1) * block, d)
+    total = rank_order_sum(B, received, n)
     return lo, hi, B.slice(total, 0, hi - lo) * (1.0 / n)
 
 

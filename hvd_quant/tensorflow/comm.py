@@ -64,19 +64,6 @@ class HorovodTFComm(ProcessSetTorus, Communicator):
             out = hvd.alltoall(x, name=self._name(name), ignore_name_scope=True, process_set=self.process_set)
         return tf.reshape(out, [x.shape.num_elements()])
 
-    def reduce_scatter(self, x, name):
-        """Horovod's reducescatter, summed (:meth:`HorovodTorchComm.reduce_scatter
-        <hvd_quant.torch.comm.HorovodTorchComm.reduce_scatter>` says why)."""
-        if x.dtype not in _ALLREDUCE_DTYPES:
-            raise TypeError(f"Horovod's TensorFlow reducescatter cannot reduce {x.dtype.name}")
-        if self.size == 1:
-            return tf.identity(x)
-        self._count_reduce_scatter(self._nbytes(x))
-        with self._guard(f"reducescatter {name!r}"):
-            out = hvd.reducescatter(x, op=hvd.Sum, name=self._name(name), ignore_name_scope=True,
-                                    process_set=self.process_set)
-        return tf.reshape(out, [x.shape.num_elements() // self.size])
-
     def sendrecv(self, x, dest, source, name, recv_numel=None):
         if self.size == 1:
             return tf.identity(x)

@@ -195,18 +195,6 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
         with WATCHDOG.guard(f"alltoall {name!r}"):
             return wait_for(hvd.alltoall_async(x, name=name, process_set=self.process_set))[0]
 
-    def reduce_scatter(self, x, name):
-        """Horovod's reducescatter, summed: over Gloo a halving-doubling exchange in which
-        each pair of ranks sends and receives at once (its alltoall at 2 ranks did not:
-        :func:`hvd_quant.core.comm.sum_scatter`)."""
-        self._check_allreduce_dtype(x)
-        self._check_wire(name)
-        if self.size == 1:
-            return x.clone()
-        self._count_reduce_scatter(x.numel() * x.element_size())
-        with WATCHDOG.guard(f"reducescatter {name!r}"):
-            return wait_for(hvd.reducescatter_async(x, name=name, op=hvd.Sum, process_set=self.process_set))
-
     def sendrecv(self, x, dest, source, name, recv_numel=None):
         self._check_wire(name)
         if self.size == 1:
