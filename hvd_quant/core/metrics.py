@@ -633,7 +633,8 @@ def exact_mean_shard(B, comm, flat, name):
     of what an allreduce that gave every rank the whole mean would. Horovod's own
     reducescatter (over Gloo) was timed as well, in Keras at 2 hosts and 1 Gbit/s, and
     took as long as the allreduce (a probe step's excess 1,281 ms against 1,245; the
-    alltoall: 973 against 1,253): ``benchmarks/reference/monitoring-probe-2026-12-05/``."""
+    alltoall: 973 against 1,253), though alone it beat the alltoall (729 against 1,015
+    ms; not diagnosed): ``benchmarks/reference/monitoring-probe-2026-12-05/``."""
     n, d = comm.size, int(B.numel(flat))
     block = -(-d // n)
     received = exchange_blocks(B, comm, B.pad(flat, block * n - d), name)
