@@ -666,7 +666,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         shard on each rank, by one extra fp32 reduce-scatter (and a 6-number
         allgather), for the relative error and cosine of the compressed mean and the
         residual's norm. Default 1000 (:data:`hvd_quant.core.metrics.DEFAULT_PROBE_EVERY`:
-        about 1.6% more bytes for a 1-bit method at 2 ranks); ``0``: never. Every rank must pass the same value.
+        about 1.6% more bytes for a 1-bit method at 2 ranks); ``0``: never. Every rank
+        must pass the same value.
     report_after : int
         After that many steps, rank 0 logs one line (INFO, the ``hvd_quant`` logger):
         the method's measured communication and compute per step (the means over the

@@ -114,7 +114,8 @@ def probe_shards():
     for d in cases.SIZES[1:]:
         comm = Comm()
         lo, hi, shard = exact_mean_shard(B, comm, tensor(cases.rank_input(RANK, d, 0)), f"probeshard.{d}")
-        out[str(d)] = {"lo": lo, "hi": hi, "shard": B.to_numpy(shard).tolist(), "bytes": comm.meter.bytes_sent}
+        out[str(d)] = {"lo": lo, "hi": hi, "shard": B.to_numpy(shard).tolist(),
+                       "bytes": comm.meter.bytes_sent}
     return out
 
 
