@@ -499,8 +499,9 @@ def lm_arguments(description, argv=None):
     p.add_argument("--decay", choices=["cosine", "constant"], default="cosine",
                    help="after warm-up: cosine decay to --min-lr-ratio * lr, or constant")
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--beta", type=float, default=0.9,
-                   help="momentum: Adam's beta1, SGD's momentum, BinSGDM's beta")
+    p.add_argument("--beta", type=float, default=None,
+                   help="momentum: Adam's beta1, SGD's momentum, BinSGDM's beta (default: 0.8 for "
+                        "BinSGDM, its default since 2026-12-06; 0.9 for the others)")
     p.add_argument("--beta2", type=float, default=0.99,
                    help="Adam's beta2 (Adam family); 0.99 as for small character-level models, and "
                         "so that the variance the 1-bit methods freeze early is nearly settled")
@@ -536,6 +537,10 @@ def lm_arguments(description, argv=None):
 # Peak learning rates tuned on the torch LM (2 ranks, 600 steps, batch 16 per rank).
 DEFAULT_LR = {"adam": 3e-3, "sgdm": 0.3, "onebit_adam": 3e-3, "zero_one_adam": 3e-3, "binsgdm": 1e-3}
 
+# Each optimizer's own default momentum: BinSGDM's one beta is hvd_quant's default
+# (hvd_quant.optimizers.binsgdm.DEFAULT_BETA; this module imports nothing of hvd_quant).
+DEFAULT_BETA = {"adam": 0.9, "sgdm": 0.9, "onebit_adam": 0.9, "zero_one_adam": 0.9, "binsgdm": 0.8}
+
 
 def resolve_defaults(args, parser=None):
     """Fill the defaults that depend on other options, and check the combination."""
@@ -550,6 +555,8 @@ def resolve_defaults(args, parser=None):
         fail(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
+    if args.beta is None:
+        args.beta = DEFAULT_BETA[args.optimizer]
     if args.warmup is None:
         # A quarter of the run. Measured under DeepSpeed's rule (no bias correction; today
         # bias_correction=False), whose early steps are up to 2x Adam's: with a 10% warm-up

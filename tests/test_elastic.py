@@ -351,6 +351,7 @@ def test_torch_reset_in_one_process(monkeypatch):
     assert z._checked and ours._runner._checked
     # BinSGDM whose ranks_per_node no longer divides the world refuses on reset.
     b = hq.BinSGDM(torch.nn.Linear(2, 2).parameters(), lr=0.01, ranks_per_node=1)
+    assert b.param_groups[0]["betas"] == (0.8,)  # its default one beta (since 2026-12-06)
     b._rule.ranks_per_node = 2  # as if built for 2 ranks per node
     with pytest.raises(ValueError):
         b.elastic_reset()
@@ -581,6 +582,7 @@ def test_tf_elastic_refuses_what_cannot_survive_a_reset():
         elastic.TensorFlowState([], compression="ef_sign")
     # BinSGDM built for 2 ranks per node refuses a world it no longer divides.
     b = hq.BinSGDM(learning_rate=0.01, ranks_per_node=1)
+    assert tuple(b.get_config()["betas"]) == (0.8,)  # its default one beta (since 2026-12-06)
     b._hq_rule = type(b._hq_rule)(ranks_per_node=2, seed=0)
     with pytest.raises(ValueError):
         b.elastic_reset()

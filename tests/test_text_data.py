@@ -170,3 +170,17 @@ def test_batches_of_ids_per_rank_and_validation(corpus, cache):
     x, y = st.validation_windows(text.val, 32, 16)
     x2, _ = st.validation_windows(text.val, 32, 16)
     assert x.shape == (16, 32) and np.array_equal(x, x2) and np.array_equal(x[:, 1:], y[:, :-1])
+
+
+def test_the_examples_momentum_is_each_optimizers_own_default():
+    """``--beta`` left out gives BinSGDM hvd_quant's own default (0.8 since 2026-12-06),
+    the Adam family and SGD 0.9; given, it wins for every optimizer."""
+    from hvd_quant.optimizers.binsgdm import DEFAULT_BETA
+
+    def beta(*argv):
+        return st.lm_arguments("test", list(argv)).beta
+
+    assert beta("--optimizer", "binsgdm") == DEFAULT_BETA == 0.8
+    assert beta("--optimizer", "adam") == beta("--optimizer", "onebit_adam") == 0.9
+    assert beta("--optimizer", "binsgdm", "--beta", "0.9") == 0.9
+    assert st.schedule_summary(st.lm_arguments("test", ["--optimizer", "binsgdm"]))["beta"] == 0.8

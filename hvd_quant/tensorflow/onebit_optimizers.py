@@ -65,7 +65,7 @@ from ..core.metrics import DEFAULT_PROBE_EVERY, DEFAULT_REPORT_AFTER, OwnerMetri
 from ..core.runner import check_agreement, digest63
 from ..optimizers import KINDS, BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import GroupState, StepContext, adam_hyperparameters, initial_state
-from ..optimizers.binsgdm import single_beta
+from ..optimizers.binsgdm import DEFAULT_BETA, single_beta
 from ..optimizers.compressed_rounds import DEFAULT_VARIANCE_FLOOR, DIVERGENCE_HINT, short_warm_up_warning
 from . import kernels
 from .backend import TFBackend
@@ -548,9 +548,10 @@ class ZeroOneAdam(RuleOptimizer):
 @keras.saving.register_keras_serializable(package="hvd_quant")
 class BinSGDM(RuleOptimizer):
     """BinSGDM / Birder as a Keras 3 optimizer (a reconstruction); see
-    :mod:`hvd_quant.optimizers.binsgdm` and ``hvd_quant.torch.BinSGDM``."""
+    :mod:`hvd_quant.optimizers.binsgdm` and ``hvd_quant.torch.BinSGDM``. Its one beta is
+    0.8 by default since 2026-12-06 (0.9 before: pass ``beta=0.9`` for it)."""
 
-    def __init__(self, learning_rate=1e-3, betas=(0.9,), beta=None, weight_decay=0.0,
+    def __init__(self, learning_rate=1e-3, betas=(DEFAULT_BETA,), beta=None, weight_decay=0.0,
                  ranks_per_node=None, seed=0, process_set=None, name="binsgdm", sparse_as_dense=True,
                  **kwargs):
         beta = single_beta(betas, beta)

@@ -113,7 +113,7 @@ from ..core.runner import (RankDisagreement, ValueAgreement, check_agreement, di
 from ..optimizers import BinSGDMRule, OnebitAdamRule, ZeroOneAdamRule
 from ..optimizers.base import (EagerGroupState, StepContext, adam_hyperparameters, initial_state,
                                non_freeze_flag, same_memory, step_groups)
-from ..optimizers.binsgdm import single_beta
+from ..optimizers.binsgdm import DEFAULT_BETA, single_beta
 from ..optimizers.compressed_rounds import DEFAULT_VARIANCE_FLOOR, DIVERGENCE_HINT, short_warm_up_warning
 from ..process_sets import includes_this_rank
 from .backend import TorchBackend, prepare_kernels
@@ -715,6 +715,10 @@ class BinSGDM(RuleOptimizer):
     +-1 per element (a randomized sign of ``m / b``) through the hierarchical 1-bit
     allreduce. See :mod:`hvd_quant.optimizers.binsgdm` (a reconstruction).
 
+    ``beta`` (or ``betas=(beta,)``): the one beta of the momentum and of the average of
+    ``|g|``; 0.8 by default since 2026-12-06 (0.9 before; why: ``DEFAULT_BETA`` of that
+    module). Pass ``beta=0.9`` for the earlier default and the figures measured with it.
+
     ``ranks_per_node``: ranks per node of the hierarchy; ``None`` takes Horovod's local
     size when the global process set is used and ranks are laid out node by node (``rank =
     cross_rank * local_size + local_rank``, every node alike), else the flat 1-bit allgather
@@ -723,7 +727,7 @@ class BinSGDM(RuleOptimizer):
     ``hvd.init(process_sets=hvd_quant.node_process_sets(ranks_per_node, size))``.
     """
 
-    def __init__(self, params, lr=1e-3, named_parameters=None, betas=(0.9,), beta=None,
+    def __init__(self, params, lr=1e-3, named_parameters=None, betas=(DEFAULT_BETA,), beta=None,
                  weight_decay=0.0, ranks_per_node=None, seed=0, process_set=None, sparse_as_dense=True,
                  strict=None, process_group=None, probe_every=DEFAULT_PROBE_EVERY, guard=False,
                  report_after=DEFAULT_REPORT_AFTER):
