@@ -13,11 +13,13 @@ cd "$OLD"
 $P $W --out $OUT/runs/warmup-beta0.8 --seeds 0,3,1 --schedule warmup --methods binsgdm \
     '--worker-arg=--optimizer-options={"beta": 0.8}'
 # On this host: Adam under the warm-up on seeds 1 and 3, BinSGDM at 0.9 (then the default)
-# at a constant rate on seed 0 and under the warm-up on seeds 1 and 3.
+# at a constant rate on seeds 0, 2 and 3 and under the warm-up on seeds 1 and 3.
 $P $W --out $OUT/runs/adam-warmup --seeds 1,3 --schedule warmup --methods horovod_fp32
-$P $W --out $OUT/runs/constant-beta0.9 --seeds 0 --schedule constant --methods binsgdm
+$P $W --out $OUT/runs/constant-beta0.9 --seeds 0,2,3 --schedule constant --methods binsgdm
 $P $W --out $OUT/runs/warmup-beta0.9 --seeds 1,3 --schedule warmup --methods binsgdm
 cd "$NEW"
+# BinSGDM at the new default at a constant rate on seeds 1 to 3, on this host.
+$P $W --out $OUT/runs/constant-beta0.8 --seeds 1,2,3 --schedule constant --methods binsgdm
 # The byte-level LM of the convergence page at the new default (no --beta).
 .venv/bin/python benchmarks/convergence.py --workloads lm_torch --np 2 3 --optimizers binsgdm \
     --variant "binsgdm+lr3e-3=--lr 3e-3" --out $OUT/convergence/conv.json
