@@ -40,9 +40,9 @@ from .elementwise import descend
 #: LM (lr 5e-4, 2 ranks, 400 steps) 0.8 ended nearer Adam on each of four seeds under a
 #: warm-up and cosine schedule (mean gap -0.2% against +0.9%), and on three of four at a
 #: constant rate (mean +2.5% against +4.8% on one host; one of those runs moved by 2% with
-#: the CPU that ran it); on the convergence page's byte-level LM 1.0 to 1.9% lower in all four runs; 0.95
-#: and 0.99 were much worse (issue 51; docs/benchmarks/time-to-quality.md, "Where BinSGDM's
-#: gap comes from"; benchmarks/reference/binsgdm-default-beta-2026-12-06/).
+#: the CPU that ran it); on the convergence page's byte-level LM 1.0 to 1.9% lower in all
+#: four runs; 0.95 and 0.99 were much worse (issue 51; docs/benchmarks/time-to-quality.md,
+#: "Where BinSGDM's gap comes from"; benchmarks/reference/binsgdm-default-beta-2026-12-06/).
 DEFAULT_BETA = 0.8
 
 
