@@ -8,6 +8,7 @@ failure). Every job has a hard time limit, and every test a pytest-timeout.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -221,13 +222,18 @@ def test_failing_rank_ends_the_job_promptly(can_run):
     assert leftovers(prefix) == []
 
 
+TORN_LINES = 1000
 TORCHRUN_SCRIPT = ("import os, socket, torch, torch.distributed as dist\n"
                    "dist.init_process_group('gloo')\n"
                    "t = torch.tensor([float(dist.get_rank())]); dist.all_reduce(t)\n"
                    "print('rank', dist.get_rank(), 'of', dist.get_world_size(), 'local', os.environ['LOCAL_RANK'], "
                    "'on', socket.gethostbyname(socket.gethostname()), 'sum', int(t.item()), "
                    "'master', os.environ['MASTER_ADDR'], flush=True)\n"
-                   "dist.destroy_process_group()\n")
+                   "dist.destroy_process_group()\n"
+                   # Many lines of many pieces: unbuffered, torchrun's tee split some of them
+                   # among a host's ranks (about 8 of these 4,000 lines in a run).
+                   f"for i in range({TORN_LINES}):\n"
+                   "    print('line', os.environ['RANK'], i, *range(40), 'end', flush=True)\n")
 
 
 @pytest.mark.timeout(180)
@@ -247,6 +253,15 @@ def test_torchrun_starts_each_hosts_ranks_and_a_failure_ends_the_job(can_run):
         assert line.startswith(f"[h{rank // 2}] [default{rank % 2}]:rank {rank} of 4 local {rank % 2} on "), line
         assert line.endswith(f"sum 6 master {master}"), line
     assert lines[2].split(" on ")[1].split()[0] != master  # host 1's ranks live at another address
+    # Every line whole, under its own rank's prefixes: the ranks' output is buffered and
+    # flushed line by line, not written piece by piece (PYTHONUNBUFFERED) for tee to split.
+    whole = re.compile(r"\[h(\d)\] \[default(\d)\]:line (\d) \d+ " + " ".join(map(str, range(40))) + " end")
+    printed = [l for l in proc.stdout.splitlines() if ":line " in l or l.endswith(" end")]
+    assert len(printed) == 4 * TORN_LINES, [l for l in printed if not whole.fullmatch(l)][:5]
+    for line in printed:
+        match = whole.fullmatch(line)
+        assert match and [int(g) for g in match.groups()] == [
+            int(match[3]) // 2, int(match[3]) % 2, int(match[3])], line
     failing = ("import os, sys, time\n"
                "if os.environ['RANK'] == '3':\n"
                "    sys.exit('rank 3: deliberate failure')\n"

@@ -390,11 +390,18 @@ class EmulatedCluster:
         ``command`` (``--no-python``: the command names its interpreter). The agents meet
         by torchrun's static rendezvous at host 0's address, so the job's traffic between
         hosts goes over the shaped links as with the other launchers; ``--max-restarts 0``:
-        a failed rank fails the job, which stops every host (:func:`run_ranks`)."""
+        a failed rank fails the job, which stops every host (:func:`run_ranks`).
+
+        The ranks' output is buffered, as under torchrun on real hosts: ``--tee`` tails each
+        rank's log file and prefixes what it reads, so an unbuffered rank, which Python
+        makes write a ``print`` piece by piece, can have its line split among its host's
+        ranks. ``PYTHONUNBUFFERED`` is dropped unless ``extra`` sets it; a rank flushes
+        (``print(..., flush=True)``) what should show at once. The agent itself runs
+        unbuffered (``-u``, not inherited), so the lines it passes on arrive as they come."""
         commands, envs, labels = [], [], []
         for host in self.hosts:
             first_rank = host.index * self.slots
-            agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.num_hosts),
+            agent = [sys.executable, "-u", "-m", "torch.distributed.run", "--nnodes", str(self.num_hosts),
                      "--nproc-per-node", str(self.slots), "--node-rank", str(host.index),
                      "--master-addr", self.hosts[0].address, "--master-port", str(TORCH_MASTER_PORT),
                      "--max-restarts", "0", "--tee", "3", "--no-python", *command]
@@ -402,6 +409,8 @@ class EmulatedCluster:
             env = self.rank_env(first_rank, None, extra)
             for name in self._TORCHRUN_SETS:
                 env.pop(name, None)
+            if "PYTHONUNBUFFERED" not in (extra or {}):
+                env.pop("PYTHONUNBUFFERED", None)
             envs.append(env)
             labels.append(host.name)
         return commands, envs, labels
