@@ -1,8 +1,8 @@
 """The tables of this folder's README and of the time-to-quality page's 8-host BinSGDM rows:
 BinSGDM at its default beta since 2026-12-06 (0.8) against 0.9 and Horovod fp32, 8 hosts at
 1 Gbit/s, 200 steps, seed 0, at a constant rate and under the warm-up schedule.
-Usage: tables.py [FIGURE.png] (from anywhere; it reads this folder and
-../ttq-8hosts-2026-12-03/, and draws the four curves against time and steps into FIGURE)."""
+Usage: tables.py [FIGURE_200.png FIGURE_400.png] (from anywhere; it reads this folder and
+../ttq-8hosts-2026-12-03/, and draws the curves of 200 and of 400 steps into the figures)."""
 import sys
 from pathlib import Path
 
@@ -10,7 +10,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # benchmarks/
 import time_to_quality as T
 
-EARLIER = 150  # fp32's evaluation whose loss is the secondary target, as on the page
+EARLIER = {200: 150, 400: 300}  # by run length, fp32's evaluation whose loss is the secondary target
 
 
 def runs(folder, setting="8x1-1gbit"):
@@ -24,7 +24,7 @@ def row(name, run, fp32, fp32_ms):
     final = fp32["history"][-1]["val_loss"]
     loss = run["history"][-1]["val_loss"]
     cells = []
-    for target in (final, T.loss_at(fp32, EARLIER)):
+    for target in (final, T.loss_at(fp32, EARLIER[fp32["history"][-1]["step"]])):
         t, base = T.time_to_reach(run, target), steps_to_reach(fp32, target) * fp32_ms / 1e3
         cells.append("not reached" if t is None else f"{t:.0f} s ({base / t:.2f}x)")
     return (f"| {name} | {loss:.4f} | {100 * (loss / final - 1):+.1f}% | {run['bytes_per_step'] / 1e6:.2f} "
@@ -43,7 +43,7 @@ def retimed(run, ms_per_step):
                 history=[dict(r, train_time_s=r["step"] * ms_per_step / 1e3) for r in run["history"]])
 
 
-def plot(curves, path):
+def plot(curves, title, path):
     """``curves``: ``[(label, style, run)]``, drawn against training time and against steps,
     from step 50 on (the first evaluations squeeze the end, where the runs part)."""
     import matplotlib
@@ -60,7 +60,7 @@ def plot(curves, path):
     axes[1].legend(fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.suptitle("BinSGDM (beta 0.8) and Horovod fp32, 8 hosts at 1 Gbit/s, seed 0, both schedules")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -69,23 +69,36 @@ def main():
     now, before = runs(HERE), runs(HERE.parent / "ttq-8hosts-2026-12-03")
     fp32_warmup = now[("warmup", "horovod_fp32")]
     fp32_ms = 1e3 * fp32_warmup["step_time_s"]  # today's fp32 step; the schedule does not change its work
-    header = ("| run | loss at step 200 | vs fp32 | MB/step/rank | ms/step | time to fp32's loss "
-              f"| time to fp32's loss at step {EARLIER} |\n|---|---:|---:|---:|---:|---:|---:|")
-    fp32 = before[("constant", "horovod_fp32")]
+    header = {steps: (f"| run | loss at step {steps} | vs fp32 | MB/step/rank | ms/step | time to fp32's loss "
+                      f"| time to fp32's loss at step {earlier} |\n|---|---:|---:|---:|---:|---:|---:|")
+              for steps, earlier in EARLIER.items()}
+    fp32_before = before[("constant", "horovod_fp32")]
     print(f"Constant rate: fp32's curve of 2026-12-03, its times at today's {fp32_ms:,.0f} ms per step "
-          f"(2026-12-03: {1e3 * fp32['step_time_s']:,.0f})\n\n{header}")
-    print(row("Horovod fp32 (2026-12-03's curve)", retimed(fp32, fp32_ms), fp32, fp32_ms))
-    print(row("BinSGDM, beta 0.9 (2026-12-03) *", before[("constant", "binsgdm")], fp32, 1e3 * fp32["step_time_s"]))
-    print(row("BinSGDM, beta 0.8", now[("constant", "binsgdm")], fp32, fp32_ms))
+          f"(2026-12-03: {1e3 * fp32_before['step_time_s']:,.0f})\n\n{header[200]}")
+    print(row("Horovod fp32 (2026-12-03's curve)", retimed(fp32_before, fp32_ms), fp32_before, fp32_ms))
+    print(row("BinSGDM, beta 0.9 (2026-12-03) *", before[("constant", "binsgdm")], fp32_before,
+              1e3 * fp32_before["step_time_s"]))
+    print(row("BinSGDM, beta 0.8", now[("constant", "binsgdm")], fp32_before, fp32_ms))
     print("\n* timed on 2026-12-03: its times are against that day's fp32 step")
-    print(f"\nWarm-up schedule (40 steps, then a cosine to a tenth), both today\n\n{header}")
+    print(f"\nWarm-up schedule (40 steps, then a cosine to a tenth), both today\n\n{header[200]}")
     print(row("Horovod fp32", fp32_warmup, fp32_warmup, fp32_ms))
     print(row("BinSGDM, beta 0.8", now[("warmup", "binsgdm")], fp32_warmup, fp32_ms))
-    if len(sys.argv) > 1:
-        plot([("Horovod fp32, constant (2026-12-03's curve at today's step)", "k-", retimed(fp32, fp32_ms)),
+    longer = runs(HERE / "s400")
+    fp32_400 = longer[("constant", "horovod_fp32")]
+    print(f"\n400 steps (warm-up 80 steps): BinSGDM under the warm-up schedule against fp32 at a constant rate, "
+          f"both today\n\n{header[400]}")
+    print(row("Horovod fp32, constant", fp32_400, fp32_400, 1e3 * fp32_400["step_time_s"]))
+    print(row("BinSGDM, beta 0.8, warm-up", longer[("warmup", "binsgdm")], fp32_400, 1e3 * fp32_400["step_time_s"]))
+    if len(sys.argv) > 2:
+        plot([("Horovod fp32, constant (2026-12-03's curve at today's step)", "k-", retimed(fp32_before, fp32_ms)),
               ("BinSGDM, constant", "C0-", now[("constant", "binsgdm")]),
               ("Horovod fp32, warm-up", "k--", fp32_warmup),
-              ("BinSGDM, warm-up", "C0--", now[("warmup", "binsgdm")])], sys.argv[1])
+              ("BinSGDM, warm-up", "C0--", now[("warmup", "binsgdm")])],
+             "BinSGDM (beta 0.8) and Horovod fp32, 8 hosts at 1 Gbit/s, 200 steps, seed 0, both schedules",
+             sys.argv[1])
+        plot([("Horovod fp32, constant", "k-", fp32_400), ("BinSGDM, warm-up", "C0--", longer[("warmup", "binsgdm")])],
+             "BinSGDM (beta 0.8, warm-up schedule) and Horovod fp32 (constant), 8 hosts at 1 Gbit/s, 400 steps, seed 0",
+             sys.argv[2])
 
 
 if __name__ == "__main__":
