@@ -123,8 +123,9 @@ def test_mpi_launch_stays_on_the_cluster_links_and_keeps_rank_labels(monkeypatch
 
     hosts = [netns.Host(i, f"h{i}", f"hvdqc-abcdef-h{i}", f"10.9.9.{i + 1}", f"p{i}") for i in range(2)]
     fake = SimpleNamespace(hosts=hosts, slots=2, size=4, host_cpus=[[0], [1]], ranks_outnumber_cpus=lambda: True,
-                           rank_env=lambda rank: {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_RANK": "0", "RANK": "0",
-                                                  "PYTHONUNBUFFERED": "1", "KEEP": "1"})
+                           rank_env=lambda rank, unbuffered=True: {
+                               "HOROVOD_CONTROLLER": "gloo", "HOROVOD_RANK": "0", "RANK": "0", "KEEP": "1",
+                               **({"PYTHONUNBUFFERED": "1"} if unbuffered else {})})
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     cmd = mpi.mpirun_command(fake, ["python", "x.py"])
     text = " ".join(cmd)
@@ -138,7 +139,7 @@ def test_mpi_launch_stays_on_the_cluster_links_and_keeps_rank_labels(monkeypatch
     # Two ranks per one-CPU host: OpenMPI is told to yield while it waits, unless the user said.
     assert mpi.mpi_env(fake, {"EXTRA": "2"}) == {"KEEP": "1", "EXTRA": "2", "OMPI_MCA_mpi_yield_when_idle": "1"}
     monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "0")
-    assert mpi.mpi_env(SimpleNamespace(**{**vars(fake), "rank_env": lambda rank: dict(os.environ)}))[
+    assert mpi.mpi_env(SimpleNamespace(**{**vars(fake), "rank_env": lambda rank, unbuffered=True: dict(os.environ)}))[
         "OMPI_MCA_mpi_yield_when_idle"] == "0"
     mine = len(os.sched_getaffinity(0))
     for hosts_, slots, cpus, expected in [(2, 1, [[0], [1]], False), (2, 2, [[0, 1], [2, 3]], False),

@@ -274,13 +274,21 @@ class EmulatedCluster:
             return self.size > len(os.sched_getaffinity(0))
         return self.cpus_shared_by_hosts() or any(self.slots > len(host) for host in self.host_cpus)
 
-    def rank_env(self, rank, horovod_rendezvous_port=None, extra=None):
+    def rank_env(self, rank, horovod_rendezvous_port=None, extra=None, unbuffered=True):
         """The environment of ``rank``: this process's, plus torch.distributed's and (when a
-        rendezvous port is given) Horovod's Gloo variables, plus ``extra``."""
+        rendezvous port is given) Horovod's Gloo variables, plus ``extra``.
+
+        ``unbuffered``: ``PYTHONUNBUFFERED=1``, for ranks whose own pipe is read line by line
+        (:func:`run_ranks`), so their lines arrive as they are printed. ``False`` drops it,
+        unless ``extra`` sets it, for launchers that relay a rank's output through a tagger
+        (mpirun, torchrun's ``--tee``): unbuffered, Python writes a ``print`` piece by
+        piece, and a tagger can tear the line between pieces."""
         host = self.rank_host(rank)
         env = dict(os.environ)
+        env.pop("PYTHONUNBUFFERED", None)
+        if unbuffered:
+            env["PYTHONUNBUFFERED"] = "1"
         env.update({
-            "PYTHONUNBUFFERED": "1",
             "RANK": str(rank), "WORLD_SIZE": str(self.size),
             "LOCAL_RANK": str(rank % self.slots), "LOCAL_WORLD_SIZE": str(self.slots),
             "GROUP_RANK": str(host.index), "MASTER_ADDR": self.hosts[0].address,
@@ -395,9 +403,10 @@ class EmulatedCluster:
         The ranks' output is buffered, as under torchrun on real hosts: ``--tee`` tails each
         rank's log file and prefixes what it reads, so an unbuffered rank, which Python
         makes write a ``print`` piece by piece, can have its line split among its host's
-        ranks. ``PYTHONUNBUFFERED`` is dropped unless ``extra`` sets it; a rank flushes
-        (``print(..., flush=True)``) what should show at once. The agent itself runs
-        unbuffered (``-u``, not inherited), so the lines it passes on arrive as they come."""
+        ranks. ``PYTHONUNBUFFERED`` is dropped unless ``extra`` sets it (:meth:`rank_env`);
+        a rank flushes (``print(..., flush=True)``) what should show at once. The agent
+        itself runs unbuffered (``-u``, not inherited), so the lines it passes on arrive as
+        they come."""
         commands, envs, labels = [], [], []
         for host in self.hosts:
             first_rank = host.index * self.slots
@@ -406,11 +415,9 @@ class EmulatedCluster:
                      "--master-addr", self.hosts[0].address, "--master-port", str(TORCH_MASTER_PORT),
                      "--max-restarts", "0", "--tee", "3", "--no-python", *command]
             commands.append(self._pinned(first_rank) + ["ip", "netns", "exec", host.netns, *agent])
-            env = self.rank_env(first_rank, None, extra)
+            env = self.rank_env(first_rank, None, extra, unbuffered=False)
             for name in self._TORCHRUN_SETS:
                 env.pop(name, None)
-            if "PYTHONUNBUFFERED" not in (extra or {}):
-                env.pop("PYTHONUNBUFFERED", None)
             envs.append(env)
             labels.append(host.name)
         return commands, envs, labels

@@ -90,12 +90,11 @@ def mpi_env(cluster, extra=None):
     """mpirun's environment (every daemon and rank inherits it): this process's, without
     Gloo's variables, with the cluster's description and host 0's CPUs (the agent sets
     each other host's), plus ``extra``."""
-    env = {k: v for k, v in cluster.rank_env(0).items() if k not in GLOO_VARS}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        env.pop(name, None)  # per rank, and not torch.distributed's job: MPI has them
     # Ranks write to a pseudo-terminal under mpirun, so Python buffers their output by line;
     # unbuffered, each print would be two writes, two tags and a torn line.
-    env.pop("PYTHONUNBUFFERED", None)
+    env = {k: v for k, v in cluster.rank_env(0, unbuffered=False).items() if k not in GLOO_VARS}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(name, None)  # per rank, and not torch.distributed's job: MPI has them
     if cluster.ranks_outnumber_cpus() and "OMPI_MCA_mpi_yield_when_idle" not in env:
         # OpenMPI polls for messages without yielding unless it sees more ranks than slots,
         # and it trusts the slots given with -H: where a host's ranks outnumber its CPUs,
