@@ -288,6 +288,21 @@ def _collectives(rank, n):
                   "alltoall": (n - 1) / n * sizes["alltoall"], "sendrecv": 32.0}
     ok["meter"] = c.meter.by_kind == pytest.approx(want_bytes)
     ok["ranks_per_node"] = c.ranks_per_node() is None  # one host
+    # A large alltoall goes in pieces (core.comm.alltoall_pieces), made small here: 37
+    # floats to each rank in 8-byte pieces is 19 pieces, each a collective of its own.
+    from hvd_quant.core import comm as core_comm
+    default, core_comm.PIECE_BYTES = core_comm.PIECE_BYTES, 8
+    try:
+        big = torch.arange(37 * n, dtype=torch.float32) + 1000 * rank + 0.25
+        want = torch.cat([torch.arange(37 * rank, 37 * (rank + 1), dtype=torch.float32) + 1000 * r + 0.25
+                          for r in range(n)])
+        p = DistComm()
+        ok["alltoall_pieces"] = (len(core_comm.alltoall_pieces(big.numel(), n, 4)) == 19
+                                 and torch.equal(p.alltoall(big, "big"), want)
+                                 and torch.equal(p.alltoall_async(big, "big").wait(), want)
+                                 and p.meter.bytes_sent == 2 * (n - 1) / n * big.numel() * 4)
+    finally:
+        core_comm.PIECE_BYTES = default
     # A sub-group of two ranks that are not neighbours in the world.
     pair = [0, n - 1]
     group = dist.new_group(pair)

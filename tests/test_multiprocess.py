@@ -185,6 +185,30 @@ def test_probe_shards_are_the_exact_mean(job):
             assert g["bytes"] == pytest.approx((n - 1) * 4 * block), d
 
 
+def test_torch_alltoall_in_pieces_is_the_whole_alltoall(job):
+    """hvd_quant.torch.comm sends an alltoall's large shares in pieces (Gloo ran a whole
+    one a direction at a time): with 8-byte pieces the float32 and uint8 shares go in
+    pieces and the 4-element int64 share (4 pieces' worth) whole. Every result is the
+    whole alltoall's bit for bit and holds the senders' shares in rank order, the bytes
+    are counted once, and a probe's shard through pieces is the exact mean's."""
+    if job["framework"] != "torch":
+        pytest.skip("the pieces are the torch communicator's (TensorFlow: no gain measured)")
+    n = job["size"]
+    for rank in job["ranks"]:
+        got = _ok(rank["alltoall_pieces"])
+        assert [got[k]["pieces"] for k in ("float32", "uint8", "int64")] == [-(-103 // 2), -(-301 // 8), 0]
+        for dtype, share in (("float32", 103), ("uint8", 301), ("int64", 4)):
+            assert got[dtype]["same"] and got[dtype]["same_bytes"], dtype
+            sent = [np.arange(n * share, dtype=np.float64) + 1000 * r + 0.25 for r in range(n)]
+            sent = [(s % 251).astype(dtype) if dtype == "uint8" else s.astype(dtype) for s in sent]
+            want = np.concatenate([s[rank["rank"] * share:(rank["rank"] + 1) * share] for s in sent])
+            np.testing.assert_array_equal(np.array(got[dtype]["values"], dtype=dtype), want)
+        d = cases.SIZES[-1]
+        oracle = np.mean([cases.rank_input(r, d, 0).astype(np.float64) for r in range(n)], axis=0)
+        probe = got["probe"]
+        np.testing.assert_allclose(probe["shard"], oracle[probe["lo"]:probe["hi"]], rtol=1e-6, atol=1e-6)
+
+
 def test_horovod_sums_fp16_as_numpy_adds_it(job):
     """Every element of Horovod's fp16 allreduce is a correctly rounded fp16 sum in some order
     of the ranks, bit for bit: ties to even, overflow to inf, subnormals. Holds for Gloo's

@@ -10,6 +10,53 @@ order, with the same names; Horovod matches collectives across ranks by name.
 """
 
 
+import os
+
+#: An alltoall sends each peer pieces of at most this many bytes when its share per peer
+#: is above :data:`SPLIT_ABOVE` pieces (:func:`alltoall_pieces`); ``HVD_QUANT_PIECE_BYTES``
+#: in the environment sets it, ``0``: never in pieces.
+PIECE_BYTES = int(os.environ.get("HVD_QUANT_PIECE_BYTES", 1 << 20))
+SPLIT_ABOVE = 4
+if PIECE_BYTES < 0:
+    raise ValueError(f"HVD_QUANT_PIECE_BYTES must be 0 (never in pieces) or a positive byte "
+                     f"count, got {PIECE_BYTES}")
+
+
+def alltoall_pieces(numel, size, element_size):
+    """Column bounds ``[(a, b), ...]`` of the pieces of an alltoall of ``numel`` elements
+    in ``size`` equal shares (piece ``i`` takes columns ``a:b`` of every share), or
+    ``None``: send it whole.
+
+    Why pieces: over Gloo's TCP pairs a whole alltoall that sent a peer 8 MB or more ran
+    one direction and then the other. At 2 emulated hosts and 1 Gbit/s, 58.7 MB each way
+    took 1,027 ms through Horovod and 1,029 ms through ``torch.distributed`` (medians of
+    7), the time of both directions' bytes in turn, where a plain TCP socket between the
+    same hosts carried them both ways at once in 493 ms. In pieces of 1 MiB per peer, all
+    started before the first is waited for, it took 743 ms through Horovod and 519 ms
+    through ``torch.distributed``; 13.1 MB (a 25 MiB bucket's share) 224 -> 154 ms and
+    8 MB 137 -> 89 ms through Horovod (``benchmarks/reference/alltoall-pieces-2026-12-06/``).
+    Shares of 2 and 4 MB, which go whole, took their bytes' time in about half the calls
+    and twice it in the rest. The likely cause, from Gloo's source
+    and not measured: ``gloo/alltoallv.cc`` posts each send before its receive, and the
+    TCP transport holds a send until the peer says it is ready to receive, a notice that
+    goes out on the same socket behind any data already being sent
+    (``DistComm.sendrecv`` met the same one-way runs with the send posted first).
+
+    The pieces depend only on ``numel``, which every rank's alltoall has the same of (the
+    :meth:`Communicator.alltoall` contract), so every rank issues the same pieces. What
+    reaches the size: a probe's fp32 exchange (:mod:`hvd_quant.core.metrics`) of a bucket
+    above 8 MB at 2 ranks, and the 1-bit optimizers' sign wire, one buffer for the whole
+    model, above about 67M parameters at 2 ranks; a compressor's 1-bit wire of a 25 MB
+    bucket is 0.8 MB. Measured at 2 hosts only. Horovod's TensorFlow alltoall in pieces
+    was no faster (905 ms eagerly, 839 in one ``tf.function``, against 784 whole, whose
+    calls took 520 or 1,000 ms), so its communicator sends it whole."""
+    share = numel // size
+    per_piece = PIECE_BYTES // element_size
+    if size < 2 or per_piece < 1 or share <= SPLIT_ABOVE * per_piece:
+        return None
+    return [(a, min(a + per_piece, share)) for a in range(0, share, per_piece)]
+
+
 class WireMeter:
     """Counts the bytes one rank sends, under the usual cost model of each collective.
 

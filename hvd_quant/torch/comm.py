@@ -11,6 +11,13 @@ memory, named after that first collective, and all ranks raise
 refuse the collective, or, for a GPU tensor that Horovod copies to the host itself
 without a GPU build, read it before the copy is done).
 
+Large alltoalls go in pieces
+----------------------------
+An alltoall that sends a peer more than :data:`~hvd_quant.core.comm.SPLIT_ABOVE` pieces
+of :data:`~hvd_quant.core.comm.PIECE_BYTES` goes as pieces, all started before the first
+is waited for (:mod:`hvd_quant.torch.pieces`): over Gloo a whole one ran one direction at
+a time (:func:`hvd_quant.core.comm.alltoall_pieces` has the measurements).
+
 Waiting for a collective
 ------------------------
 ``hvd.synchronize`` busy-waits: Horovod 0.28.1 polls the handle in a loop that calls
@@ -32,6 +39,7 @@ from ..core.comm import Communicator
 from ..core.runner import check_agreement
 from ..core.watchdog import WATCHDOG
 from ..process_sets import ProcessSetTorus, torus_subgroups
+from .pieces import alltoall_in_pieces
 
 #: The ``wire`` values, as the codes the agreement check gathers.
 WIRES = {"host": 1, "device": 2}
@@ -175,6 +183,9 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
             from ..core.pipeline import _Done
             return _Done(x.clone())
         self._count_alltoall(x.numel() * x.element_size())
+        return alltoall_in_pieces(x, self.size, name, self._start_alltoall) or self._start_alltoall(x, name)
+
+    def _start_alltoall(self, x, name):
         # An alltoall's handle gives (output, received splits): keep the output.
         return _AsyncHandle(hvd.alltoall_async(x, name=name, process_set=self.process_set),
                             f"alltoall {name!r}", pick=0)
@@ -188,12 +199,7 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
                             f"allreduce {name!r}")
 
     def alltoall(self, x, name):
-        self._check_wire(name)
-        if self.size == 1:
-            return x.clone()
-        self._count_alltoall(x.numel() * x.element_size())
-        with WATCHDOG.guard(f"alltoall {name!r}"):
-            return wait_for(hvd.alltoall_async(x, name=name, process_set=self.process_set))[0]
+        return self.alltoall_async(x, name).wait()
 
     def sendrecv(self, x, dest, source, name, recv_numel=None):
         self._check_wire(name)

@@ -10,7 +10,8 @@ Mapping of the collectives:
 
 * ``allreduce(x, "sum" | "max")``: ``dist.all_reduce`` with ``ReduceOp.SUM`` / ``MAX``;
 * ``allgather``: ``dist.all_gather`` into ``size`` tensors, concatenated in rank order;
-* ``alltoall``: ``dist.all_to_all_single`` with equal splits;
+* ``alltoall``: ``dist.all_to_all_single`` with equal splits; a large one in pieces
+  (:func:`hvd_quant.core.comm.alltoall_pieces`);
 * ``sendrecv``: one ``dist.batch_isend_irecv`` with a send to ``dest`` and a receive from
   ``source`` (both issued at once, so a ring of ranks cannot deadlock on the order of
   its sends and receives);
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from ..core.comm import Communicator
 from ..core.hierarchical import ranks_per_node_of
 from ..core.watchdog import WATCHDOG
+from .pieces import alltoall_in_pieces
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -159,6 +161,9 @@ class DistComm(Communicator):
         if self.size == 1:
             return _Done(x.clone())
         self._count_alltoall(x.numel() * x.element_size())
+        return alltoall_in_pieces(x, self.size, name, self._start_alltoall) or self._start_alltoall(x, name)
+
+    def _start_alltoall(self, x, name):
         x = x.contiguous()
         out = torch.empty_like(x)
         work = dist.all_to_all_single(out, x, group=self.group, async_op=True)

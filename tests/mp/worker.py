@@ -119,6 +119,41 @@ def probe_shards():
     return out
 
 
+def alltoall_pieces():
+    """torch: alltoalls in pieces (hvd_quant.core.comm.PIECE_BYTES set small here) against
+    the same alltoalls whole, bit for bit, sync and async, with the bytes counted once; and
+    a probe's shard through them. Element ``i`` of rank ``r``'s input is ``1000 r + i``
+    (plus a quarter where the dtype holds it), so a misplaced column shows; the int64
+    share, 4 pieces' worth, goes whole."""
+    from hvd_quant.core.metrics import exact_mean_shard
+    from hvd_quant.core import comm as core_comm
+
+    out, default = {}, core_comm.PIECE_BYTES
+    try:
+        for dtype, share in (("float32", 103), ("uint8", 301), ("int64", 4)):
+            x = np.arange(SIZE * share, dtype=np.float64) + 1000 * RANK + 0.25
+            x = tensor(x.astype(dtype) if dtype != "uint8" else (x % 251).astype(dtype))
+            got = {}
+            for piece in (0, 8):
+                core_comm.PIECE_BYTES = piece
+                comm = Comm()
+                got[piece] = (comm.alltoall(x, f"pieces.{dtype}.{piece}"),
+                              comm.alltoall_async(x, f"pieces.{dtype}.{piece}.async").wait(),
+                              comm.meter.bytes_sent)
+            pieces = core_comm.alltoall_pieces(x.numel(), SIZE, x.element_size())
+            out[dtype] = {"pieces": len(pieces) if pieces else 0,
+                          "same": all(torch.equal(got[0][0], y) for y in got[8][:2]),
+                          "same_bytes": got[0][2] == got[8][2],
+                          "values": B.to_numpy(got[8][0]).tolist()}
+        d = cases.SIZES[-1]
+        comm = Comm()
+        lo, hi, shard = exact_mean_shard(B, comm, tensor(cases.rank_input(RANK, d, 0)), f"piecesprobe.{d}")
+        out["probe"] = {"lo": lo, "hi": hi, "shard": B.to_numpy(shard).tolist()}
+    finally:
+        core_comm.PIECE_BYTES = default
+    return out
+
+
 def fp16_sum():
     """Horovod's own fp16 sum (its CPU operations, Gloo or MPI): the bits of each element,
     for the test to set beside numpy's fp16 additions."""
@@ -179,6 +214,8 @@ if FRAMEWORK != "torch":
 record("ring_int_sum", ring_int_sum)
 record("fp16_sum", fp16_sum)
 record("probe_shards", probe_shards)
+if FRAMEWORK == "torch":
+    record("alltoall_pieces", alltoall_pieces)
 record("exact", exact_cases)
 record("disagree_compressor", disagreeing_compressor)
 record("disagree_options", disagreeing_options)
