@@ -36,11 +36,11 @@ def alltoall_pieces(numel, size, element_size):
     through ``torch.distributed``; 13.1 MB (a 25 MiB bucket's share) 224 -> 154 ms and
     8 MB 137 -> 89 ms through Horovod (``benchmarks/reference/alltoall-pieces-2026-12-06/``).
     Shares of 2 and 4 MB, which go whole, took their bytes' time in about half the calls
-    and twice it in the rest. The likely cause, from Gloo's source
-    and not measured: ``gloo/alltoallv.cc`` posts each send before its receive, and the
-    TCP transport holds a send until the peer says it is ready to receive, a notice that
-    goes out on the same socket behind any data already being sent
-    (``DistComm.sendrecv`` met the same one-way runs with the send posted first).
+    and twice it in the rest. The likely cause, from Gloo's source and not measured:
+    ``gloo/alltoallv.cc`` posts each send before its receive, and the TCP transport holds
+    a send until the peer says it is ready to receive, a notice that goes out on the same
+    socket behind any data already being sent (``DistComm.sendrecv`` met the same one-way
+    runs with the send posted first).
 
     The pieces depend only on ``numel``, which every rank's alltoall has the same of (the
     :meth:`Communicator.alltoall` contract), so every rank issues the same pieces. What
