@@ -44,10 +44,10 @@ def alltoall_pieces(numel, size, element_size):
 
     The pieces depend only on ``numel``, which every rank's alltoall has the same of (the
     :meth:`Communicator.alltoall` contract), so every rank issues the same pieces. What
-    reaches the size: a probe's fp32 exchange (:mod:`hvd_quant.core.metrics`) of a bucket
-    above 8 MB at 2 ranks, and the 1-bit optimizers' sign wire, one buffer for the whole
-    model, above about 67M parameters at 2 ranks; a compressor's 1-bit wire of a 25 MB
-    bucket is 0.8 MB. Measured at 2 hosts only. Horovod's TensorFlow alltoall in pieces
+    reaches the size at 2 ranks: a probe's exact fp32 exchange (:mod:`hvd_quant.core.metrics`)
+    of a bucket above 8 MB, and a 1-bit wire sent as one buffer for a whole model above
+    about 67M parameters; a 1-bit wire of a 25 MiB bucket is 0.8 MB. Measured at 2 hosts
+    only. Horovod's TensorFlow alltoall in pieces
     was no faster (905 ms eagerly, 839 in one ``tf.function``, against 784 whole, whose
     calls took 520 or 1,000 ms), so its communicator sends it whole."""
     share = numel // size
