@@ -47,9 +47,9 @@ def alltoall_pieces(numel, size, element_size):
     reaches the size at 2 ranks: a probe's exact fp32 exchange (:mod:`hvd_quant.core.metrics`)
     of a bucket above 8 MB, and a 1-bit wire sent as one buffer for a whole model above
     about 67M parameters; a 1-bit wire of a 25 MiB bucket is 0.8 MB. Measured at 2 hosts
-    only. Horovod's TensorFlow alltoall in pieces
-    was no faster (905 ms eagerly, 839 in one ``tf.function``, against 784 whole, whose
-    calls took 520 or 1,000 ms), so its communicator sends it whole."""
+    only. Horovod's TensorFlow alltoall in pieces was no faster (905 ms eagerly, 839 in
+    one ``tf.function``, against 784 whole, whose calls took 520 or 1,000 ms), so its
+    communicator sends it whole."""
     share = numel // size
     per_piece = PIECE_BYTES // element_size
     if size < 2 or per_piece < 1 or share <= SPLIT_ABOVE * per_piece:

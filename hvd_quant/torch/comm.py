@@ -39,7 +39,7 @@ from ..core.comm import Communicator
 from ..core.runner import check_agreement
 from ..core.watchdog import WATCHDOG
 from ..process_sets import ProcessSetTorus, torus_subgroups
-from .pieces import alltoall_in_pieces
+from . import pieces
 
 #: The ``wire`` values, as the codes the agreement check gathers.
 WIRES = {"host": 1, "device": 2}
@@ -183,7 +183,7 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
             from ..core.pipeline import _Done
             return _Done(x.clone())
         self._count_alltoall(x.numel() * x.element_size())
-        return alltoall_in_pieces(x, self.size, name, self._start_alltoall) or self._start_alltoall(x, name)
+        return pieces.start_alltoall(x, self.size, name, self._start_alltoall)
 
     def _start_alltoall(self, x, name):
         # An alltoall's handle gives (output, received splits): keep the output.

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ..core.comm import Communicator
 from ..core.hierarchical import ranks_per_node_of
 from ..core.watchdog import WATCHDOG
-from .pieces import alltoall_in_pieces
+from . import pieces
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -161,7 +161,7 @@ class DistComm(Communicator):
         if self.size == 1:
             return _Done(x.clone())
         self._count_alltoall(x.numel() * x.element_size())
-        return alltoall_in_pieces(x, self.size, name, self._start_alltoall) or self._start_alltoall(x, name)
+        return pieces.start_alltoall(x, self.size, name, self._start_alltoall)
 
     def _start_alltoall(self, x, name):
         x = x.contiguous()

@@ -18,14 +18,15 @@ class PiecesHandle:
         return torch.cat(received, dim=1).view(-1)
 
 
-def alltoall_in_pieces(x, size, name, start):
-    """A :class:`PiecesHandle` of ``x``'s alltoall in pieces, each started by
-    ``start(piece, piece_name)`` (the communicator's own whole alltoall, which returns a
-    handle) and named ``{name}.piece{i}``; ``None`` when ``x`` goes whole. The caller
-    counts the bytes, once."""
+def start_alltoall(x, size, name, start_whole):
+    """Start ``x``'s alltoall over ``size`` ranks: whole, by ``start_whole(x, name)`` (the
+    communicator's own alltoall, which returns a handle), or, where
+    :func:`~hvd_quant.core.comm.alltoall_pieces` says so, as pieces each started by it and
+    named ``{name}.piece{i}``, under one :class:`PiecesHandle`. The caller counts the
+    bytes, once."""
     pieces = core_comm.alltoall_pieces(x.numel(), size, x.element_size())
     if pieces is None:
-        return None
+        return start_whole(x, name)
     shares = x.reshape(size, -1)
-    return PiecesHandle([start(shares[:, a:b].contiguous().view(-1), f"{name}.piece{i}")
+    return PiecesHandle([start_whole(shares[:, a:b].contiguous().view(-1), f"{name}.piece{i}")
                          for i, (a, b) in enumerate(pieces)], size)
