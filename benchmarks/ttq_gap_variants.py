@@ -14,6 +14,13 @@ steps can be put down to that one thing.
   wire per block).
 * ``ef_sign_noef``: the scaled sign of ``g`` alone, the residual dropped every step (what
   error feedback's delay costs or buys); ``ef_sign_noef_block256``: both changes.
+* ``ef_sign_precond<K>`` (2026-12-06, ``benchmarks/reference/ttq-gap-precond-2026-12-06/``):
+  every ``K``-th step an exact fp32 allreduce, whose running mean of squares gives every
+  element an RMS ``sigma`` that all ranks hold; between them ``ef_sign`` of ``g / sigma``,
+  its mean multiplied back by ``sigma`` (:class:`_Preconditioned`). Suffixes: ``_noef``
+  (no error feedback), ``f3``/``f10``/``f01`` (``sigma`` floored at 0.3, 1 or 0.01 of its
+  tensor's RMS instead of 0.1). ``ef_sign_exact<K>`` and ``ef_sign_exact10_noef`` are the
+  controls: the exact steps alone, plain scaled signs between them.
 """
 
 from hvd_quant.compressors.ef_sign import EFSignCompressor
@@ -116,3 +123,97 @@ class TensorVAdam(torch.optim.Optimizer):
 
 def tensor_v_adam(params, lr):
     return TensorVAdam(params, lr=lr)
+
+
+# --- error feedback in a preconditioned space (2026-12-06) ----------------------------------------
+class _Preconditioned(EFSignCompressor):
+    """``ef_sign`` on ``g / sigma`` instead of ``g``, its mean multiplied back by ``sigma``.
+
+    ``sigma`` is a per-element RMS of the exact mean gradient, the same on every rank: every
+    ``every``-th step of a buffer is an exact fp32 allreduce (its mean is returned as it is),
+    and ``sigma2`` is a bias-corrected running mean of its squares, with Adam's beta2 per
+    step (``0.999 ** every`` per sample). Between those steps the scaled signs carry
+    ``g / sigma``, whose elements have comparable magnitudes, so the mean that reaches Adam
+    has ``sigma``'s per-element magnitudes and Adam's second moment is no longer flat over a
+    tensor (the diagnosis of ``benchmarks/reference/ttq-gap-2026-12-01/``). ``sigma`` is
+    floored at ``floor`` times its tensor's RMS, so that an element whose exact samples
+    were all zero (an embedding row not seen) does not dominate its tensor's scale.
+
+    A diagnostic variant: its step counter lives on the object, keyed by buffer name, and
+    is not checkpointed."""
+
+    state_slots = ("residual", "sigma2")
+    every = 10
+    floor = 0.1
+    beta2 = 0.999
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._steps = {}
+
+    def reduce(self, x, ctx):
+        step = self._steps.get(ctx.name, 0)
+        self._steps[ctx.name] = step + 1
+        sigma2 = ctx.state.get("sigma2")
+        if step % self.every == 0:
+            exact = ctx.comm.allreduce(x, "sum", ctx.collective_name("exact")) / ctx.comm.size
+            weight = max(1.0 / (step // self.every + 1), 1.0 - self.beta2 ** self.every)
+            ctx.state.set("sigma2", sigma2 * (1.0 - weight) + exact * exact * weight)
+            return exact
+        sigma = self._sigma(sigma2, [c for _, c in ctx.segments])
+        out, ctx.out = ctx.out, None
+        try:
+            return super().reduce(x / sigma, ctx) * sigma
+        finally:
+            ctx.out = out
+
+    def _sigma(self, sigma2, counts):
+        parts = []
+        for s2 in torch.split(sigma2, counts):
+            rms = s2.mean().sqrt()
+            parts.append(torch.clamp(s2.sqrt(), min=float(self.floor * rms) + 1e-30))
+        return torch.cat(parts)
+
+
+for _every in (5, 10, 25, 50):
+    for _floor, _tag in ((0.1, ""), (0.01, "f01")):
+        register(type(f"EFSignPrecond{_every}{_tag}", (_Preconditioned,),
+                      {"name": f"ef_sign_precond{_every}{_tag}", "every": _every, "floor": _floor}))
+
+
+class _PreconditionedNoFeedback(_Preconditioned):
+    """The preconditioned variant with its residual zeroed before every compressed step."""
+
+    def reduce(self, x, ctx):
+        ctx.state.set("residual", ctx.state.get("residual") * 0)
+        return super().reduce(x, ctx)
+
+
+class _ExactEvery(_Preconditioned):
+    """The control: the exact steps of the preconditioned variant, plain ``ef_sign`` between
+    them (``sigma`` = 1), to separate what the exact steps give from what ``sigma`` gives."""
+
+    def _sigma(self, sigma2, counts):
+        return torch.ones_like(sigma2)
+
+
+for _every in (5, 10, 25, 50):
+    register(type(f"EFSignPrecondNoEF{_every}", (_PreconditionedNoFeedback,),
+                  {"name": f"ef_sign_precond{_every}_noef", "every": _every}))
+    for _floor, _tag in ((0.3, "f3"), (1.0, "f10")):
+        register(type(f"EFSignPrecond{_every}{_tag}", (_Preconditioned,),
+                      {"name": f"ef_sign_precond{_every}{_tag}", "every": _every, "floor": _floor}))
+        register(type(f"EFSignPrecondNoEF{_every}{_tag}", (_PreconditionedNoFeedback,),
+                      {"name": f"ef_sign_precond{_every}{_tag}_noef", "every": _every, "floor": _floor}))
+    register(type(f"EFSignExactEvery{_every}", (_ExactEvery,),
+                  {"name": f"ef_sign_exact{_every}", "every": _every}))
+
+
+class _ExactEveryNoFeedback(_PreconditionedNoFeedback):
+    """The control without error feedback: exact steps, plain scaled signs between them."""
+
+    def _sigma(self, sigma2, counts):
+        return torch.ones_like(sigma2)
+
+
+register(type("EFSignExactEveryNoEF10", (_ExactEveryNoFeedback,), {"name": "ef_sign_exact10_noef", "every": 10}))
