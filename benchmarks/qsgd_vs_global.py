@@ -51,7 +51,7 @@ from hvd_quant.core.simulate import ThreadWorld  # noqa: E402
 B = NumpyKernelBackend()
 WORLDS = (2, 4, 8, 16)
 #: (label, registry name, options): every method at 8 bits per element, then 16.
-METHODS = [("qsgd", "qsgd", {}), ("global_qsgd", "global_qsgd", {}),
+METHODS = [("qsgd", "qsgd", {}), ("qsgd_buffer", "qsgd", {"block": None}), ("global_qsgd", "global_qsgd", {}),
            ("global_qsgd_l2", "global_qsgd", {"norm": "l2"}),
            ("qsgd_16", "qsgd", {"bits": 16}), ("global_qsgd_l2_16", "global_qsgd", {"norm": "l2", "bits": 16})]
 
@@ -101,13 +101,15 @@ def stream_key(seed, rank):
 
 def qsgd_estimate(comp, xs, seed):
     """What every rank of ``qsgd``'s reduce returns (hvd_quant.compressors.qsgd), with one
-    decoder: each rank's own norm and levels, the rows added in rank order."""
+    decoder: each rank's own norms (one per block) and levels, the rows added in rank
+    order."""
     width, s = comp.resolve()
     n, total = len(xs), None
     for r, x in enumerate(xs):
-        scale, pre, _ = qs.own_scale(B, x)
-        q = qs.quantize_levels(B, x, scale, pre, s, width, stream_key(seed, r))
-        part = qs.decode_row(B, q, B.divide(scale, float(s * n)), pre)
+        counts = qs.block_counts(x.size, comp.block)
+        scale, pre, _ = qs.own_scale(B, x, counts)
+        q = qs.quantize_levels(B, x, scale, pre, s, width, stream_key(seed, r), counts)
+        part = qs.decode_row(B, q, B.divide(scale, float(s * n)), pre, counts)
         total = part if total is None else total + part
     return total
 

@@ -153,6 +153,23 @@ def test_compensate_sums_match_in_float64(d, squares, threads):
         np.testing.assert_allclose(got, compensate_sums(B, x, resid, split(d), squares), rtol=1e-12)
 
 
+@pytest.mark.parametrize("squares", [False, True])
+def test_many_small_segments_sum_in_one_call_with_the_same_bits(squares, threads):
+    """A norm per block of a few hundred elements (qsgd's ``block``) makes thousands of
+    segments; they are summed in one call, with the bits of one call per segment."""
+    cpu = kernels.cpu_module()
+    x, e = data(10_007, 50, specials=True), data(10_007, 51)
+    counts = [512] * 19 + [0, 10_007 - 19 * 512]  # an empty one and a short last one
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    for resid in (e, None):
+        got = compensate_sums(K, x, resid, counts, squares)
+        e_arr = np.empty(0, np.float32) if resid is None else resid
+        one_by_one = [cpu._compensate_sums(x, e_arr, bounds[s], bounds[s + 1], squares)
+                      for s in range(len(counts))]
+        assert got.tobytes() == np.array(one_by_one, np.float64).tobytes()
+        np.testing.assert_allclose(got, compensate_sums(B, x, resid, counts, squares), rtol=1e-12)
+
+
 def test_sums_do_not_depend_on_the_thread_count():
     x = data(5 * kernels.cpu_module().BLOCK + 3, 7)
     out = []

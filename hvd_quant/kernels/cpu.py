@@ -501,10 +501,28 @@ def _compensate_sums(x, e, lo, hi, squares):
     return total
 
 
+@_twin
+def _small_segment_sums(x, e, bounds, squares, out):
+    # Segments of at most BLOCK elements are one block each: the sum _compensate_sums
+    # makes of them (0.0 + the block's sum), for all of them in one call.
+    has_e = e.size > 0
+    for s in prange(bounds.size - 1):
+        a, b = bounds[s], bounds[s + 1]
+        total = 0.0
+        total += _block_sum(x[a:b], e[a:b] if has_e else e, has_e, squares)
+        out[s] = total
+
+
 def compensate_sums(x, e, bounds, squares=False):
     """``segments.compensate_sums``: per segment, the float64 sum of ``|p|`` (or of
-    ``p**2``) for ``p = x + e`` (``e`` may be ``None``)."""
+    ``p**2``) for ``p = x + e`` (``e`` may be ``None``). Many small segments (a norm per
+    block of a few hundred elements) go in one call: a call per segment costs more than
+    its sum."""
     e_arr = np.empty(0, np.float32) if e is None else e
+    if bounds.size > 2 and int(np.max(np.diff(bounds))) <= BLOCK:
+        out = np.empty(bounds.size - 1, np.float64)
+        _small_segment_sums(x, e_arr, bounds, squares, out)
+        return out
     return np.array([_compensate_sums(x, e_arr, bounds[s], bounds[s + 1], squares)
                      for s in range(bounds.size - 1)], np.float64)
 
