@@ -131,15 +131,12 @@ def decode_row(B, q, factor, pre, counts=None):
     ``dequantize_ints`` where there is one), scaled back by ``1 / pre`` and saturated at
     the float32 maximum when the worker's norm was rescaled (``pre < 1``). With several
     blocks (``counts``), ``factor`` and ``pre`` hold one value per block."""
-    if counts is not None and len(counts) > 1:
-        part = B.cast(q, "float32") * B.repeat(factor, counts)
-        return B.cond(rescaled(B, pre),
-                      lambda: B.clip(part * B.repeat(1.0 / pre, counts), -FLOAT32_MAX, FLOAT32_MAX),
-                      lambda: part)
-    fast = B.kernel("dequantize_ints", q)
-    part = fast(q, B.kernel_scalar(factor)) if fast is not None else B.cast(q, "float32") * factor
-    return B.cond(B.less(pre, B.full(1, 1.0)),
-                  lambda: B.clip(part * (1.0 / pre), -FLOAT32_MAX, FLOAT32_MAX), lambda: part)
+    blocks = counts is not None and len(counts) > 1
+    spread = (lambda v: B.repeat(v, counts)) if blocks else (lambda v: v)
+    fast = None if blocks else B.kernel("dequantize_ints", q)
+    part = fast(q, B.kernel_scalar(factor)) if fast is not None else B.cast(q, "float32") * spread(factor)
+    return B.cond(rescaled(B, pre),
+                  lambda: B.clip(part * spread(1.0 / pre), -FLOAT32_MAX, FLOAT32_MAX), lambda: part)
 
 
 def rescaled(B, pres):
