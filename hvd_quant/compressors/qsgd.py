@@ -55,7 +55,7 @@ from ..core.compressor import Compressor
 from ..core.costmodel import Collective
 from ..core.packing import split_scales, with_scales
 from ..core.rng import hash_bits, uniform_from_bits
-from ..core.segments import compensate_sums
+from ..core.segments import compensate_sums, expand_segments
 from .global_qsgd import FLOAT32_MAX, finish_scale, linear_quantize
 
 WIDTHS = (8, 16)
@@ -105,7 +105,7 @@ def quantize_levels(B, x, scale, pre, levels, width, key, counts=None):
     if counts is not None and len(counts) > 1:
         # x * pre / scale per block, then the one-scale quantizer on a grid of 1:
         # (v * 1) / 1 is v exactly, so these are the bits of the per-element formula.
-        x = (x * B.repeat(pre, counts)) / B.repeat(scale, counts)
+        x = (x * expand_segments(B, pre, counts)) / expand_segments(B, scale, counts)
         scale = pre = B.full(1, 1.0)
     fast = B.kernel("quantize_ints", x)
     if fast is not None:
@@ -131,12 +131,13 @@ def decode_row(B, q, factor, pre, counts=None):
     ``dequantize_ints`` where there is one), scaled back by ``1 / pre`` and saturated at
     the float32 maximum when the worker's norm was rescaled (``pre < 1``). With several
     blocks (``counts``), ``factor`` and ``pre`` hold one value per block."""
-    blocks = counts is not None and len(counts) > 1
-    spread = (lambda v: B.repeat(v, counts)) if blocks else (lambda v: v)
-    fast = None if blocks else B.kernel("dequantize_ints", q)
-    part = fast(q, B.kernel_scalar(factor)) if fast is not None else B.cast(q, "float32") * spread(factor)
+    counts = counts or [B.numel(q)]
+    fast = B.kernel("dequantize_ints", q) if len(counts) == 1 else None
+    part = (fast(q, B.kernel_scalar(factor)) if fast is not None
+            else B.cast(q, "float32") * expand_segments(B, factor, counts))
     return B.cond(rescaled(B, pre),
-                  lambda: B.clip(part * spread(1.0 / pre), -FLOAT32_MAX, FLOAT32_MAX), lambda: part)
+                  lambda: B.clip(part * expand_segments(B, 1.0 / pre, counts), -FLOAT32_MAX, FLOAT32_MAX),
+                  lambda: part)
 
 
 def rescaled(B, pres):
@@ -190,6 +191,10 @@ class QSGDCompressor(Compressor):
     def options(self):
         return {"bits": self.bits, "levels": self.levels, "block": self.block}
 
+    def blocks(self, numel):
+        """How many norms a buffer of ``numel`` elements takes (:func:`block_counts`)."""
+        return len(block_counts(numel, self.block))
+
     def resolve(self, world_size=None):
         """``(width, levels)``, the same at every world size."""
         return self.width, self.s
@@ -239,12 +244,11 @@ class QSGDCompressor(Compressor):
         bytes of scale and ``pre`` per block (ring cost model: ``(n - 1)`` times the row).
         ``int_dtypes`` is accepted for the same call as global_qsgd's and ignored: the
         levels go as bytes."""
-        return float((world_size - 1) * row_bytes(numel, self.width, len(block_counts(numel, self.block))))
+        return float((world_size - 1) * row_bytes(numel, self.width, self.blocks(numel)))
 
     def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
         """One allgather of this rank's row (levels, then each block's scale and ``pre``)."""
-        blocks = len(block_counts(numel, self.block))
-        return [Collective("allgather", float(row_bytes(numel, self.width, blocks)), world_size)]
+        return [Collective("allgather", float(row_bytes(numel, self.width, self.blocks(numel))), world_size)]
 
     def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
         """The norm pass and the quantize pass read the buffer (``2F``) and write the
@@ -255,5 +259,5 @@ class QSGDCompressor(Compressor):
         input written and read: ``7F``) and each row's factor is spread and read (``2F``
         per row)."""
         F, b, n = 4.0 * float(numel), float(numel) * self.width / 8.0, float(world_size)
-        spread = 7.0 * F + 2.0 * n * F if len(block_counts(numel, self.block)) > 1 else 0.0
+        spread = 7.0 * F + 2.0 * n * F if self.blocks(numel) > 1 else 0.0
         return 2.0 * F + b + n * b + (2.0 * n - 1.0) * F + spread
