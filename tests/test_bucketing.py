@@ -203,13 +203,15 @@ def test_chunk_bounds_fall_on_bytes():
 SEGMENTS = [("a", 13), ("b", 0), ("c", 250), ("d", 1), ("e", 737)]  # 1001 elements
 
 
-CHUNKED = [("ef_sign", {}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"})]
+CHUNKED = [("ef_sign", {}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"}),
+           ("global_qsgd", {"block": 100}), ("global_qsgd", {"norm": "l2", "block": 60})]
 
 
 @pytest.mark.parametrize("backend", [NumpyBackend(), NumpyKernelBackend()], ids=["numpy", "kernels"])
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("chunk", [8, 100, 333, 4096])
-@pytest.mark.parametrize("name,opts", CHUNKED, ids=["ef_sign", "gqsgd_max", "gqsgd_l2"])
+@pytest.mark.parametrize("name,opts", CHUNKED,
+                         ids=["ef_sign", "gqsgd_max", "gqsgd_l2", "gqsgd_max_blocks", "gqsgd_l2_blocks"])
 @pytest.mark.parametrize("into", [False, True], ids=["fresh", "into_input"])
 def test_chunked_reduce_is_bit_identical_to_unchunked(backend, size, chunk, name, opts, into):
     """Chunk pipelining changes no bit of the result, the state, the random stream or

@@ -88,7 +88,8 @@ CASES = [(2, None), (3, None), (4, 2), (5, None), (6, 3), (8, None), (8, 2)]
 @pytest.mark.parametrize("method,options", [
     ("none", {}), ("fp16", {}), ("ef_sign", {}), ("marsit", {}), ("marsit", {"topology": "ring"}),
     ("marsit", {"topology": "direct"}), ("cascading_sign", {}), ("global_qsgd", {}),
-    ("global_qsgd", {"norm": "l2"}), ("global_qsgd_exp", {}), ("onebit", {})])
+    ("global_qsgd", {"norm": "l2"}), ("global_qsgd", {"block": 512}),
+    ("global_qsgd", {"norm": "l2", "block": 1000}), ("global_qsgd_exp", {}), ("onebit", {})])
 @pytest.mark.parametrize("n,k", CASES)
 @pytest.mark.parametrize("d,S", [(4097, 3)])
 def test_compressor_collectives_match_the_code(method, options, n, k, d, S):

@@ -26,7 +26,8 @@ FMAX = np.finfo(np.float32).max
 COMPRESSORS = [("none", {}), ("fp16", {}), ("ef_sign", {}), ("marsit", {}),
                ("marsit", {"compensation": "global"}), ("marsit", {"scale": 0.01}),
                ("cascading_sign", {}), ("global_qsgd", {}), ("global_qsgd", {"norm": "l2"}),
-               ("global_qsgd", {"bits": 16}), ("global_qsgd_exp", {}), ("onebit", {})]
+               ("global_qsgd", {"bits": 16}), ("global_qsgd", {"block": 4}),
+               ("global_qsgd", {"norm": "l2", "block": 4}), ("global_qsgd_exp", {}), ("onebit", {})]
 IDS = [f"{n}{'-' + '-'.join(f'{k}={v}' for k, v in o.items()) if o else ''}" for n, o in COMPRESSORS]
 SIZES = [0, 1, 5, 13, 1001]
 
@@ -148,8 +149,10 @@ def spy_on(comm, log, int_dtypes=None):
 @pytest.mark.parametrize("name,opts,int_dtypes", [
     ("global_qsgd", {}, None), ("global_qsgd", {"norm": "l2"}, None),
     ("global_qsgd", {"bits": 16}, None), ("global_qsgd", {}, ("int32", "int64")),
-    ("global_qsgd", {"norm": "l2"}, ("int32", "int64")), ("global_qsgd_exp", {}, None)],
-    ids=["max-int8", "l2-int8", "max-int16", "max-lanes", "l2-lanes", "exp-ring"])
+    ("global_qsgd", {"norm": "l2"}, ("int32", "int64")), ("global_qsgd", {"block": 8}, None),
+    ("global_qsgd", {"norm": "l2", "block": 8}, ("int32", "int64")), ("global_qsgd_exp", {}, None)],
+    ids=["max-int8", "l2-int8", "max-int16", "max-lanes", "l2-lanes", "max-blocks-int8", "l2-blocks-lanes",
+         "exp-ring"])
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("backend", WIRE_BACKENDS, ids=[b.name for b in WIRE_BACKENDS])

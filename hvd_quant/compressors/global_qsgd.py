@@ -61,7 +61,7 @@ from ..core.packing import pack_lanes, packed_lane_words, unpack_lanes
 from ..core.pipeline import pipelined, start_allreduce
 from ..core.ring import gathers
 from ..core.rng import hash_bits, uniform_from_bits
-from ..core.segments import compensate_sums
+from ..core.segments import block_counts, chunk_blocks, compensate_sums, expand_segments
 
 #: Smallest normal float32: the scale is raised to at least this, so all-zero buffers
 #: (scale 0) give zeros instead of 0/0, with no branch on tensor values.
@@ -123,14 +123,28 @@ def absmax_finite(B, x):
     return B.reshape(B.cast(B.max(B.abs(x)), "float32"), (1,)), B.all_finite(x)
 
 
-def local_scale_stat(B, x, norm):
-    """This rank's share of the global scale, shape (1,): ``max|x|`` (float32, ``+inf``
-    when ``x`` holds inf or NaN) or ``||x||^2`` (float64: it cannot overflow, since every
+def block_absmax(B, x, counts):
+    """``max |x|`` per block of ``counts`` (:func:`~hvd_quant.core.segments.block_counts`:
+    equal blocks, the last perhaps shorter), float32. The last block is padded with zeros,
+    which no max of ``|x|`` can see; a non-finite element's block is not finite."""
+    k, size = len(counts), counts[0]
+    rows = B.reshape(B.pad(B.abs(x), k * size - B.numel(x)), (k, size))
+    return B.max(rows, axis=1)
+
+
+def local_scale_stat(B, x, norm, counts=None):
+    """This rank's share of the global scale, one per block of ``counts`` (shape (1,) for
+    the whole buffer, when ``None``): ``max|x|`` (float32; ``+inf`` in every block when
+    ``x`` holds inf or NaN) or ``||x||^2`` (float64: it cannot overflow, since every
     float32 squared fits in float64 many times over)."""
-    if norm == "max":
+    counts = counts or [B.numel(x)]
+    if norm == "l2":
+        return compensate_sums(B, x, None, counts, squares=True)
+    if len(counts) == 1:
         m, ok = absmax_finite(B, x)
-        return B.where(ok, m, B.full(1, float("inf")))
-    return compensate_sums(B, x, None, [B.numel(x)], squares=True)
+    else:
+        m, ok = block_absmax(B, x, counts), B.all_finite(x)
+    return B.where(ok, m, B.full(1, float("inf")))
 
 
 def finish_scale(B, reduced, norm):
@@ -144,7 +158,7 @@ def finish_scale(B, reduced, norm):
     ``2**-85`` then flush to zero: less than ``2**-211`` of the scale.
     """
     if norm == "max":
-        scale, pre = B.cast(reduced, "float32"), B.full(1, 1.0)
+        scale, pre = B.cast(reduced, "float32"), B.full(B.numel(reduced), 1.0)
     else:
         norm64 = B.sqrt(reduced) * L2_SCALE_MARGIN
         huge = B.greater_equal(norm64, B.full(1, 2.0 ** 126, "float64"))
@@ -154,15 +168,16 @@ def finish_scale(B, reduced, norm):
     return B.where(B.less(scale, tiny), tiny, scale), pre
 
 
-def global_scale(B, comm, x, norm, name):
-    """One scalar collective -> ``(scale, pre, finite)``.
+def global_scale(B, comm, x, norm, name, counts=None):
+    """One small collective -> ``(scale, pre, finite)``, one value per block of ``counts``
+    (one for the whole buffer when ``None``).
 
     ``max``: an allreduce-max of ``max|x|`` (exact in any order). ``l2``: an allgather of
     every rank's float64 ``||x||^2``, summed in rank order so every rank has the same
     grid. A rank whose input holds inf or NaN contributes ``+inf`` (max) or a non-finite
     sum (l2), so ``finite`` is False on every rank at once, with no collective of its own.
     """
-    stat = local_scale_stat(B, x, norm)
+    stat = local_scale_stat(B, x, norm, counts)
     reduced = comm.allreduce(stat, "max", name) if norm == "max" else identical_sum(B, comm, stat, name)
     scale, pre = finish_scale(B, reduced, norm)
     return scale, pre, B.all_finite(reduced)
@@ -206,6 +221,17 @@ def linear_dequantize(B, q_sum, scale, levels, count):
     return B.cast(q_sum, "float32") * B.divide(scale, float(levels * count))
 
 
+def blockwise(B, x, scale, pre, counts):
+    """``(x, scale, pre)`` for the one-scale quantizer. With several blocks (``counts``;
+    ``scale`` and ``pre`` hold one value per block): ``x * pre / scale`` block by block, on
+    a grid of 1 (``(v * 1) / 1`` is ``v`` exactly, so the levels are the bits of the
+    per-element formula). With one block, unchanged."""
+    if len(counts) == 1:
+        return x, scale, pre
+    one = B.full(1, 1.0)
+    return (x * expand_segments(B, pre, counts)) / expand_segments(B, scale, counts), one, one
+
+
 def quantize(B, comm, x, scale, pre, levels, width, rng=None, key=None, first=0):
     """The wire tensor of ``x``'s levels: ``width``-bit integers, native when ``comm``
     sums ``int{width}``, else packed into int32 lanes (offset on rank 0 only).
@@ -228,22 +254,36 @@ def quantize(B, comm, x, scale, pre, levels, width, rng=None, key=None, first=0)
     return q if native else pack_lanes(B, q, width, add_offset=comm.rank == 0)
 
 
-def dequantize(B, comm, total, numel, scale, pre, levels, width, into=None):
+def dequantize(B, comm, total, numel, scale, pre, levels, width, into=None, counts=None):
     """The mean estimate from the allreduced wire tensor of :func:`quantize` (fused
     primitives ``dequantize_ints`` / ``dequantize_lanes``, which write into ``into`` when
     given). With ``pre != 1`` the result is scaled back and saturates at the float32
-    maximum instead of overflowing."""
+    maximum instead of overflowing. With several blocks (``counts``; ``scale`` and ``pre``
+    hold one value per block) the levels are read as floats (a factor of 1, exact) and
+    multiplied by each block's factor: the per-element formula's bits."""
+    counts = counts or [numel]
     native = f"int{width}" in comm.allreduce_int_dtypes
     factor = B.divide(scale, float(levels * comm.size))
+    blocks = len(counts) > 1
+    unit, into = (B.full(1, 1.0), None) if blocks else (factor, into)
     fast = B.kernel("dequantize_ints" if native else "dequantize_lanes", total)
     if fast is not None:
-        out = (fast(total, B.kernel_scalar(factor), out=into) if native
-               else fast(total, numel, width, B.kernel_scalar(factor), out=into))
+        out = (fast(total, B.kernel_scalar(unit), out=into) if native
+               else fast(total, numel, width, B.kernel_scalar(unit), out=into))
     else:
         q = total if native else unpack_lanes(B, total, numel, width)
-        out = B.cast(q, "float32") * factor
-    return B.cond(B.less(pre, B.full(1, 1.0)),
-                  lambda: B.clip(out * (1.0 / pre), -FLOAT32_MAX, FLOAT32_MAX), lambda: out)
+        out = B.cast(q, "float32") * unit
+    if blocks:
+        out = out * expand_segments(B, factor, counts)
+    return B.cond(rescaled(B, pre),
+                  lambda: B.clip(out * expand_segments(B, 1.0 / pre, counts), -FLOAT32_MAX, FLOAT32_MAX),
+                  lambda: out)
+
+
+def rescaled(B, pres):
+    """Whether any ``pre`` is below 1 (a scale rescaled near the float32 maximum), as a
+    1-element boolean: ``max(-pre) > -1``."""
+    return B.less(B.full(1, -1.0), B.reshape(B.max(pres * -1.0), (1,)))
 
 
 def sum_levels(B, comm, wire, payload_bytes, name):
@@ -281,6 +321,12 @@ class GlobalQSGDCompressor(Compressor):
         Width of the summed integers; ``None`` picks the narrowest safe one.
     levels : int or None
         Levels per sign; ``None`` takes the most that are safe for the world size.
+    block : int or None
+        Elements per shared scale: ``None`` (default) for one scale per fused buffer, as
+        the paper and its reference code; an int for one per block of that many
+        consecutive elements of the buffer (e.g. 512, as QSGD's experiments bucket the
+        gradient), each still shared by every rank, so the integers are still summed by
+        one allreduce (module docstring, "Blocks").
 
     Raises
     ------
@@ -292,7 +338,7 @@ class GlobalQSGDCompressor(Compressor):
     name = "global_qsgd"
     chunkable = True
 
-    def __init__(self, norm="max", bits=None, levels=None):
+    def __init__(self, norm="max", bits=None, levels=None, block=None):
         if norm not in NORMS:
             raise ValueError(f"global_qsgd: norm must be one of {NORMS}, got {norm!r}")
         if bits is not None and bits not in WIDTHS:
@@ -300,10 +346,17 @@ class GlobalQSGDCompressor(Compressor):
         if levels is not None and (isinstance(levels, bool) or not isinstance(levels, int)
                                    or levels < 1):
             raise ValueError(f"global_qsgd: levels must be None or an int >= 1, got {levels!r}")
-        self.norm, self.bits, self.levels = norm, bits, levels
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"global_qsgd: block must be None or an int >= 1, got {block!r}")
+        self.norm, self.bits, self.levels, self.block = norm, bits, levels, block
 
     def options(self):
-        return {"norm": self.norm, "bits": self.bits, "levels": self.levels}
+        return {"norm": self.norm, "bits": self.bits, "levels": self.levels, "block": self.block}
+
+    def blocks(self, numel):
+        """How many shared scales a buffer of ``numel`` elements takes
+        (:func:`~hvd_quant.core.segments.block_counts`)."""
+        return len(block_counts(numel, self.block))
 
     def resolve(self, world_size):
         """``(width, levels)`` used with ``world_size`` ranks."""
@@ -316,22 +369,24 @@ class GlobalQSGDCompressor(Compressor):
         B, comm = ctx.backend, ctx.comm
         d = B.numel(x)
         width, levels = self.resolve(comm.size)
-        # Phase 1: the global scale (one scalar collective; it also says whether any
-        # rank's input holds inf or NaN).
-        scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"))
+        counts = block_counts(d, self.block)
+        # Phase 1: the global scale, one per block (one small collective; it also says
+        # whether any rank's input holds inf or NaN).
+        scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"), counts)
         ctx.sent_scales(scale / pre)  # the norm itself where it was rescaled (pre < 1)
         # Phase 2: stochastic rounding onto the shared grid; zeros on a non-finite step,
         # so no NaN is ever turned into an in-range integer (quantized on a grid of 1:
         # the shared scale itself may be NaN then, and 0 / NaN is NaN).
         one = B.full(1, 1.0)
-        wire = B.cond(finite, lambda: quantize(B, comm, x, scale, pre, levels, width, ctx.rng),
+        wire = B.cond(finite, lambda: quantize(B, comm, *blockwise(B, x, scale, pre, counts), levels, width,
+                                               ctx.rng),
                       lambda: quantize(B, comm, B.zeros(d), one, one, levels, width, ctx.rng))
         # Phase 3: the integers summed over the ranks (an allreduce, or for a small wire at
         # many ranks an allgather summed here: sum_levels); every rank decodes the same sum.
         payload = int_payload_bytes(d, width, comm.allreduce_int_dtypes)
         total = sum_levels(B, comm, wire, payload, ctx.collective_name("levels"))
         return B.cond(finite, lambda: dequantize(B, comm, total, d, scale, pre, levels, width,
-                                                 into=ctx.out),
+                                                 into=ctx.out, counts=counts),
                       lambda: B.full(d, float("nan")))
 
     def reduce_chunked(self, x, ctx, chunks):
@@ -341,33 +396,42 @@ class GlobalQSGDCompressor(Compressor):
         Bit-identical to :meth:`reduce`: the scale collective and the random call's key
         cover the whole buffer, and chunk ``k`` quantizes with the draws of its own
         element indices (chunk bounds are multiples of 8 elements, so of the lanes per
-        int32 word), so every level, and the sum, is the same."""
+        int32 word), so every level, and the sum, is the same. With blocks, a chunk takes
+        the scales of the blocks it overlaps (a block may span two chunks)."""
         B, comm = ctx.backend, ctx.comm
         d = B.numel(x)
         width, levels = self.resolve(comm.size)
-        # Phase 1 over the whole buffer, as unchunked: the scale and the finite verdict.
-        scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"))
+        counts = block_counts(d, self.block)
+        # Phase 1 over the whole buffer, as unchunked: the scales and the finite verdict.
+        scale, pre, finite = global_scale(B, comm, x, self.norm, ctx.collective_name("scale"), counts)
         ctx.sent_scales(scale / pre)  # the norm itself where it was rescaled (pre < 1)
         key = ctx.rng.next_key(B)  # the unchunked method's one call, bad step or not
         if not bool(B.to_numpy(finite)):
             return B.full(d, float("nan"))  # every rank has the same verdict: no chunk is sent
         # Phases 2-3, chunk by chunk: quantize, sum, dequantize. Chunks are dequantized
-        # straight into ctx.out when the fused kernel writes there and no rescaling
-        # follows (pre == 1, i.e. not near the float32 maximum).
+        # straight into ctx.out when the fused kernel writes there, with one scale and no
+        # rescaling after it (pre == 1, i.e. not near the float32 maximum).
         native = f"int{width}" in comm.allreduce_int_dtypes
-        out = ctx.out if (ctx.out is not None and B.item(pre) >= 1.0 and B.kernel(
+        out = ctx.out if (ctx.out is not None and len(counts) == 1 and B.item(pre) >= 1.0 and B.kernel(
             "dequantize_ints" if native else "dequantize_lanes", x) is not None) else None
         pieces = []
 
+        def chunk_scales(a, b):  # the chunk's blocks: their counts within it, scales, pres
+            first, sub = chunk_blocks(d, self.block, a, b)
+            return sub, B.slice(scale, first, first + len(sub)), B.slice(pre, first, first + len(sub))
+
         def start(k):
             a, b = chunks[k]
-            wire = quantize(B, comm, B.slice(x, a, b), scale, pre, levels, width, key=key, first=a)
+            sub, s, p = chunk_scales(a, b)
+            wire = quantize(B, comm, *blockwise(B, B.slice(x, a, b), s, p, sub), levels, width,
+                            key=key, first=a)
             return start_allreduce(comm, wire, "sum", ctx.collective_name(f"levels.c{k}"))
 
         def finish(k, handle):
             a, b = chunks[k]
+            sub, s, p = chunk_scales(a, b)
             into = B.slice(out, a, b) if out is not None else None
-            piece = dequantize(B, comm, handle.wait(), b - a, scale, pre, levels, width, into=into)
+            piece = dequantize(B, comm, handle.wait(), b - a, s, p, levels, width, into=into, counts=sub)
             if out is None:  # otherwise the piece is already in place
                 pieces.append(piece)
 
@@ -385,18 +449,25 @@ class GlobalQSGDCompressor(Compressor):
         width, _ = self.resolve(world_size)
         ring = 2.0 * (world_size - 1) / world_size
         scale = ring * 4 if self.norm == "max" else (world_size - 1) * 8.0  # float64 l2 sum
+        scale *= self.blocks(numel)
         payload = int_payload_bytes(numel, width, int_dtypes)
         levels = (world_size - 1) * payload if gathers(world_size, payload) else ring * payload
         return levels + scale if world_size > 1 else 0.0
 
     def collectives(self, numel, world_size, ranks_per_node=None, segments=1, rank=0):
-        """The scale (:func:`global_scale`), then the levels (:func:`sum_levels`), as
-        lane-packed int32 words (torch's Horovod)."""
-        n = world_size
+        """The scales (:func:`global_scale`, one per block), then the levels
+        (:func:`sum_levels`), as lane-packed int32 words (torch's Horovod)."""
+        n, k = world_size, float(self.blocks(numel))
         width, _ = self.resolve(n)
-        scale = Collective("allreduce", 4.0, n) if self.norm == "max" else Collective("allgather", 8.0, n)
+        scale = (Collective("allreduce", 4.0 * k, n) if self.norm == "max"
+                 else Collective("allgather", 8.0 * k, n))
         payload = float(int_payload_bytes(numel, width, ("int32", "int64")))
         return [scale, Collective("allgather" if gathers(n, payload) else "allreduce", payload, n)]
 
     def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
-        return level_memory_bytes(numel, world_size)
+        """:func:`~hvd_quant.core.costmodel.level_memory_bytes`; with several blocks, the
+        scale pass pads and reads the buffer (``2F``), the input is scaled block by block
+        (two spreads written and read, the input read, the scaled input written and read:
+        ``7F``) and the decoded sum is multiplied by the spread factors (``4F``)."""
+        F = 4.0 * float(numel)
+        return level_memory_bytes(numel, world_size) + (13.0 * F if self.blocks(numel) > 1 else 0.0)

@@ -55,8 +55,8 @@ from ..core.compressor import Compressor
 from ..core.costmodel import Collective
 from ..core.packing import split_scales, with_scales
 from ..core.rng import hash_bits, uniform_from_bits
-from ..core.segments import compensate_sums, expand_segments
-from .global_qsgd import FLOAT32_MAX, finish_scale, linear_quantize
+from ..core.segments import block_counts, compensate_sums, expand_segments
+from .global_qsgd import FLOAT32_MAX, blockwise, finish_scale, linear_quantize, rescaled
 
 WIDTHS = (8, 16)
 
@@ -73,15 +73,6 @@ def resolve_width_levels(bits=None, levels=None):
             return width, levels
     raise ValueError(f"qsgd(bits={bits}): {levels} levels do not fit a signed "
                      f"{bits or WIDTHS[-1]}-bit integer (at most {2 ** ((bits or WIDTHS[-1]) - 1) - 1})")
-
-
-def block_counts(numel, block):
-    """The sizes of the blocks that each take a norm: the whole buffer for ``block=None``,
-    else ``block`` elements each, the last one shorter (none for an empty buffer)."""
-    numel = int(numel)
-    if block is None or numel <= block:
-        return [numel]
-    return [block] * (numel // block) + ([numel % block] if numel % block else [])
 
 
 def own_scale(B, x, counts=None):
@@ -102,11 +93,7 @@ def quantize_levels(B, x, scale, pre, levels, width, key, counts=None):
     ``quantize_ints`` where there is one, else its generic
     :func:`~hvd_quant.compressors.global_qsgd.linear_quantize` (the same bits). With
     several blocks (``counts``), ``scale`` and ``pre`` hold one value per block."""
-    if counts is not None and len(counts) > 1:
-        # x * pre / scale per block, then the one-scale quantizer on a grid of 1:
-        # (v * 1) / 1 is v exactly, so these are the bits of the per-element formula.
-        x = (x * expand_segments(B, pre, counts)) / expand_segments(B, scale, counts)
-        scale = pre = B.full(1, 1.0)
+    x, scale, pre = blockwise(B, x, scale, pre, counts or [B.numel(x)])
     fast = B.kernel("quantize_ints", x)
     if fast is not None:
         return fast(x, B.kernel_scalar(pre), B.kernel_scalar(scale), levels, key, f"int{width}", 0)
@@ -138,12 +125,6 @@ def decode_row(B, q, factor, pre, counts=None):
     return B.cond(rescaled(B, pre),
                   lambda: B.clip(part * expand_segments(B, 1.0 / pre, counts), -FLOAT32_MAX, FLOAT32_MAX),
                   lambda: part)
-
-
-def rescaled(B, pres):
-    """Whether any ``pre`` is below 1 (a norm rescaled near the float32 maximum), as a
-    1-element boolean: ``max(-pre) > -1``."""
-    return B.less(B.full(1, -1.0), B.reshape(B.max(pres * -1.0), (1,)))
 
 
 def row_bytes(numel, width, blocks=1):

@@ -153,7 +153,8 @@ class Backend:
     def sum(self, x, axis=None):
         raise NotImplementedError
 
-    def max(self, x):
+    def max(self, x, axis=None):
+        """The largest element (0 for an empty ``x``), or along ``axis``."""
         raise NotImplementedError
 
     def where(self, cond, a, b):
@@ -353,7 +354,9 @@ class NumpyBackend(Backend):
     def sum(self, x, axis=None):
         return np.sum(x, axis=axis)
 
-    def max(self, x):
+    def max(self, x, axis=None):
+        if axis is not None:
+            return np.max(x, axis=axis)
         return np.max(x) if np.size(x) else np.zeros((), dtype=np.asarray(x).dtype)
 
     def where(self, cond, a, b):

@@ -28,6 +28,27 @@ def chunk_segments(counts, a, b):
     return idx, sub
 
 
+def block_counts(numel, block):
+    """The sizes of a buffer's blocks that each take a scale of their own: the whole buffer
+    for ``block=None``, else ``block`` elements each, the last one shorter (one empty block
+    for an empty buffer)."""
+    numel = int(numel)
+    if block is None or numel <= block:
+        return [numel]
+    return [block] * (numel // block) + ([numel % block] if numel % block else [])
+
+
+def chunk_blocks(numel, block, a, b):
+    """``(first block, counts within [a, b))`` of the blocks of :func:`block_counts`
+    overlapping the element range ``[a, b)``: :func:`chunk_segments` for equal blocks,
+    without a pass over every block of the buffer for every chunk."""
+    size = int(numel) if block is None or numel <= block else block
+    if b <= a:
+        return 0, [0]
+    first, stop = a // size, -(-b // size)
+    return first, [min(b, (j + 1) * size) - max(a, j * size) for j in range(first, stop)]
+
+
 def compensate_sums(B, x, e, counts, squares=False):
     """Per segment, the float64 sum of ``|p|`` (or of ``p**2`` with ``squares=True``),
     where ``p = x + e`` (``e`` may be ``None``: then ``p`` is ``x``).

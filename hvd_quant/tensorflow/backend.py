@@ -115,7 +115,9 @@ class TFBackend(Backend):
     def sum(self, x, axis=None):
         return tf.reduce_sum(x, axis=axis)
 
-    def max(self, x):
+    def max(self, x, axis=None):
+        if axis is not None:
+            return tf.reduce_max(x, axis=axis)
         return tf.reduce_max(x) if self.numel(x) else tf.zeros([], dtype=x.dtype)
 
     def where(self, cond, a, b):

@@ -118,7 +118,9 @@ class TorchBackend(Backend):
             return x.sum(dtype=x.dtype if x.is_floating_point() else None)
         return x.sum(dim=axis, dtype=x.dtype if x.is_floating_point() else None)
 
-    def max(self, x):
+    def max(self, x, axis=None):
+        if axis is not None:
+            return x.amax(dim=axis)
         return x.max() if x.numel() else torch.zeros((), dtype=x.dtype)
 
     def where(self, cond, a, b):
