@@ -46,13 +46,14 @@ from hvd_quant.compressors import qsgd as qs  # noqa: E402
 from hvd_quant.core.backend import NumpyKernelBackend  # noqa: E402
 from hvd_quant.core.compressor import ReduceContext  # noqa: E402
 from hvd_quant.core.rng import CounterRNG  # noqa: E402
+from hvd_quant.core.segments import block_counts, by_blocks  # noqa: E402
 from hvd_quant.core.simulate import ThreadWorld  # noqa: E402
 
 B = NumpyKernelBackend()
 WORLDS = (2, 4, 8, 16)
 #: (label, registry name, options): every method at 8 bits per element, then 16.
 METHODS = [("qsgd", "qsgd", {}), ("qsgd_buffer", "qsgd", {"block": None}), ("global_qsgd", "global_qsgd", {}),
-           ("global_qsgd_l2", "global_qsgd", {"norm": "l2"}),
+           ("global_qsgd_buffer", "global_qsgd", {"block": None}), ("global_qsgd_l2", "global_qsgd", {"norm": "l2"}),
            ("qsgd_16", "qsgd", {"bits": 16}), ("global_qsgd_l2_16", "global_qsgd", {"norm": "l2", "bits": 16})]
 
 
@@ -106,7 +107,7 @@ def qsgd_estimate(comp, xs, seed):
     width, s = comp.resolve()
     n, total = len(xs), None
     for r, x in enumerate(xs):
-        counts = qs.block_counts(x.size, comp.block)
+        counts = block_counts(x.size, comp.block)
         scale, pre, _ = qs.own_scale(B, x, counts)
         q = qs.quantize_levels(B, x, scale, pre, s, width, stream_key(seed, r), counts)
         part = qs.decode_row(B, q, B.divide(scale, float(s * n)), pre, counts)
@@ -116,25 +117,26 @@ def qsgd_estimate(comp, xs, seed):
 
 def global_estimate(comp, xs, seed):
     """What every rank of ``global_qsgd``'s reduce returns (native integers): the shared
-    scale, each rank's levels on it, their integer sum, decoded once."""
+    scales (one per block), each rank's levels on them, their integer sum, decoded once."""
     n = len(xs)
     width, s = comp.resolve(n)
-    if comp.norm == "max":
-        reduced = np.full(1, max(float(gq.local_scale_stat(B, x, "max")[0]) for x in xs), np.float32)
-    else:
-        stats = [gq.local_scale_stat(B, x, "l2") for x in xs]
-        reduced = stats[0]
-        for st in stats[1:]:  # rank order, as identical_sum
-            reduced = reduced + st
+    counts = block_counts(xs[0].size, comp.block)
+    stats = [gq.local_scale_stat(B, x, comp.norm, counts) for x in xs]
+    reduced = stats[0]
+    for st in stats[1:]:  # max in any order; l2 sums in rank order, as identical_sum
+        reduced = np.maximum(reduced, st) if comp.norm == "max" else reduced + st
     scale, pre = gq.finish_scale(B, reduced, comp.norm)
     total = None
     for r, x in enumerate(xs):
-        fast = B.kernel("quantize_ints", x)
-        q = fast(x, float(pre[0]), float(scale[0]), s, stream_key(seed, r), f"int{width}", 0).astype(np.int64)
+        v, sc, pr = gq.blockwise(B, x, scale, pre, counts)
+        fast = B.kernel("quantize_ints", v)
+        q = fast(v, float(pr[0]), float(sc[0]), s, stream_key(seed, r), f"int{width}", 0).astype(np.int64)
         total = q if total is None else total + q
     factor = B.divide(scale, float(s * n))
-    out = total.astype(np.float32) * factor
-    return out if float(pre[0]) >= 1.0 else np.clip(out * (1.0 / pre), -gq.FLOAT32_MAX, gq.FLOAT32_MAX)
+    out = by_blocks(B, total.astype(np.float32), counts, lambda v, f: v * f, factor)
+    if float(np.min(pre)) >= 1.0:
+        return out
+    return np.clip(out * np.repeat(1.0 / pre, counts), -gq.FLOAT32_MAX, gq.FLOAT32_MAX)
 
 
 def estimate(comp, xs, seed):

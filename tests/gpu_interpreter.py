@@ -108,7 +108,8 @@ def dyadic(d, seed):
 
 SEGMENTS = [("w1", 300), ("b1", 3), ("empty", 0), ("w2", 130)]
 COMPRESSORS = [("ef_sign", {}), ("marsit", {}), ("marsit", {"compensation": "global"}), ("global_qsgd", {}),
-               ("global_qsgd", {"norm": "l2"}), ("global_qsgd_exp", {}), ("onebit", {})]
+               ("global_qsgd", {"norm": "l2"}), ("global_qsgd", {"block": 64}),
+               ("global_qsgd", {"norm": "l2", "block": 100}), ("global_qsgd_exp", {}), ("onebit", {})]
 
 
 def _reduce(backend, comp, xs, steps):

@@ -5,7 +5,8 @@ Distributed Learning with Theoretical Guarantees", arXiv 2305.18627 (2023); refe
 code https://github.com/sands-lab/global-qsgd (``gqsgd/ddphook.py``,
 ``standard_dithering_hook``). Written from the formulas, not from that code.
 
-Per buffer, with ``n`` ranks, ``s`` levels and rank ``i`` holding ``x_i``::
+Per block of ``K = 512`` consecutive elements of the fused buffer (``block``; "Blocks"
+below), with ``n`` ranks, ``s`` levels and rank ``i`` holding ``x_i`` in that block::
 
     S   = allreduce_max(max|x_i|)              norm="max"  (the reference code's choice)
         = sqrt(sum_i ||x_i||^2) * c            norm="l2"   (c = 1 + 2**-8, see below;
@@ -38,6 +39,20 @@ adds in any order, and lane packing needs it too). ``|q| <= ceil(|v|)`` by const
   covers float32 rounding of ``||x||^2`` (pairwise sums err by ~1e-6), so the computed
   ``S`` is never below the true one; ``|x / S|`` is also clamped to 1.
 
+Blocks. The paper's reference code takes one scale per DDP bucket (``block=None`` here,
+the default until 2026-12-06). At 8 ranks an 8-bit wire leaves 15 levels per sign, and a
+layer whose gradients are far below the bucket's largest rounds to a level or two of the
+largest's grid: on the time-to-quality LM (8 hosts, 200 steps) one scale per buffer ended
++6.9% above fp32, a scale per 512 elements +0.1%, at 2 hosts +1.5% and +0.8% (three
+seeds), for 4 more bytes per block (0.8% at 8 bits;
+``benchmarks/reference/ttq-global-qsgd-block-2026-12-06/``). Every block's scale is still
+taken over every rank (one allreduce-max, or one allgather of the blocks' squared norms),
+so every rank shares every block's grid, the integers are still summed by one allreduce,
+and the level rule holds block by block. The input is divided by its blocks' scales (each
+broadcast over its block, :func:`~hvd_quant.core.segments.by_blocks`) and quantized on a
+grid of 1 by the same fused kernels; the sum is decoded with a factor of 1, then each
+block's factor: the bits of the per-element formula.
+
 ``bits=None`` picks 8 bits if at least one level (or the requested ``levels``) is safe,
 else 16. Transport: the ``w``-bit integers go natively when the communicator sums
 ``int{w}`` (TensorFlow: int8; the thread simulation), otherwise packed into int32 lanes
@@ -61,7 +76,7 @@ from ..core.packing import pack_lanes, packed_lane_words, unpack_lanes
 from ..core.pipeline import pipelined, start_allreduce
 from ..core.ring import gathers
 from ..core.rng import hash_bits, uniform_from_bits
-from ..core.segments import block_counts, chunk_blocks, compensate_sums, expand_segments
+from ..core.segments import block_counts, by_blocks, chunk_blocks, compensate_sums, expand_segments
 
 #: Smallest normal float32: the scale is raised to at least this, so all-zero buffers
 #: (scale 0) give zeros instead of 0/0, with no branch on tensor values.
@@ -223,13 +238,15 @@ def linear_dequantize(B, q_sum, scale, levels, count):
 
 def blockwise(B, x, scale, pre, counts):
     """``(x, scale, pre)`` for the one-scale quantizer. With several blocks (``counts``;
-    ``scale`` and ``pre`` hold one value per block): ``x * pre / scale`` block by block, on
-    a grid of 1 (``(v * 1) / 1`` is ``v`` exactly, so the levels are the bits of the
-    per-element formula). With one block, unchanged."""
+    ``scale`` and ``pre`` hold one value per block, ``pre`` may be ``None`` for all ones):
+    ``x * pre / scale`` block by block, on a grid of 1 (``(v * 1) / 1`` is ``v`` exactly,
+    so the levels are the bits of the per-element formula). With one block, unchanged."""
     if len(counts) == 1:
-        return x, scale, pre
+        return x, scale, B.full(1, 1.0) if pre is None else pre
     one = B.full(1, 1.0)
-    return (x * expand_segments(B, pre, counts)) / expand_segments(B, scale, counts), one, one
+    if pre is None:  # x * 1 is x: the max norm's pre, always 1, costs no pass
+        return by_blocks(B, x, counts, lambda v, s: v / s, scale), one, one
+    return by_blocks(B, x, counts, lambda v, p, s: (v * p) / s, pre, scale), one, one
 
 
 def quantize(B, comm, x, scale, pre, levels, width, rng=None, key=None, first=0):
@@ -274,7 +291,7 @@ def dequantize(B, comm, total, numel, scale, pre, levels, width, into=None, coun
         q = total if native else unpack_lanes(B, total, numel, width)
         out = B.cast(q, "float32") * unit
     if blocks:
-        out = out * expand_segments(B, factor, counts)
+        out = by_blocks(B, out, counts, lambda v, f: v * f, factor)
     return B.cond(rescaled(B, pre),
                   lambda: B.clip(out * expand_segments(B, 1.0 / pre, counts), -FLOAT32_MAX, FLOAT32_MAX),
                   lambda: out)
@@ -322,11 +339,11 @@ class GlobalQSGDCompressor(Compressor):
     levels : int or None
         Levels per sign; ``None`` takes the most that are safe for the world size.
     block : int or None
-        Elements per shared scale: ``None`` (default) for one scale per fused buffer, as
-        the paper and its reference code; an int for one per block of that many
-        consecutive elements of the buffer (e.g. 512, as QSGD's experiments bucket the
-        gradient), each still shared by every rank, so the integers are still summed by
-        one allreduce (module docstring, "Blocks").
+        Elements per shared scale: one scale per block of ``block`` consecutive elements of
+        the fused buffer (512 by default, as QSGD's experiments bucket the gradient), each
+        still shared by every rank, so the integers are still summed by one allreduce; or
+        ``None`` for one scale per fused buffer, as the paper's reference code (the default
+        until 2026-12-06). Module docstring, "Blocks".
 
     Raises
     ------
@@ -338,7 +355,7 @@ class GlobalQSGDCompressor(Compressor):
     name = "global_qsgd"
     chunkable = True
 
-    def __init__(self, norm="max", bits=None, levels=None, block=None):
+    def __init__(self, norm="max", bits=None, levels=None, block=512):
         if norm not in NORMS:
             raise ValueError(f"global_qsgd: norm must be one of {NORMS}, got {norm!r}")
         if bits is not None and bits not in WIDTHS:
@@ -352,6 +369,10 @@ class GlobalQSGDCompressor(Compressor):
 
     def options(self):
         return {"norm": self.norm, "bits": self.bits, "levels": self.levels, "block": self.block}
+
+    def _pre(self, pre):
+        """``pre`` for :func:`blockwise`: ``None`` for the max norm, whose ``pre`` is 1."""
+        return None if self.norm == "max" else pre
 
     def blocks(self, numel):
         """How many shared scales a buffer of ``numel`` elements takes
@@ -378,8 +399,8 @@ class GlobalQSGDCompressor(Compressor):
         # so no NaN is ever turned into an in-range integer (quantized on a grid of 1:
         # the shared scale itself may be NaN then, and 0 / NaN is NaN).
         one = B.full(1, 1.0)
-        wire = B.cond(finite, lambda: quantize(B, comm, *blockwise(B, x, scale, pre, counts), levels, width,
-                                               ctx.rng),
+        wire = B.cond(finite, lambda: quantize(B, comm, *blockwise(B, x, scale, self._pre(pre), counts),
+                                               levels, width, ctx.rng),
                       lambda: quantize(B, comm, B.zeros(d), one, one, levels, width, ctx.rng))
         # Phase 3: the integers summed over the ranks (an allreduce, or for a small wire at
         # many ranks an allgather summed here: sum_levels); every rank decodes the same sum.
@@ -423,7 +444,7 @@ class GlobalQSGDCompressor(Compressor):
         def start(k):
             a, b = chunks[k]
             sub, s, p = chunk_scales(a, b)
-            wire = quantize(B, comm, *blockwise(B, B.slice(x, a, b), s, p, sub), levels, width,
+            wire = quantize(B, comm, *blockwise(B, B.slice(x, a, b), s, self._pre(p), sub), levels, width,
                             key=key, first=a)
             return start_allreduce(comm, wire, "sum", ctx.collective_name(f"levels.c{k}"))
 
@@ -466,8 +487,12 @@ class GlobalQSGDCompressor(Compressor):
 
     def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
         """:func:`~hvd_quant.core.costmodel.level_memory_bytes`; with several blocks, the
-        scale pass pads and reads the buffer (``2F``), the input is scaled block by block
-        (two spreads written and read, the input read, the scaled input written and read:
-        ``7F``) and the decoded sum is multiplied by the spread factors (``4F``)."""
+        input is divided by its blocks' scales (read and written, ``2F``; for ``l2`` also
+        multiplied by their ``pre``, ``2F`` more) and the decoded sum multiplied by their
+        factors (``2F``), each value broadcast over its block
+        (:func:`~hvd_quant.core.segments.by_blocks`); for ``max`` the blocks' maxima take
+        ``|x|`` (``2F``) and its rows' max and the finite check (``2F``) instead of the
+        fused one-pass maximum (``F``)."""
         F = 4.0 * float(numel)
-        return level_memory_bytes(numel, world_size) + (13.0 * F if self.blocks(numel) > 1 else 0.0)
+        extra = 7.0 * F if self.norm == "max" else 6.0 * F
+        return level_memory_bytes(numel, world_size) + (extra if self.blocks(numel) > 1 else 0.0)

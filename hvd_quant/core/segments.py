@@ -104,3 +104,22 @@ def expand_segments(B, per_segment, counts):
     """Each segment's value repeated over its elements; with one segment it stays a
     1-element tensor that broadcasts, saving a pass over the buffer."""
     return per_segment if len(counts) == 1 else B.repeat(per_segment, counts)
+
+
+def by_blocks(B, x, counts, fn, *per_block):
+    """``fn(x, *values)`` with each of ``per_block`` (one value per block of ``counts``)
+    standing for its value repeated over its block's elements.
+
+    For the blocks of :func:`block_counts` (equal, the last perhaps shorter) ``x`` is padded
+    to whole blocks and viewed as rows, one per block, and each value is a column that
+    broadcasts over its row: no per-element copy of the values, which
+    :func:`expand_segments` makes (a torch ``repeat_interleave`` of a value per 512
+    elements of a 7.37M-element buffer costs more than the quantizer's pass). Other
+    layouts (a chunk that starts inside a block) take :func:`expand_segments`. The same
+    element-wise arithmetic either way, so the same bits."""
+    k, size, d = len(counts), counts[0], B.numel(x)
+    if k == 1 or any(c != size for c in counts[:-1]) or counts[-1] > size:
+        return fn(x, *(expand_segments(B, v, counts) for v in per_block))
+    rows = B.reshape(B.pad(x, k * size - d), (k, size))
+    out = fn(rows, *(B.reshape(v, (k, 1)) for v in per_block))
+    return B.slice(B.reshape(out, (-1,)), 0, d)
