@@ -55,7 +55,7 @@ from ..core.compressor import Compressor
 from ..core.costmodel import Collective
 from ..core.packing import split_scales, with_scales
 from ..core.rng import hash_bits, uniform_from_bits
-from ..core.segments import block_counts, compensate_sums, expand_segments
+from ..core.segments import block_counts, by_blocks, compensate_sums, expand_segments
 from .global_qsgd import FLOAT32_MAX, blockwise, finish_scale, linear_quantize, rescaled
 
 WIDTHS = (8, 16)
@@ -121,7 +121,7 @@ def decode_row(B, q, factor, pre, counts=None):
     counts = counts or [B.numel(q)]
     fast = B.kernel("dequantize_ints", q) if len(counts) == 1 else None
     part = (fast(q, B.kernel_scalar(factor)) if fast is not None
-            else B.cast(q, "float32") * expand_segments(B, factor, counts))
+            else by_blocks(B, B.cast(q, "float32"), counts, lambda v, f: v * f, factor))
     return B.cond(rescaled(B, pre),
                   lambda: B.clip(part * expand_segments(B, 1.0 / pre, counts), -FLOAT32_MAX, FLOAT32_MAX),
                   lambda: part)
@@ -235,10 +235,10 @@ class QSGDCompressor(Compressor):
         """The norm pass and the quantize pass read the buffer (``2F``) and write the
         levels (``b``); decoding reads the ``n`` gathered rows and, per row, reads and
         writes the float32 sum (``2F`` each but the first, which only writes). With
-        several blocks each block's scale and ``pre`` are spread over its elements: the
-        input is scaled first (two spreads written and read, the input read, the scaled
-        input written and read: ``7F``) and each row's factor is spread and read (``2F``
-        per row)."""
+        several blocks, each block's ``pre`` and scale broadcast over its elements
+        (:func:`~hvd_quant.core.segments.by_blocks`), the input is scaled first (multiplied,
+        then divided: ``4F`` written and read) and each row is read as floats and then
+        multiplied by its factors instead of in one fused pass (``2F`` per row)."""
         F, b, n = 4.0 * float(numel), float(numel) * self.width / 8.0, float(world_size)
-        spread = 7.0 * F + 2.0 * n * F if self.blocks(numel) > 1 else 0.0
+        spread = 4.0 * F + 2.0 * n * F if self.blocks(numel) > 1 else 0.0
         return 2.0 * F + b + n * b + (2.0 * n - 1.0) * F + spread
