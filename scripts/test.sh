@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Set up everything (the first run builds Horovod), then run the tests.
 #
-#   ./scripts/test.sh            the quick tier: every single-process unit and oracle test, plus
-#                                the multi-process runs of every compressor and 1-bit optimizer in
-#                                both frameworks at 2 and 3 ranks, one emulated-cluster test and
-#                                one container test where an engine exists (tests marked "quick")
-#   ./scripts/test.sh --full     everything (what CI runs: .ci/run)
+#   ./scripts/test.sh            the quick tier (10 minutes at most): every single-process unit and
+#                                oracle test but the few marked "full", plus the multi-process runs
+#                                of every compressor and 1-bit optimizer in both frameworks at 2 and
+#                                3 ranks and the cheap emulated-cluster tests (tests marked "quick")
+#   ./scripts/test.sh --full     everything (what CI runs: .ci/run), the documented-commands check,
+#                                the container tests and the GPU kernels under Triton's interpreter
+#                                included
 #
 # Other arguments go to pytest (e.g. -k marsit, -x, or -m "not multiprocess" for the
 # single-process part only; a -m of yours replaces the tier's).
@@ -20,16 +22,22 @@ for a in "$@"; do
         *) args+=("$a") ;;
     esac
 done
-# --with-triton: the GPU kernels' tests run them under Triton's interpreter (no GPU needed).
-"$root/scripts/bootstrap.sh" --with-triton
+# --with-triton: the GPU kernels' tests (full tier) run them under Triton's interpreter (no GPU
+# needed); the quick tier has none, so it does not install Triton's 1 GB.
+if [ "$tier" = full ]; then
+    "$root/scripts/bootstrap.sh" --with-triton
+else
+    "$root/scripts/bootstrap.sh"
+fi
 cd "$root"
 export TF_CPP_MIN_LOG_LEVEL=3
-# The documented-commands check starts at collection and runs beside the single-process
-# tests, which run first; the tests that launch processes come after it (tests/conftest.py).
+# The documented-commands check (full tier) starts at collection and runs beside the
+# single-process tests, which run first; the tests that launch processes come after it
+# (tests/conftest.py).
 export HVD_QUANT_DOCS_CHECK_EARLY=1
 if [ "$tier" = quick ]; then
     echo "[test] quick tier (./scripts/test.sh --full runs everything)"
-    exec "$root/.venv/bin/python" -m pytest -m "quick or not (multiprocess or cluster or slow)" "${args[@]}"
+    exec "$root/.venv/bin/python" -m pytest -m "quick or not (multiprocess or cluster or slow or full)" "${args[@]}"
 fi
 echo "[test] full tier"
 # The slowest tests, listed at the end: what to look at when the tier nears CI's budget.

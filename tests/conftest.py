@@ -102,7 +102,7 @@ def pytest_sessionfinish(session):
 @pytest.fixture
 def documented_commands():
     """``(returncode, output)`` of ``scripts/check_docs.py`` over README.md and docs/: the run
-    started at collection (quick tier), else one started now."""
+    started at collection (``scripts/test.sh``), else one started now."""
     global _docs_check
     (proc, out), _docs_check = _docs_check or _start_docs_check(), None
     try:

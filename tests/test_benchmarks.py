@@ -311,6 +311,7 @@ def test_kernel_benchmark_covers_every_kernel(tmp_path):
         assert words in text, words
 
 
+@pytest.mark.full
 @pytest.mark.timeout(600)
 def test_gpu_benchmark_runs_under_the_interpreter(tmp_path):
     """bench_gpu.py's harness on the CPU (``--interpret``: Triton's interpreter, the tiny
@@ -351,6 +352,7 @@ def test_gpu_benchmark_runs_under_the_interpreter(tmp_path):
     assert "times mean nothing" in table and "| ef_sign |" in table and "| sign_pack |" in table
 
 
+@pytest.mark.full
 @pytest.mark.timeout(300)
 def test_gpu_benchmark_tunes_the_launch_settings_under_the_interpreter(tmp_path):
     """bench_gpu.py --tune's harness (Triton's interpreter; its times mean nothing): each

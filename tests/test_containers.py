@@ -146,7 +146,6 @@ def methods():
     return COMPRESSIONS + (["onebit_adam"] if hasattr(hq, "OnebitAdam") else [])
 
 
-@pytest.mark.quick
 def test_compressed_job_across_containers_matches_local_ranks(engine, image, tmp_path, pytestconfig):
     cluster, cdir = f"{SESSION}a", tmp_path / "cluster"
     names = methods()

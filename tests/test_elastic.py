@@ -13,7 +13,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -282,20 +285,60 @@ def test_forget_stale_sets(monkeypatch):
     assert stale.process_set_id is None and live.process_set_id == 2
 
 
-def _in_fresh_interpreter(name, other="horovod.torch"):
-    """Run test ``name`` of this file in a new interpreter when the ``other`` framework's
-    Horovod is loaded (the two Horovod libraries share one process-set table in Python),
-    and say whether it did: the caller then returns."""
-    if other in sys.modules and not os.environ.get("HVDQ_ISOLATED"):
+#: The tests that need a process without the other framework's Horovod loaded, by that
+#: framework. Each group runs in one new interpreter, on its first test: TensorFlow's and
+#: Horovod's start-up (about 10 s) once, not once per test.
+FRESH_GROUPS = {
+    "horovod.torch": ("test_tf_state_commits_restores_and_syncs_by_the_rule",
+                      "test_tf_reset_adapts_world_state_and_retraces",
+                      "test_tf_run_resets_on_any_failed_horovod_collective",
+                      "test_tf_elastic_refuses_what_cannot_survive_a_reset"),
+    "horovod.tensorflow": ("test_torch_reset_in_one_process",),
+}
+FRESH_GROUP_TIMEOUT = 540
+_fresh_outcomes = {}  # test name -> (outcome, message), from its group's run
+
+
+def _run_fresh_group(other):
+    """Run ``FRESH_GROUPS[other]`` in one new interpreter and record each test's outcome
+    from its JUnit report (a test it did not report counts as failed)."""
+    names = FRESH_GROUPS[other]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 f"{__file__}::{name}"],
+                                 f"--junitxml={report}", *(f"{__file__}::{n}" for n in names)],
                                 env=dict(os.environ, HVDQ_ISOLATED="1"), capture_output=True,
-                                text=True, timeout=240, cwd=os.path.dirname(__file__))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-        return True
-    return False
+                                text=True, timeout=FRESH_GROUP_TIMEOUT, cwd=os.path.dirname(__file__))
+        cases = ({c.get("name"): c for c in ElementTree.parse(report).iter("testcase")}
+                 if report.exists() else {})
+    output = result.stdout[-3000:] + result.stderr[-2000:]
+    for name in names:
+        case = cases.get(name)
+        if case is None or case.find("failure") is not None or case.find("error") is not None:
+            _fresh_outcomes[name] = ("failed", output)
+        elif case.find("skipped") is not None:
+            _fresh_outcomes[name] = ("skipped", case.find("skipped").get("message", ""))
+        else:
+            _fresh_outcomes[name] = ("passed", "")
 
 
+def _in_fresh_interpreter(name, other="horovod.torch"):
+    """Run test ``name`` of this file in a new interpreter (with the rest of its group in
+    ``FRESH_GROUPS``) when the ``other`` framework's Horovod is loaded (the two Horovod
+    libraries share one process-set table in Python), and say whether it did: the caller
+    then returns."""
+    if other not in sys.modules or os.environ.get("HVDQ_ISOLATED"):
+        return False
+    if name not in _fresh_outcomes:
+        _run_fresh_group(other)
+    outcome, message = _fresh_outcomes[name]
+    if outcome == "skipped":
+        pytest.skip(message)
+    assert outcome == "passed", message
+    return True
+
+
+@pytest.mark.full
 def test_torch_reset_in_one_process(monkeypatch):
     """One rank: the reset adapts the world-dependent state and re-arms the checks; the
     state handles sync/save/restore for every kind of hvd_quant optimizer."""
@@ -425,6 +468,8 @@ def _train_step(elastic, pairs, tapes, x):
     return step
 
 
+@pytest.mark.full
+@pytest.mark.timeout(FRESH_GROUP_TIMEOUT + 60)  # the first runs its group
 def test_tf_state_commits_restores_and_syncs_by_the_rule(monkeypatch):
     """Commit/restore cover weights, optimizer and compressor state; the sync broadcasts
     everything but the per-rank state (the rule of hvd_quant.tensorflow.elastic)."""
@@ -478,6 +523,8 @@ def test_tf_state_commits_restores_and_syncs_by_the_rule(monkeypatch):
     assert all(id(v) in shared for m in (m1, m2, m3) for v in m.variables)
 
 
+@pytest.mark.full
+@pytest.mark.timeout(FRESH_GROUP_TIMEOUT + 60)  # the first runs its group
 def test_tf_reset_adapts_world_state_and_retraces():
     """A reset resizes the world-dependent Keras variables (from zero), re-arms the checks
     and makes traced functions and model.fit trace again; training goes on."""
@@ -533,6 +580,8 @@ def test_tf_reset_adapts_world_state_and_retraces():
     m1.fit(np.zeros((4, 4), "float32"), np.zeros((4, 3), "float32"), verbose=0)
 
 
+@pytest.mark.full
+@pytest.mark.timeout(FRESH_GROUP_TIMEOUT + 60)  # the first runs its group
 def test_tf_run_resets_on_any_failed_horovod_collective():
     if _in_fresh_interpreter("test_tf_run_resets_on_any_failed_horovod_collective"):
         return
@@ -567,6 +616,8 @@ def test_tf_run_resets_on_any_failed_horovod_collective():
         elastic.run(failing("disk on fire"))(state)
 
 
+@pytest.mark.full
+@pytest.mark.timeout(FRESH_GROUP_TIMEOUT + 60)  # the first runs its group
 def test_tf_elastic_refuses_what_cannot_survive_a_reset():
     if _in_fresh_interpreter("test_tf_elastic_refuses_what_cannot_survive_a_reset"):
         return

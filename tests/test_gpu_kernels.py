@@ -22,6 +22,7 @@ from triton_env import ROOT, triton_env
 CASES = Path(__file__).resolve().parent / "gpu_interpreter.py"
 
 
+@pytest.mark.full
 @pytest.mark.timeout(1800)
 def test_the_gpu_kernels_under_the_interpreter():
     env = triton_env()

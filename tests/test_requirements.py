@@ -276,6 +276,7 @@ print("ENABLED", kernels.enabled(), "|", kernels.why_disabled())
 """
 
 
+@pytest.mark.full
 def test_without_numba_one_line_says_why(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("HVD_QUANT_KERNELS", "PYTHONPATH") and not k.startswith("HOROVOD_")}
