@@ -3,8 +3,8 @@
 #
 #   ./scripts/test.sh            the quick tier (10 minutes at most): every single-process unit and
 #                                oracle test but the few marked "full", plus the multi-process runs
-#                                of every compressor and 1-bit optimizer in both frameworks at 2 and
-#                                3 ranks and the cheap emulated-cluster tests (tests marked "quick")
+#                                of every compressor and 1-bit optimizer (torch at 2 and 3 ranks, TF
+#                                at 3) and the cheap emulated-cluster tests (tests marked "quick")
 #   ./scripts/test.sh --full     everything (what CI runs: .ci/run), the documented-commands check,
 #                                the container tests and the GPU kernels under Triton's interpreter
 #                                included
