@@ -173,6 +173,23 @@ def test_blocks_shrink_the_error_of_unequal_magnitudes(norm):
     assert err[512] < err[None] / 10, err
 
 
+@pytest.mark.parametrize("n", [3, 8])
+def test_exponential_dithering_needs_no_blocks(n):
+    """Why ``global_qsgd_exp`` has no ``block``: its codes are powers of two relative to
+    the value (one binade's stochastic rounding), so the shared max only sets the top of a
+    range of at least 24 binades, and the small blocks' relative error is the large ones'.
+    The case of the test above: ten blocks of magnitudes 1e-3 to 10 (the error of the
+    mean over 2,560 elements each: the ratio of the halves is within a few percent)."""
+    rng = np.random.default_rng(5)
+    xs = [(rng.standard_normal(5120) * np.repeat(np.logspace(-3, 1, 10), 512)).astype(np.float32)
+          for _ in range(n)]
+    mean = np.mean(xs, axis=0, dtype=np.float64)
+    est, _ = reduce_all(hvd_quant.get("global_qsgd_exp"), xs, seed=2)
+    small, large = (np.linalg.norm(est[s] - mean[s]) / np.linalg.norm(mean[s])
+                    for s in (slice(0, 2560), slice(2560, 5120)))
+    assert 0.8 < small / large < 1.25, (small, large)
+
+
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 @pytest.mark.parametrize("norm", ["max", "l2"])
 def test_blocks_in_the_frameworks_equal_numpy(framework, norm):
