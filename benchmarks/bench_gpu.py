@@ -65,7 +65,7 @@ from hvd_quant.core.packing import (pack_signs, sign_pack_residual, sign_residua
                                     unpack_sum_residual, unpack_sums_signs)
 from hvd_quant.core.rng import CounterRNG, random_bytes  # noqa: E402
 from hvd_quant.core.runner import CompressorRunner  # noqa: E402
-from hvd_quant.core.segments import compensate_sums, compensate_sums_signs  # noqa: E402
+from hvd_quant.core.segments import block_counts, compensate_sums, compensate_sums_signs  # noqa: E402
 from hvd_quant.optimizers import elementwise as ew  # noqa: E402
 from hvd_quant.optimizers.binsgdm import binary_randomize  # noqa: E402
 from hvd_quant.torch.backend import TorchBackend  # noqa: E402
@@ -210,6 +210,8 @@ def inputs(d, counts, device, seed=0):
          "x2": x.clone(), "x3": x.clone(), "server": e.clone(), "out": torch.empty(d, device=device),
          "scales": torch.rand(len(counts), generator=gen, device=device) + 0.1,
          "scale": x.abs().max().reshape(1), "pre": torch.ones(1, device=device)}
+    t["block_scale"] = gq.block_absmax(GenericTorch(device), x, block_counts(d, case_block(d)))
+    t["block_pre"] = torch.ones_like(t["block_scale"])
     t["bits"] = pack_signs(GenericTorch(device), x)
     t["bits2"] = pack_signs(GenericTorch(device), e)
     t["rows3"] = torch.cat([t["bits"], t["bits2"], t["bits"]])
@@ -220,12 +222,20 @@ def inputs(d, counts, device, seed=0):
     return t
 
 
+def case_block(d):
+    """The block of the blocked cases: global_qsgd's default, 512, or 8 for a small buffer
+    (several blocks either way, so the blocked kernels run)."""
+    return 512 if d >= 4 * 512 else 8
+
+
 def primitive_cases(B, t, counts):
     """``[(primitive, bytes touched, inputs read, callable)]``: each fused primitive as the
     methods call it, on the tensors ``t`` (on ``B``'s device)."""
     d = sum(counts)
     bits = (d + 7) // 8
     one = OneRank()
+    block = case_block(d)
+    blocks = block_counts(d, block)
     return [
         ("sign_pack", 4 * d + bits, ("x",), lambda: pack_signs(B, t["x"])),
         ("compensate_sums", 8 * d, ("x", "e"), lambda: compensate_sums(B, t["x"], t["e"], counts)),
@@ -252,6 +262,17 @@ def primitive_cases(B, t, counts):
          lambda: gq.quantize(B, _NativeInt8(), t["x"], t["scale"], t["pre"], 63, 8, key=11)),
         ("dequantize_ints", 5 * d, ("ints", "scale", "pre"),
          lambda: gq.dequantize(B, _NativeInt8(), t["ints"], d, t["scale"], t["pre"], 63, 8, into=t["out"])),
+        ("block_absmax_finite", 4 * d, ("x",), lambda: gq.local_scale_stat(B, t["x"], "max", blocks)),
+        ("quantize_lanes_blocks", 5 * d, ("x", "block_scale"),
+         lambda: gq.quantize_blocks(B, one, t["x"], t["block_scale"], None, blocks, block, 63, 8, key=11)),
+        ("dequantize_lanes_blocks", 5 * d, ("words", "block_scale", "block_pre"),
+         lambda: gq.dequantize(B, one, t["words"], d, t["block_scale"], t["block_pre"], 63, 8, into=t["out"],
+                               counts=blocks, block=block)),
+        ("quantize_ints_blocks", 5 * d, ("x", "block_scale"),
+         lambda: gq.quantize_blocks(B, _NativeInt8(), t["x"], t["block_scale"], None, blocks, block, 63, 8, key=11)),
+        ("dequantize_ints_blocks", 5 * d, ("ints", "block_scale", "block_pre"),
+         lambda: gq.dequantize(B, _NativeInt8(), t["ints"], d, t["block_scale"], t["block_pre"], 63, 8,
+                               into=t["out"], counts=blocks, block=block)),
         ("exp_encode", 5 * d, ("x", "scale"), lambda: ed.encode(B, t["x"], t["scale"], 2, CounterRNG(2))),
         ("exp_combine", 3 * d, ("codes",),
          lambda: ed.ExpDitheringSum().combine(B, t["codes"], 1, t["codes"], 1, CounterRNG(4))),

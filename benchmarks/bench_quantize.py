@@ -33,7 +33,7 @@ from hvd_quant.core.compressed_allreduce import padded_size, rms_scale
 from hvd_quant.core.packing import pack_signs, sign_pack_residual, unpack_scaled_sum, unpack_sums_signs
 from hvd_quant.core.ring import tree_fold
 from hvd_quant.core.rng import CounterRNG, random_bytes
-from hvd_quant.core.segments import compensate_sums
+from hvd_quant.core.segments import block_counts, compensate_sums
 from hvd_quant.optimizers import elementwise as ew
 from hvd_quant.optimizers.binsgdm import binary_randomize
 from hvd_quant.torch.backend import TorchBackend
@@ -61,6 +61,9 @@ def cases(B, x, e):
     two_rows = torch.cat([bits, pack_signs(B, e)])
     scales2 = torch.tensor([0.5, 0.25])
     words = gq.quantize(B, _Comm, x, scale, pre, 63, 8, CounterRNG(1))
+    blocks = block_counts(d, 512)  # global_qsgd's default: a shared scale per 512 elements
+    block_scale = gq.block_absmax(B, x, blocks)
+    block_pre = torch.ones(len(blocks))
     codes = ed.encode(B, x, scale, 2, CounterRNG(2))
     m, b = e.clone(), e.abs() + 0.1
     padded = padded_size(d, 2)
@@ -97,6 +100,15 @@ def cases(B, x, e):
             B, _Comm, gq.quantize(B, _Comm, x, scale, pre, 63, 8, CounterRNG(1)), d, scale, pre, 63, 8,
             into=out),
         "Global-QSGD dequantize": lambda: gq.dequantize(B, _Comm, words, d, scale, pre, 63, 8, into=out),
+        "Global-QSGD max|x| per block of 512": lambda: gq.local_scale_stat(B, x, "max", blocks),
+        "  the same, unfused (the blocks' maxima, then the finite check)": lambda: (
+            gq.block_absmax(B, x, blocks), B.all_finite(x)),
+        "Global-QSGD quantize + dequantize, a scale per block of 512": lambda: gq.dequantize(
+            B, _Comm, gq.quantize_blocks(B, _Comm, x, block_scale, None, blocks, 512, 63, 8, CounterRNG(1)), d,
+            block_scale, block_pre, 63, 8, into=out, counts=blocks, block=512),
+        "  the same, unfused (blocks scaled around the one-scale kernels)": lambda: gq.dequantize(
+            B, _Comm, gq.quantize(B, _Comm, *gq.blockwise(B, x, block_scale, None, blocks), 63, 8, CounterRNG(1)), d,
+            block_scale, block_pre, 63, 8, counts=blocks),
         "exponential encode": lambda: ed.encode(B, x, scale, 2, CounterRNG(2)),
         "exponential per-hop sum": lambda: ed.ExpDitheringSum().combine(B, codes, 1, codes, 1, CounterRNG(4)),
         "exponential decode": lambda: ed.exp_decode(B, codes, scale, 2, into=out),

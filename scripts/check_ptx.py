@@ -32,7 +32,8 @@ FORBIDDEN = {
     "an approximate division": r"\bdiv\.(approx|full)\.",
     "an approximate operation": r"\b(sqrt|rcp|rsqrt|ex2|lg2|sin|cos)\.approx\.",
 }
-DIVIDES = {"_quantize_lanes_k", "_quantize_ints_k", "_exp_encode_k", "_binsgdm_k", "_descend_k",
+DIVIDES = {"_quantize_lanes_k", "_quantize_ints_k", "_quantize_lanes_blocks_k", "_quantize_ints_blocks_k",
+           "_exp_encode_k", "_binsgdm_k", "_descend_k",
            "_adam_descend_k", "_zero_one_sync_input_k", "_zero_one_sync_result_k"}
 ROOTS = {"_adam_descend_k", "_precondition_k", "_zero_one_sync_input_k", "_zero_one_sync_result_k"}
 

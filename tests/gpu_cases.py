@@ -24,7 +24,7 @@ from hvd_quant.core.hierarchical import threshold_rows
 from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, sign_residual,
                                     unpack_scaled_sum, unpack_sum_residual)
 from hvd_quant.core.rng import CounterRNG, draws, random_bytes
-from hvd_quant.core.segments import compensate_sums, segment_bounds
+from hvd_quant.core.segments import block_counts, compensate_sums, segment_bounds
 
 B = NumpyBackend()
 
@@ -298,6 +298,63 @@ def cases(G, device, backend, sizes, tile_sizes, sum_sizes, abs_sizes, byte_size
         assert_same(got, gq.quantize(B, Comm, x, scale, pre, 42, 16, CounterRNG(5)))
         assert_same(gq.dequantize(backend, Comm, got, 1001, T(scale), T(pre), 42, 16),
                     gq.dequantize(B, Comm, got.cpu().numpy(), 1001, scale, pre, 42, 16))
+
+    # --- a scale per block (global_qsgd's and qsgd's block) ----------------------------------------
+    @pytest.mark.parametrize("d,block", [(d, b) for d in abs_sizes for b in (64, 100, 512)]
+                             + [(d, 1) for d in abs_sizes if d < 64])  # a program per block
+    def test_block_absmax_finite(d, block):
+        x = data(d, 31, specials=True)
+        for y in (x, np.where(np.arange(d) == d // 2, np.float32(np.nan), x)):
+            m, ok = G.block_absmax_finite(T(y), block)
+            want_m, want_ok = C.block_absmax_finite(y, block)
+            assert_same(m, want_m)
+            assert ok.dtype == torch.bool and bool(ok) is want_ok is (d == 0 or y is x)
+            if want_ok:  # the oracle's maxima, wherever every element is finite
+                assert_same(want_m, gq.block_absmax(B, y, block_counts(d, block)) if d > block else
+                            np.full(1, np.abs(y).max() if d else 0.0, np.float32))
+
+    @pytest.mark.parametrize("d", sizes)
+    @pytest.mark.parametrize("block,first", [(4, 0), (8, 8), (100, 0), (100, 48), (512, 8), (1000, 0)])
+    def test_quantize_and_dequantize_blocks(d, block, first):
+        """Elements ``first ..`` of a buffer of blocks: the first block perhaps cut short."""
+        x = data(d, 13, specials=True)
+        k = max(1, -(-(first % block + d) // block))
+        scale = (np.abs(x).max() if d else 1.0) * np.linspace(0.5, 2.0, k).astype(np.float32)
+        pre = np.where(np.arange(k) % 3 == 1, np.float32(2.0 ** -64), np.float32(1.0)).astype(np.float32)
+        scale = np.where(pre < 1, scale * pre, scale).astype(np.float32)
+        for width in (8, 16):
+            want = C.quantize_lanes_blocks(x, pre, scale, block, 42, 0xBEEF, width, True, first)
+            assert_same(G.quantize_lanes_blocks(T(x), T(pre), T(scale), block, 42, 0xBEEF, width, True, first), want)
+            assert_same(G.quantize_lanes_blocks(T(x), T(pre), T(scale), block, 42, one(0xBEEF, torch.int64), width,
+                                                False, first), C.quantize_lanes_blocks(x, pre, scale, block, 42, 0xBEEF,
+                                                                                       width, False, first))
+            factor = (scale / 126).astype(np.float32)
+            assert_same(G.dequantize_lanes_blocks(T(want * 3), d, width, T(factor), block, first),
+                        C.dequantize_lanes_blocks(want * 3, d, width, factor, block, first))
+        for dtype in ("int8", "int16", "int32"):
+            want = C.quantize_ints_blocks(x, pre, scale, block, 7, 12345, dtype, first)
+            assert_same(G.quantize_ints_blocks(T(x), T(pre), T(scale), block, 7, one(12345), dtype, first), want)
+            total = want.astype(np.int32) * 3
+            assert_same(G.dequantize_ints_blocks(T(total), T(scale / 21), block, first),
+                        C.dequantize_ints_blocks(total, scale / 21, block, first))
+        with pytest.raises(ValueError, match="values per block"):
+            G.quantize_ints_blocks(T(x), T(pre[:k - 1]), T(scale), block, 7, 1, "int8", first)
+
+    def test_blocks_through_the_call_site_equal_the_oracle():
+        """global_qsgd's quantize and dequantize of blocks (the fused primitives here, the
+        division and the multiply by blocks in the oracle), near the float32 maximum."""
+        class Comm:
+            rank, size = 0, 3
+            allreduce_int_dtypes = ("int32",)
+
+        x = data(2000, 9) * np.float32(2.0 ** 64)
+        counts = block_counts(2000, 512)
+        scale = np.array([np.abs(x[i:i + 512]).max() for i in range(0, 2000, 512)], np.float32) * np.float32(2.0 ** -64)
+        pre = np.full(4, 2.0 ** -64, np.float32)
+        got = gq.quantize_blocks(backend, Comm, T(x), T(scale), T(pre), counts, 512, 42, 16, CounterRNG(5))
+        assert_same(got, gq.quantize_blocks(B, Comm, x, scale, pre, counts, 512, 42, 16, CounterRNG(5)))
+        assert_same(gq.dequantize(backend, Comm, got, 2000, T(scale), T(pre), 42, 16, counts=counts, block=512),
+                    gq.dequantize(B, Comm, got.cpu().numpy(), 2000, scale, pre, 42, 16, counts=counts, block=512))
 
     # --- exponential dithering ---------------------------------------------------------------------
     @pytest.mark.parametrize("d", sizes)

@@ -24,9 +24,10 @@ from hvd_quant.core.packing import (pack_lanes, pack_signs, sign_pack_residual, 
 from hvd_quant.core.hierarchical import rebinarize, select_rows, threshold_rows
 from hvd_quant.core.rng import CounterRNG, draws, random_bytes
 from hvd_quant.core.runner import CompressorRunner
-from hvd_quant.core.segments import compensate_sums, compensate_sums_signs
+from hvd_quant.core.segments import block_counts, chunk_blocks, compensate_sums, compensate_sums_signs
 from hvd_quant.core.simulate import ThreadWorld
 from hvd_quant.optimizers import elementwise as ew
+from solo_comm import SoloComm
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason=f"kernels off: {kernels.why_disabled()}")
 
@@ -365,6 +366,63 @@ def test_lane_kernels_on_random_shapes(d, seed, width, levels, offset):
         np.testing.assert_array_equal(
             kernels.cpu_module().dequantize_lanes(words, d, width, 0.25),
             unpack_lanes(B, words, d, width).astype(np.float32) * np.float32(0.25))
+
+
+class _Comm:
+    rank, size = 0, 3
+
+    def __init__(self, native):
+        self.allreduce_int_dtypes = ("int8", "int16", "int32") if native else ("int32",)
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.integers(0, 3000), block=st.sampled_from([4, 8, 60, 100, 512]), start=st.integers(0, 200),
+       seed=st.integers(0, 2 ** 31), width=st.sampled_from([8, 16]), native=st.booleans())
+def test_block_kernels_equal_the_oracle(d, block, start, seed, width, native):
+    """A scale and a pre per block (global_qsgd and qsgd's ``block``), fused, against the
+    oracle's division by blocks and one-scale quantizer on a grid of 1, for a piece of the
+    buffer from element ``8 * start`` (a pipelined chunk: it may start inside a block)."""
+    rng = np.random.default_rng(seed)
+    first = 8 * start
+    whole = first + d
+    x = (rng.standard_normal(d) * np.exp(3 * rng.standard_normal(d))).astype(np.float32)
+    b0, counts = chunk_blocks(whole, block, first, whole)
+    k = len(counts)
+    scale = (np.abs(x).max(initial=1.0) * rng.uniform(0.5, 2.0, k)).astype(np.float32)
+    pre = np.where(rng.random(k) < 0.3, np.float32(gq.RESCALE), np.float32(1.0)).astype(np.float32)
+    comm, levels = _Comm(native), gq.max_levels("max", 3, width)
+    args = (comm, x, scale, pre, counts, block, levels, width)
+    want = gq.quantize_blocks(B, *args, key=77, first=first)
+    np.testing.assert_array_equal(gq.quantize_blocks(K, *args, key=77, first=first), want)
+    sums = want * 3
+    kw = dict(counts=counts, block=block, first=first)
+    np.testing.assert_array_equal(gq.dequantize(K, comm, sums, d, scale, pre, levels, width, **kw),
+                                  gq.dequantize(B, comm, sums, d, scale, pre, levels, width, **kw))
+    if d > block:
+        whole_counts = block_counts(d, block)  # the blocks' maxima of a whole buffer
+        y = x if seed % 2 else np.where(np.arange(d) == d // 2, np.float32(np.nan), x)
+        np.testing.assert_array_equal(gq.local_scale_stat(K, y, "max", whole_counts),
+                                      gq.local_scale_stat(B, y, "max", whole_counts))
+
+
+def test_block_kernels_refuse_short_tables_and_split_words():
+    C = kernels.cpu_module()
+    x, three = data(24, 3), np.ones(3, np.float32)
+    with pytest.raises(ValueError, match="3 values per block needed, got 2"):
+        C.quantize_ints_blocks(x, three[:2], three, 8, 3, 1, "int8")
+    with pytest.raises(ValueError, match="4 values per block needed, got 3"):
+        C.dequantize_ints_blocks(x.astype(np.int8), three, 8, first=4)  # 4 into a block: four blocks
+    with pytest.raises(ValueError, match="whole words of 4 lanes"):
+        C.quantize_lanes_blocks(x, three, three, 10, 3, 1, 8, True)
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        C.block_absmax_finite(x, 0)
+    # The compressor takes the generic path where the words would split (6 is not a
+    # multiple of 4 lanes), with the same bits as the kernels' path elsewhere.
+    xs = [data(40, r) for r in range(2)]
+    comp = hvd_quant.get("global_qsgd", block=6)
+    want = [CompressorRunner(comp, B, seed=1).reduce(x, SoloComm(), "g", [("g", 40)]) for x in xs]
+    got = [CompressorRunner(comp, K, seed=1).reduce(x, SoloComm(), "g", [("g", 40)]) for x in xs]
+    np.testing.assert_array_equal(got, want)
 
 
 COMPRESSORS = [("ef_sign", {}), ("marsit", {}), ("marsit", {"compensation": "global"}),

@@ -27,7 +27,7 @@ from hvd_quant.core.packing import (pack_signs, sign_pack_residual, sign_residua
                                     unpack_sum_residual, unpack_sums_signs)
 from hvd_quant.core.rng import CounterRNG, random_bytes  # noqa: E402
 from hvd_quant.core.runner import CompressorRunner  # noqa: E402
-from hvd_quant.core.segments import compensate_sums, compensate_sums_signs  # noqa: E402
+from hvd_quant.core.segments import block_counts, chunk_blocks, compensate_sums, compensate_sums_signs  # noqa: E402
 from hvd_quant.kernels.buffers import KeptBuffers  # noqa: E402
 from hvd_quant.kernels.signatures import SIGNATURES  # noqa: E402
 from hvd_quant.optimizers import elementwise as ew  # noqa: E402
@@ -165,6 +165,21 @@ def test_global_qsgd_primitives_equal_the_oracle(mode, width, native):
     for v in (x, np.where(np.arange(D) == 7, np.float32(np.inf), x)):
         got = run_tf(mode, lambda a: gq.local_scale_stat(TF, a, "max"), v)  # the max, or inf
         equal(got, gq.local_scale_stat(NP, v, "max"))
+        counts = block_counts(D, 512)  # a scale per block: the fused maxima, or inf in every block
+        equal(run_tf(mode, lambda a: gq.local_scale_stat(TF, a, "max", counts), v),
+              gq.local_scale_stat(NP, v, "max", counts))
+    # A scale and a pre per block, from element 8 of a buffer on (a chunk inside a block).
+    counts = chunk_blocks(D + 8, 512, 8, D + 8)[1]
+    scale = (np.arange(1, len(counts) + 1) * 1.75).astype(np.float32)
+    pre = np.where(np.arange(len(counts)) % 2, np.float32(2.0 ** -64), np.float32(1.0)).astype(np.float32)
+    args = (NP, comm, x, scale, pre, counts, 512, levels, width)
+    want_q = gq.quantize_blocks(*args, key=key.np(), first=8)
+    got_q = run_tf(mode, lambda a, s, p, k: gq.quantize_blocks(TF, comm, a, s, p, counts, 512, levels, width,
+                                                                key=k, first=8), x, scale, pre, key.tf())
+    equal(got_q, want_q)
+    equal(run_tf(mode, lambda q, s, p: gq.dequantize(TF, comm, q, D, s, p, levels, width, counts=counts,
+                                                     block=512, first=8), want_q, scale, pre),
+          gq.dequantize(NP, comm, want_q, D, scale, pre, levels, width, counts=counts, block=512, first=8))
 
 
 class Rng:

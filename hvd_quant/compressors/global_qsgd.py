@@ -48,10 +48,15 @@ seeds), for 4 more bytes per block (0.8% at 8 bits;
 ``benchmarks/reference/ttq-global-qsgd-block-2026-12-06/``). Every block's scale is still
 taken over every rank (one allreduce-max, or one allgather of the blocks' squared norms),
 so every rank shares every block's grid, the integers are still summed by one allreduce,
-and the level rule holds block by block. The input is divided by its blocks' scales (each
-broadcast over its block, :func:`~hvd_quant.core.segments.by_blocks`) and quantized on a
-grid of 1 by the same fused kernels; the sum is decoded with a factor of 1, then each
-block's factor: the bits of the per-element formula.
+and the level rule holds block by block. The fused kernels take each block's scale in the
+passes of one scale (``block_absmax_finite``, ``quantize_*_blocks``,
+``dequantize_*_blocks``: a rank's reduction of a 7.37M-element buffer costs what one
+scale's does, 26-30 ms on one thread, against 52-72 ms when the blocks were scaled around
+the one-scale kernels; ``benchmarks/reference/global-qsgd-block-kernels-2026-12-06/``).
+The generic path divides the input by its blocks' scales (each broadcast over its block,
+:func:`~hvd_quant.core.segments.by_blocks`), quantizes on a grid of 1, decodes with a
+factor of 1, then multiplies by each block's factor: the same bits, those of the
+per-element formula.
 
 ``bits=None`` picks 8 bits if at least one level (or the requested ``levels``) is safe,
 else 16. Transport: the ``w``-bit integers go natively when the communicator sums
@@ -76,7 +81,7 @@ from ..core.packing import pack_lanes, packed_lane_words, unpack_lanes
 from ..core.pipeline import pipelined, start_allreduce
 from ..core.ring import gathers
 from ..core.rng import hash_bits, uniform_from_bits
-from ..core.segments import block_counts, by_blocks, chunk_blocks, compensate_sums, expand_segments
+from ..core.segments import block_counts, by_blocks, chunk_blocks, compensate_sums
 
 #: Smallest normal float32: the scale is raised to at least this, so all-zero buffers
 #: (scale 0) give zeros instead of 0/0, with no branch on tensor values.
@@ -84,6 +89,8 @@ FLOAT32_TINY = 1.1754944e-38
 FLOAT32_MAX = 3.4028234663852886e38  # float(np.finfo(np.float32).max), exactly
 #: Inflation of the l2 scale that absorbs float32 rounding in ``sqrt(sum ||x_i||^2)``.
 L2_SCALE_MARGIN = 1.0 + 2.0 ** -8
+#: The ``pre`` of an l2 scale at or above ``2**126`` (:func:`finish_scale`), exact.
+RESCALE = 2.0 ** -64
 NORMS = ("max", "l2")
 WIDTHS = (8, 16)
 
@@ -147,6 +154,17 @@ def block_absmax(B, x, counts):
     return B.max(rows, axis=1)
 
 
+def block_absmax_finite(B, x, counts):
+    """``(max |x| per block of counts, all finite)``: the blocks' maxima are
+    :func:`block_absmax`'s wherever every element is finite (the only case they are used
+    in). Fused primitive ``block_absmax_finite``: one pass, as :func:`absmax_finite`."""
+    fast = B.kernel("block_absmax_finite", x)
+    if fast is not None:
+        m, ok = fast(x, counts[0])
+        return m, B.full(1, ok, "bool")
+    return block_absmax(B, x, counts), B.all_finite(x)
+
+
 def local_scale_stat(B, x, norm, counts=None):
     """This rank's share of the global scale, one per block of ``counts`` (shape (1,) for
     the whole buffer, when ``None``): ``max|x|`` (float32; ``+inf`` in every block when
@@ -155,10 +173,7 @@ def local_scale_stat(B, x, norm, counts=None):
     counts = counts or [B.numel(x)]
     if norm == "l2":
         return compensate_sums(B, x, None, counts, squares=True)
-    if len(counts) == 1:
-        m, ok = absmax_finite(B, x)
-    else:
-        m, ok = block_absmax(B, x, counts), B.all_finite(x)
+    m, ok = absmax_finite(B, x) if len(counts) == 1 else block_absmax_finite(B, x, counts)
     return B.where(ok, m, B.full(1, float("inf")))
 
 
@@ -177,7 +192,7 @@ def finish_scale(B, reduced, norm):
     else:
         norm64 = B.sqrt(reduced) * L2_SCALE_MARGIN
         huge = B.greater_equal(norm64, B.full(1, 2.0 ** 126, "float64"))
-        pre = B.where(huge, B.full(1, 2.0 ** -64), B.full(1, 1.0))
+        pre = B.where(huge, B.full(1, RESCALE), B.full(1, 1.0))
         scale = B.cast(norm64 * B.cast(pre, "float64"), "float32")
     tiny = B.full(1, FLOAT32_TINY)
     return B.where(B.less(scale, tiny), tiny, scale), pre
@@ -271,30 +286,75 @@ def quantize(B, comm, x, scale, pre, levels, width, rng=None, key=None, first=0)
     return q if native else pack_lanes(B, q, width, add_offset=comm.rank == 0)
 
 
-def dequantize(B, comm, total, numel, scale, pre, levels, width, into=None, counts=None):
+def block_kernel(B, comm, name, width, block, counts, tensor):
+    """The fused primitive ``name`` (``"quantize"`` or ``"dequantize"``) with a scale per
+    block, ``{name}_ints_blocks`` or ``{name}_lanes_blocks``, for a piece of ``counts``
+    blocks of ``block`` elements, or ``None``: for one block (the one-scale primitives
+    serve it), for ``block=None`` (a caller that asks for the unfused path), where the
+    backend has none, and for lanes, where the blocks do not fill whole int32 words (a
+    block that is not a multiple of ``32 // width`` elements)."""
+    native = f"int{width}" in comm.allreduce_int_dtypes
+    if len(counts) == 1 or block is None or not (native or block % (32 // width) == 0):
+        return None
+    return B.kernel(f"{name}_{'ints' if native else 'lanes'}_blocks", tensor)
+
+
+def quantize_blocks(B, comm, x, scale, pre, counts, block, levels, width, rng=None, key=None, first=0):
+    """:func:`quantize` with a scale and a ``pre`` per block of ``block`` elements of the
+    whole buffer (``x`` is elements ``first ..`` of it, ``counts`` its blocks' elements in
+    it, ``scale`` and ``pre`` their values; ``pre`` may be ``None`` for all ones). The
+    fused primitives ``quantize_ints_blocks`` / ``quantize_lanes_blocks`` divide and round
+    in one pass; otherwise :func:`blockwise` divides first, then :func:`quantize` rounds on
+    a grid of 1. The same bits: ``(x * 1) / s`` is ``x / s``, and ``(v * 1) / 1`` is ``v``."""
+    fast = block_kernel(B, comm, "quantize", width, block, counts, x)
+    if fast is None:
+        return quantize(B, comm, *blockwise(B, x, scale, pre, counts), levels, width, rng, key, first)
+    key = rng.next_key(B) if key is None else key
+    pre = B.full(len(counts), 1.0) if pre is None else pre
+    if f"int{width}" in comm.allreduce_int_dtypes:
+        return fast(x, pre, scale, block, levels, key, f"int{width}", first)
+    return fast(x, pre, scale, block, levels, key, width, comm.rank == 0, first)
+
+
+def dequantize(B, comm, total, numel, scale, pre, levels, width, into=None, counts=None, block=None, first=0):
     """The mean estimate from the allreduced wire tensor of :func:`quantize` (fused
     primitives ``dequantize_ints`` / ``dequantize_lanes``, which write into ``into`` when
     given). With ``pre != 1`` the result is scaled back and saturates at the float32
-    maximum instead of overflowing. With several blocks (``counts``; ``scale`` and ``pre``
-    hold one value per block) the levels are read as floats (a factor of 1, exact) and
-    multiplied by each block's factor: the per-element formula's bits."""
+    maximum instead of overflowing. With several blocks (``counts`` of ``block`` elements,
+    the piece starting at element ``first`` of the buffer; ``scale`` and ``pre`` hold one
+    value per block) each block's levels are multiplied by its own factor: in one pass by
+    ``dequantize_ints_blocks`` / ``dequantize_lanes_blocks``, else read as floats (a factor
+    of 1, exact), then multiplied. The per-element formula's bits either way."""
     counts = counts or [numel]
     native = f"int{width}" in comm.allreduce_int_dtypes
     factor = B.divide(scale, float(levels * comm.size))
-    blocks = len(counts) > 1
-    unit, into = (B.full(1, 1.0), None) if blocks else (factor, into)
-    fast = B.kernel("dequantize_ints" if native else "dequantize_lanes", total)
-    if fast is not None:
-        out = (fast(total, B.kernel_scalar(unit), out=into) if native
-               else fast(total, numel, width, B.kernel_scalar(unit), out=into))
+    fused_blocks = block_kernel(B, comm, "dequantize", width, block, counts, total)
+    if fused_blocks is not None:
+        out = (fused_blocks(total, factor, block, first, out=into) if native
+               else fused_blocks(total, numel, width, factor, block, first, out=into))
     else:
-        q = total if native else unpack_lanes(B, total, numel, width)
-        out = B.cast(q, "float32") * unit
-    if blocks:
-        out = by_blocks(B, out, counts, lambda v, f: v * f, factor)
-    return B.cond(rescaled(B, pre),
-                  lambda: B.clip(out * expand_segments(B, 1.0 / pre, counts), -FLOAT32_MAX, FLOAT32_MAX),
-                  lambda: out)
+        blocks = len(counts) > 1
+        unit, into = (B.full(1, 1.0), None) if blocks else (factor, into)
+        fast = B.kernel("dequantize_ints" if native else "dequantize_lanes", total)
+        if fast is not None:
+            out = (fast(total, B.kernel_scalar(unit), out=into) if native
+                   else fast(total, numel, width, B.kernel_scalar(unit), out=into))
+        else:
+            q = total if native else unpack_lanes(B, total, numel, width)
+            out = B.cast(q, "float32") * unit
+        if blocks:
+            out = by_blocks(B, out, counts, lambda v, f: v * f, factor)
+    return B.cond(rescaled(B, pre), lambda: scaled_back(B, out, pre, counts), lambda: out)
+
+
+def scaled_back(B, out, pre, counts):
+    """``out / pre`` block by block, saturated at the float32 maximum: the result of inputs
+    rescaled near it. ``pre`` is 1 or ``RESCALE`` (:func:`finish_scale`), so ``out`` is
+    multiplied by 1 or ``1 / RESCALE``, picked, not computed: inside ``tf.function``
+    TensorFlow turns ``1.0 / pre`` into a vectorized reciprocal that is not exact (it was
+    one ulp off for ``2**-64``)."""
+    inverse = B.where(B.less(pre, B.full(1, 1.0)), B.full(1, 1.0 / RESCALE), B.full(1, 1.0))
+    return by_blocks(B, out, counts, lambda v, r: B.clip(v * r, -FLOAT32_MAX, FLOAT32_MAX), inverse)
 
 
 def rescaled(B, pres):
@@ -399,15 +459,15 @@ class GlobalQSGDCompressor(Compressor):
         # so no NaN is ever turned into an in-range integer (quantized on a grid of 1:
         # the shared scale itself may be NaN then, and 0 / NaN is NaN).
         one = B.full(1, 1.0)
-        wire = B.cond(finite, lambda: quantize(B, comm, *blockwise(B, x, scale, self._pre(pre), counts),
-                                               levels, width, ctx.rng),
+        wire = B.cond(finite, lambda: quantize_blocks(B, comm, x, scale, self._pre(pre), counts, self.block,
+                                                      levels, width, ctx.rng),
                       lambda: quantize(B, comm, B.zeros(d), one, one, levels, width, ctx.rng))
         # Phase 3: the integers summed over the ranks (an allreduce, or for a small wire at
         # many ranks an allgather summed here: sum_levels); every rank decodes the same sum.
         payload = int_payload_bytes(d, width, comm.allreduce_int_dtypes)
         total = sum_levels(B, comm, wire, payload, ctx.collective_name("levels"))
         return B.cond(finite, lambda: dequantize(B, comm, total, d, scale, pre, levels, width,
-                                                 into=ctx.out, counts=counts),
+                                                 into=ctx.out, counts=counts, block=self.block),
                       lambda: B.full(d, float("nan")))
 
     def reduce_chunked(self, x, ctx, chunks):
@@ -430,11 +490,14 @@ class GlobalQSGDCompressor(Compressor):
         if not bool(B.to_numpy(finite)):
             return B.full(d, float("nan"))  # every rank has the same verdict: no chunk is sent
         # Phases 2-3, chunk by chunk: quantize, sum, dequantize. Chunks are dequantized
-        # straight into ctx.out when the fused kernel writes there, with one scale and no
-        # rescaling after it (pre == 1, i.e. not near the float32 maximum).
+        # straight into ctx.out when the fused kernels write there (one scale, or blocks
+        # with their fused kernel) and no rescaling follows (no pre < 1, i.e. nothing near
+        # the float32 maximum).
         native = f"int{width}" in comm.allreduce_int_dtypes
-        out = ctx.out if (ctx.out is not None and len(counts) == 1 and B.item(pre) >= 1.0 and B.kernel(
-            "dequantize_ints" if native else "dequantize_lanes", x) is not None) else None
+        fused = (B.kernel("dequantize_ints" if native else "dequantize_lanes", x) is not None
+                 and (len(counts) == 1 or block_kernel(B, comm, "dequantize", width, self.block, counts, x)
+                      is not None))
+        out = ctx.out if (ctx.out is not None and fused and not bool(B.to_numpy(rescaled(B, pre)))) else None
         pieces = []
 
         def chunk_scales(a, b):  # the chunk's blocks: their counts within it, scales, pres
@@ -444,15 +507,16 @@ class GlobalQSGDCompressor(Compressor):
         def start(k):
             a, b = chunks[k]
             sub, s, p = chunk_scales(a, b)
-            wire = quantize(B, comm, *blockwise(B, B.slice(x, a, b), s, self._pre(p), sub), levels, width,
-                            key=key, first=a)
+            wire = quantize_blocks(B, comm, B.slice(x, a, b), s, self._pre(p), sub, self.block, levels, width,
+                                   key=key, first=a)
             return start_allreduce(comm, wire, "sum", ctx.collective_name(f"levels.c{k}"))
 
         def finish(k, handle):
             a, b = chunks[k]
             sub, s, p = chunk_scales(a, b)
             into = B.slice(out, a, b) if out is not None else None
-            piece = dequantize(B, comm, handle.wait(), b - a, s, p, levels, width, into=into, counts=sub)
+            piece = dequantize(B, comm, handle.wait(), b - a, s, p, levels, width, into=into, counts=sub,
+                               block=self.block, first=a)
             if out is None:  # otherwise the piece is already in place
                 pieces.append(piece)
 
@@ -486,13 +550,17 @@ class GlobalQSGDCompressor(Compressor):
         return [scale, Collective("allgather" if gathers(n, payload) else "allreduce", payload, n)]
 
     def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
-        """:func:`~hvd_quant.core.costmodel.level_memory_bytes`; with several blocks, the
-        input is divided by its blocks' scales (read and written, ``2F``; for ``l2`` also
-        multiplied by their ``pre``, ``2F`` more) and the decoded sum multiplied by their
-        factors (``2F``), each value broadcast over its block
-        (:func:`~hvd_quant.core.segments.by_blocks`); for ``max`` the blocks' maxima take
-        ``|x|`` (``2F``) and its rows' max and the finite check (``2F``) instead of the
-        fused one-pass maximum (``F``)."""
+        """:func:`~hvd_quant.core.costmodel.level_memory_bytes`: the fused kernels take a
+        scale per block in the same passes as one scale (``block_absmax_finite``,
+        ``quantize_*_blocks``, ``dequantize_*_blocks``). Where lane-packed blocks would
+        split a word (``block`` not a multiple of ``32 // width``), the generic path divides
+        the input by its blocks' scales (read and written, ``2F``; for ``l2`` also
+        multiplied by their ``pre``, ``2F`` more) and multiplies the decoded sum by their
+        factors (``2F``); for ``max`` the blocks' maxima take ``|x|`` (``2F``) and its
+        rows' max and the finite check (``2F``) instead of the fused one-pass maximum
+        (``F``)."""
         F = 4.0 * float(numel)
+        width, _ = self.resolve(world_size)
+        split = self.blocks(numel) > 1 and self.block % (32 // width) != 0
         extra = 7.0 * F if self.norm == "max" else 6.0 * F
-        return level_memory_bytes(numel, world_size) + (extra if self.blocks(numel) > 1 else 0.0)
+        return level_memory_bytes(numel, world_size) + (extra if split else 0.0)

@@ -55,8 +55,8 @@ from ..core.compressor import Compressor
 from ..core.costmodel import Collective
 from ..core.packing import split_scales, with_scales
 from ..core.rng import hash_bits, uniform_from_bits
-from ..core.segments import block_counts, by_blocks, compensate_sums, expand_segments
-from .global_qsgd import FLOAT32_MAX, blockwise, finish_scale, linear_quantize, rescaled
+from ..core.segments import block_counts, by_blocks, compensate_sums
+from .global_qsgd import FLOAT32_MAX, blockwise, finish_scale, linear_quantize, rescaled, scaled_back
 
 WIDTHS = (8, 16)
 
@@ -92,8 +92,13 @@ def quantize_levels(B, x, scale, pre, levels, width, key, counts=None):
     levels * x * pre / scale``) with the draws of the call ``key``: global_qsgd's fused
     ``quantize_ints`` where there is one, else its generic
     :func:`~hvd_quant.compressors.global_qsgd.linear_quantize` (the same bits). With
-    several blocks (``counts``), ``scale`` and ``pre`` hold one value per block."""
-    x, scale, pre = blockwise(B, x, scale, pre, counts or [B.numel(x)])
+    several blocks (``counts``: equal, the last perhaps shorter), ``scale`` and ``pre``
+    hold one value per block: ``quantize_ints_blocks`` in one pass where there is one."""
+    counts = counts or [B.numel(x)]
+    fast = B.kernel("quantize_ints_blocks", x) if len(counts) > 1 else None
+    if fast is not None:
+        return fast(x, pre, scale, counts[0], levels, key, f"int{width}", 0)
+    x, scale, pre = blockwise(B, x, scale, pre, counts)
     fast = B.kernel("quantize_ints", x)
     if fast is not None:
         return fast(x, B.kernel_scalar(pre), B.kernel_scalar(scale), levels, key, f"int{width}", 0)
@@ -119,12 +124,14 @@ def decode_row(B, q, factor, pre, counts=None):
     the float32 maximum when the worker's norm was rescaled (``pre < 1``). With several
     blocks (``counts``), ``factor`` and ``pre`` hold one value per block."""
     counts = counts or [B.numel(q)]
-    fast = B.kernel("dequantize_ints", q) if len(counts) == 1 else None
-    part = (fast(q, B.kernel_scalar(factor)) if fast is not None
-            else by_blocks(B, B.cast(q, "float32"), counts, lambda v, f: v * f, factor))
-    return B.cond(rescaled(B, pre),
-                  lambda: B.clip(part * expand_segments(B, 1.0 / pre, counts), -FLOAT32_MAX, FLOAT32_MAX),
-                  lambda: part)
+    if len(counts) == 1:
+        fast = B.kernel("dequantize_ints", q)
+        part = fast(q, B.kernel_scalar(factor)) if fast is not None else B.cast(q, "float32") * factor
+    else:
+        fast = B.kernel("dequantize_ints_blocks", q)
+        part = (fast(q, factor, counts[0]) if fast is not None
+                else by_blocks(B, B.cast(q, "float32"), counts, lambda v, f: v * f, factor))
+    return B.cond(rescaled(B, pre), lambda: scaled_back(B, part, pre, counts), lambda: part)
 
 
 def row_bytes(numel, width, blocks=1):
@@ -234,11 +241,8 @@ class QSGDCompressor(Compressor):
     def memory_bytes(self, numel, world_size, ranks_per_node=None, segments=1):
         """The norm pass and the quantize pass read the buffer (``2F``) and write the
         levels (``b``); decoding reads the ``n`` gathered rows and, per row, reads and
-        writes the float32 sum (``2F`` each but the first, which only writes). With
-        several blocks, each block's ``pre`` and scale broadcast over its elements
-        (:func:`~hvd_quant.core.segments.by_blocks`), the input is scaled first (multiplied,
-        then divided: ``4F`` written and read) and each row is read as floats and then
-        multiplied by its factors instead of in one fused pass (``2F`` per row)."""
+        writes the float32 sum (``2F`` each but the first, which only writes). A norm per
+        block costs no pass of its own: the fused kernels (``quantize_ints_blocks``,
+        ``dequantize_ints_blocks``) take each block's scale in the same passes."""
         F, b, n = 4.0 * float(numel), float(numel) * self.width / 8.0, float(world_size)
-        spread = 4.0 * F + 2.0 * n * F if self.blocks(numel) > 1 else 0.0
-        return 2.0 * F + b + n * b + (2.0 * n - 1.0) * F + spread
+        return 2.0 * F + b + n * b + (2.0 * n - 1.0) * F

@@ -6,38 +6,43 @@ builds from several backend operations (several passes over memory, full-size in
 float temporaries), and that a fast kernel does in one pass. Each generic implementation
 asks ``B.kernel(name, *tensors)`` first and uses the fast one when the backend offers it:
 
-========================== =============================================== ===========================
-primitive                  generic twin                                    used by
-========================== =============================================== ===========================
-``sign_pack``              ``core.packing.pack_signs``                     every sign method
-``sign_pack_residual``     ``core.packing.sign_pack_residual``             marsit, onebit
-``unpack_scaled_sum``      ``core.packing.unpack_scaled_sum``              marsit, onebit, BinSGDM
-``compensate_sums``        ``core.segments.compensate_sums``               global_qsgd, marsit, onebit
-``compensate_sums_signs``  ``core.segments.compensate_sums_signs``         ef_sign, marsit, onebit
-``sign_residual``          ``core.packing.sign_residual``                  onebit (server residual)
-``unpack_sum_residual``    ``core.packing.unpack_sum_residual``            ef_sign, marsit, onebit
-``unpack_sums_signs``      ``core.packing.unpack_sums_signs``              onebit (server stage)
-``absmax_finite``          ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
-``quantize_lanes``         ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
-``quantize_ints``          ``compressors.global_qsgd.quantize``            global_qsgd (native ints)
-``dequantize_lanes``       ``compressors.global_qsgd.dequantize``          global_qsgd (int32 lanes)
-``dequantize_ints``        ``compressors.global_qsgd.dequantize``          global_qsgd (native ints)
-``exp_encode``             ``compressors.exp_dithering.exp_encode``        global_qsgd_exp
-``exp_combine``            ``compressors.exp_dithering.combine_codes``     global_qsgd_exp (every hop)
-``exp_decode``             ``compressors.exp_dithering.exp_decode``        global_qsgd_exp
-``marsit_select``          ``compressors.marsit.MarsitSelect``             marsit (every hop)
-``rebinarize``             ``core.hierarchical.threshold_rows``            BinSGDM (k not 2**L)
-``binsgdm_encode``         ``optimizers.binsgdm.binary_randomize``         BinSGDM
-``all_finite``             ``Backend.all_finite``                          every non-finite check
-``ema``                    ``optimizers.elementwise.ema``                  1-bit Adam, 0/1 Adam
-``descend``                ``optimizers.elementwise.descend``              BinSGDM
-``adam_descend``           ``optimizers.elementwise.adam_descend``         1-bit Adam, 0/1 Adam
-``precondition``           ``optimizers.elementwise.precondition``         0/1 Adam (final sync)
-``zero_one_sync_input``    ``optimizers.elementwise.zero_one_sync_input``  0/1 Adam (sync)
-``zero_one_sync_result``   ``optimizers.elementwise.zero_one_sync_result`` 0/1 Adam (sync)
-``uniform``                ``Backend.uniform``                             random draws
-``random_bytes``           ``core.rng.random_bytes``                       random bit planes
-========================== =============================================== ===========================
+=========================== =============================================== ===============================
+primitive                   generic twin                                    used by
+=========================== =============================================== ===============================
+``sign_pack``               ``core.packing.pack_signs``                     every sign method
+``sign_pack_residual``      ``core.packing.sign_pack_residual``             marsit, onebit
+``unpack_scaled_sum``       ``core.packing.unpack_scaled_sum``              marsit, onebit, BinSGDM
+``compensate_sums``         ``core.segments.compensate_sums``               global_qsgd, marsit, onebit
+``compensate_sums_signs``   ``core.segments.compensate_sums_signs``         ef_sign, marsit, onebit
+``sign_residual``           ``core.packing.sign_residual``                  onebit (server residual)
+``unpack_sum_residual``     ``core.packing.unpack_sum_residual``            ef_sign, marsit, onebit
+``unpack_sums_signs``       ``core.packing.unpack_sums_signs``              onebit (server stage)
+``absmax_finite``           ``compressors.global_qsgd.absmax_finite``       global_qsgd(_exp)
+``quantize_lanes``          ``compressors.global_qsgd.quantize``            global_qsgd (int32 lanes)
+``quantize_ints``           ``compressors.global_qsgd.quantize``            global_qsgd (native ints)
+``dequantize_lanes``        ``compressors.global_qsgd.dequantize``          global_qsgd (int32 lanes)
+``dequantize_ints``         ``compressors.global_qsgd.dequantize``          global_qsgd (native ints)
+``block_absmax_finite``     ``compressors.global_qsgd.block_absmax_finite`` global_qsgd (a scale per block)
+``quantize_lanes_blocks``   ``compressors.global_qsgd.quantize_blocks``     global_qsgd (blocks, lanes)
+``quantize_ints_blocks``    ``compressors.global_qsgd.quantize_blocks``     global_qsgd, qsgd (blocks)
+``dequantize_lanes_blocks`` ``compressors.global_qsgd.dequantize``          global_qsgd (blocks, lanes)
+``dequantize_ints_blocks``  ``compressors.global_qsgd.dequantize``          global_qsgd, qsgd (blocks)
+``exp_encode``              ``compressors.exp_dithering.exp_encode``        global_qsgd_exp
+``exp_combine``             ``compressors.exp_dithering.combine_codes``     global_qsgd_exp (every hop)
+``exp_decode``              ``compressors.exp_dithering.exp_decode``        global_qsgd_exp
+``marsit_select``           ``compressors.marsit.MarsitSelect``             marsit (every hop)
+``rebinarize``              ``core.hierarchical.threshold_rows``            BinSGDM (k not 2**L)
+``binsgdm_encode``          ``optimizers.binsgdm.binary_randomize``         BinSGDM
+``all_finite``              ``Backend.all_finite``                          every non-finite check
+``ema``                     ``optimizers.elementwise.ema``                  1-bit Adam, 0/1 Adam
+``descend``                 ``optimizers.elementwise.descend``              BinSGDM
+``adam_descend``            ``optimizers.elementwise.adam_descend``         1-bit Adam, 0/1 Adam
+``precondition``            ``optimizers.elementwise.precondition``         0/1 Adam (final sync)
+``zero_one_sync_input``     ``optimizers.elementwise.zero_one_sync_input``  0/1 Adam (sync)
+``zero_one_sync_result``    ``optimizers.elementwise.zero_one_sync_result`` 0/1 Adam (sync)
+``uniform``                 ``Backend.uniform``                             random draws
+``random_bytes``            ``core.rng.random_bytes``                       random bit planes
+=========================== =============================================== ===============================
 
 Fast kernels exist for CPU tensors (numba, :mod:`hvd_quant.kernels.cpu`): the torch
 backend uses them for CPU tensors (zero-copy numpy views), the TensorFlow backend for CPU
@@ -68,7 +73,8 @@ from . import threads
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
          "compensate_sums_signs", "sign_residual", "unpack_sum_residual", "unpack_sums_signs",
          "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
-         "dequantize_ints", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
+         "dequantize_ints", "block_absmax_finite", "quantize_lanes_blocks", "quantize_ints_blocks",
+         "dequantize_lanes_blocks", "dequantize_ints_blocks", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
          "rebinarize", "binsgdm_encode", "uniform", "random_bytes", "all_finite", "ema", "descend",
          "adam_descend", "precondition", "zero_one_sync_input", "zero_one_sync_result")
 
@@ -262,6 +268,12 @@ def _warm_flavour(k):
         k.dequantize_lanes(w, 24, width, 0.5)
     for dtype in (np.int8, np.int16, np.int32):
         k.dequantize_ints(k.quantize_ints(x, 1.0, 1.0, 3, 1, dtype), 0.5)
+    ones = np.ones(3, np.float32)  # three blocks of 8
+    k.block_absmax_finite(x, 8)
+    for width in (8, 16):
+        k.dequantize_lanes_blocks(k.quantize_lanes_blocks(x, ones, ones, 8, 3, 1, width, True), 24, width, ones, 8)
+    for dtype in (np.int8, np.int16, np.int32):
+        k.dequantize_ints_blocks(k.quantize_ints_blocks(x, ones, ones, 8, 3, 1, dtype), ones, 8)
     codes = k.exp_encode(x, 1.0, 2, 1)
     k.exp_decode(k.exp_combine(codes, codes, 2), 1.0, 1.0)
     k.marsit_select(bits, bits, 0.5, 3)
@@ -345,7 +357,7 @@ def loaded_signatures():
             total += sum(len(d.signatures) for d in value.dispatchers())
         elif isinstance(value, CPUDispatcher):
             total += len(value.signatures)
-    for pair in _cpu._LANES.values():
+    for pair in (*_cpu._LANES.values(), *_cpu._LANE_BLOCKS.values()):
         total += sum(len(d.signatures) for twin in pair for d in twin.dispatchers())
     return total
 

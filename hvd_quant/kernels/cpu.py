@@ -26,6 +26,8 @@ from llvmlite import ir
 from numba import njit, prange, types as nbtypes
 from numba.extending import intrinsic
 
+from .blocks import check_lanes, piece_blocks
+
 BLOCK = 1 << 16
 # error_model="numpy": a float division by zero gives inf or nan, as in the numpy oracle,
 # instead of a check that raises ZeroDivisionError, which also kept LLVM from vectorizing
@@ -863,6 +865,165 @@ def dequantize_ints(q, factor, out=None):
     """``global_qsgd.linear_dequantize`` of native integer sums (into ``out`` if given)."""
     out = np.empty(q.size, np.float32) if out is None else out
     _dequantize_ints(q, np.float32(factor), out)
+    return out
+
+
+# --- A scale per block (global_qsgd's and qsgd's ``block``) -------------------------------
+# Element i of a piece that starts at element ``first`` of the whole buffer belongs to the
+# piece's block (first % block + i) // block: the blocks are the whole buffer's, so a chunk
+# (core.pipeline) that starts inside a block takes that block's scale for its first
+# elements. Each loop runs over whole blocks, one scale each: no division per element.
+def _block_range(b, block, lead, n):
+    """Elements ``[lo, hi)`` of the piece that lie in its block ``b``."""
+    return max(b * block - lead, 0), min((b + 1) * block - lead, n)
+
+
+_block_range = njit(inline="always", **_OPTS)(_block_range)
+
+
+def _tables(*per_block):
+    """Each table of values per block as a flat float32 array."""
+    return [np.ascontiguousarray(v, np.float32).reshape(-1) for v in per_block]
+
+
+@_twin
+def _block_absmax(u, block, mx, top):
+    n = u.size
+    for b in prange(mx.size):
+        a = b * block
+        mx[b], top[b] = _block_absmax_bits(u[a:min(n, a + block)])
+
+
+def block_absmax_finite(x, block):
+    """``global_qsgd.block_absmax`` and ``Backend.all_finite`` in one pass:
+    ``(max |x| per block of block elements over its finite elements, float32;
+    all finite)``."""
+    block, _, nblocks = piece_blocks(x.size, block, 0)
+    mx = np.zeros(nblocks, np.uint32)
+    top = np.zeros(nblocks, np.uint32)
+    _block_absmax(x.view(np.uint32), np.int64(block), mx, top)
+    return mx.view(np.float32), bool(top.max() < _INF_BITS)
+
+
+def _lane_block_kernels(width):
+    """:func:`_lane_kernels` with a scale (and a ``pre``, a factor) per block; a block's
+    elements fill whole words, so ``block`` and the piece's start within its block are
+    multiples of the lanes per word."""
+    lanes = 32 // width
+    mask = (1 << width) - 1
+    half = 1 << (width - 1)
+    top = width * (lanes - 1)
+
+    @_twin
+    def quantize(x, pre, scale, block, lead, levels, key, offset, words, first):
+        d = x.size
+        k = np.uint64(key)
+        for b in prange(scale.size):
+            lo, hi = _block_range(b, block, lead, d)
+            p, s = pre[b], scale[b]
+            for w in range(lo // lanes, hi // lanes):
+                acc = np.int64(offset)
+                for j in range(lanes):
+                    acc += _level(x, w * lanes + j, p, s, levels, k, first) << (width * j)
+                words[w] = np.int32(acc)
+            if hi == d and hi > lo and d % lanes:  # the last word: padding lanes hold 0
+                w = d // lanes
+                acc = np.int64(offset)
+                for j in range(d - w * lanes):
+                    acc += _level(x, w * lanes + j, p, s, levels, k, first) << (width * j)
+                words[w] = np.int32(acc)
+
+    @_twin
+    def dequantize(words, factor, block, lead, out):
+        d = out.size
+        for b in prange(factor.size):
+            lo, hi = _block_range(b, block, lead, d)
+            f = factor[b]
+            for w in range(lo // lanes, hi // lanes):
+                word = np.int64(words[w])
+                for j in range(lanes - 1):
+                    out[w * lanes + j] = np.float32(((word >> (width * j)) & mask) - half) * f
+                out[w * lanes + lanes - 1] = np.float32(word >> top) * f  # arithmetic shift
+            if hi == d and hi > lo and d % lanes:
+                w = d // lanes
+                word = np.int64(words[w])
+                for j in range(d - w * lanes):
+                    lane = word >> top if j == lanes - 1 else ((word >> (width * j)) & mask) - half
+                    out[w * lanes + j] = np.float32(lane) * f
+
+    return quantize, dequantize
+
+
+_LANE_BLOCKS = {8: _lane_block_kernels(8), 16: _lane_block_kernels(16)}
+
+
+def quantize_lanes_blocks(x, pre, scale, block, levels, key, width, add_offset, first=0, out=None):
+    """:func:`quantize_lanes` with a ``pre`` and a scale per block of ``block`` elements of the
+    whole buffer (float32 arrays, one value per block ``x`` touches: ``x`` is elements
+    ``first ..``): ``global_qsgd.blockwise`` then ``global_qsgd.quantize`` on a grid of 1,
+    in one pass. ``block`` and ``first`` must be multiples of the lanes per word."""
+    pre, scale = _tables(pre, scale)
+    block, lead, _ = piece_blocks(x.size, block, first, pre.size, scale.size)
+    check_lanes(width, block, lead)
+    lanes = 32 // width
+    offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1)) if add_offset else 0
+    words = np.empty((x.size + lanes - 1) // lanes, np.int32) if out is None else out
+    _LANE_BLOCKS[width][0](x, pre, scale, np.int64(block), np.int64(lead), np.float32(levels), key, offset,
+                           words, np.int64(first))
+    return words
+
+
+@_twin
+def _quantize_ints_blocks(x, pre, scale, block, lead, levels, key, out, first):
+    k = np.uint64(key)
+    for b in prange(scale.size):
+        lo, hi = _block_range(b, block, lead, x.size)
+        p, s = pre[b], scale[b]
+        xs, os = x[lo:hi], out[lo:hi]  # indices from 0: no negative-index checks, vectorized
+        for i in range(xs.size):
+            os[i] = _level(xs, i, p, s, levels, k, first + lo)
+
+
+def quantize_ints_blocks(x, pre, scale, block, levels, key, dtype, first=0, out=None):
+    """:func:`quantize_ints` with a ``pre`` and a scale per block (as
+    :func:`quantize_lanes_blocks`, any ``block``)."""
+    pre, scale = _tables(pre, scale)
+    block, lead, _ = piece_blocks(x.size, block, first, pre.size, scale.size)
+    out = np.empty(x.size, dtype) if out is None else out
+    _quantize_ints_blocks(x, pre, scale, np.int64(block), np.int64(lead), np.float32(levels), key, out,
+                          np.int64(first))
+    return out
+
+
+def dequantize_lanes_blocks(words, numel, width, factor, block, first=0, out=None):
+    """:func:`dequantize_lanes` with a float32 ``factor`` per block (as
+    :func:`quantize_lanes_blocks`): ``global_qsgd.dequantize`` of blocks, in one pass."""
+    (factor,) = _tables(factor)
+    block, lead, _ = piece_blocks(numel, block, first, factor.size)
+    check_lanes(width, block, lead)
+    out = np.empty(numel, np.float32) if out is None else out
+    _LANE_BLOCKS[width][1](words, factor, np.int64(block), np.int64(lead), out)
+    return out
+
+
+@_twin
+def _dequantize_ints_blocks(q, factor, block, lead, out):
+    for b in prange(factor.size):
+        lo, hi = _block_range(b, block, lead, q.size)
+        f = factor[b]
+        qs, os = q[lo:hi], out[lo:hi]
+        for i in range(qs.size):
+            os[i] = np.float32(qs[i]) * f
+
+
+def dequantize_ints_blocks(q, factor, block, first=0, out=None):
+    """:func:`dequantize_ints` with a float32 ``factor`` per block (as
+    :func:`quantize_ints_blocks`): ``global_qsgd.dequantize`` and ``qsgd.decode_row`` of
+    blocks, in one pass."""
+    (factor,) = _tables(factor)
+    block, lead, _ = piece_blocks(q.size, block, first, factor.size)
+    out = np.empty(q.size, np.float32) if out is None else out
+    _dequantize_ints_blocks(q, factor, np.int64(block), np.int64(lead), out)
     return out
 
 

@@ -84,6 +84,7 @@ import triton
 import triton.language as tl
 
 from . import segment_tables
+from .blocks import check_lanes, piece_blocks
 from .segment_tables import TILE
 
 #: Elements per program of the element-wise kernels.
@@ -91,6 +92,7 @@ BLOCK = 2048
 _NB = TILE // 8          # packed bytes per tile
 _ABS_BLOCK = 8192        # elements per program of the max / finiteness scan
 _SUM_BLOCK = 1024        # partial sums per step of a segment's total
+_BLOCK_STEP = 512        # elements per step of a block's max (the default block: one step)
 _WARPS = 4
 _INTERPRETED = None      # set below: whether Triton's interpreter runs these kernels
 
@@ -516,6 +518,75 @@ def _dequantize_ints_k(q, out, n, factor, FACTOR: tl.constexpr, BLOCK: tl.conste
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     tl.store(out + o, tl.load(q + o, mask=m, other=0).to(tl.float32) * _f32(factor, FACTOR), mask=m)
+
+
+# --- kernels: a scale per block (kernels.blocks) ----------------------------------------------
+@triton.jit(do_not_specialize=["n", "block"])
+def _block_absmax_k(u, mx, top, n, block, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    # _absmax_k over one block of `block` elements per program, in steps of BLOCK.
+    b = tl.program_id(0).to(tl.int64)
+    finite = tl.zeros([BLOCK], tl.int32)
+    every = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, block, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        o = b * block + i
+        a = tl.load(u + o, mask=(i < block) & (o < n), other=0) & 0x7FFFFFFF
+        finite = tl.maximum(finite, tl.where(a < 0x7F800000, a, 0))
+        every = tl.maximum(every, a)
+    tl.store(mx + b, tl.max(finite, axis=0))
+    tl.store(top + b, tl.max(every, axis=0))
+
+
+@triton.jit
+def _of_block(table, idx, lead, block, m, other):
+    # The value of each element's block: element idx of the piece is in its block (lead + idx) // block.
+    return tl.load(table + (idx + lead) // block, mask=m, other=other)
+
+
+@triton.jit(do_not_specialize=["n", "nwords", "block", "lead", "key", "first", "offset"])
+def _quantize_lanes_blocks_k(x, out, pre, scale, n, nwords, block, lead, levels, key, first, offset,
+                             KEY: tl.constexpr, LANES: tl.constexpr, WIDTH: tl.constexpr, NW: tl.constexpr,
+                             ASM: tl.constexpr):
+    w = tl.program_id(0).to(tl.int64) * NW + tl.arange(0, NW)
+    j = tl.arange(0, LANES)
+    idx = w[:, None] * LANES + j[None, :]
+    m = idx < n
+    q = _level(tl.load(x + idx, mask=m, other=0.0), idx + first, _of_block(pre, idx, lead, block, m, 1.0),
+               _of_block(scale, idx, lead, block, m, 1.0), levels, _key(key, KEY), ASM)
+    lanes = tl.where(m, q, 0).to(tl.uint32, bitcast=True) << (WIDTH * j[None, :]).to(tl.uint32)
+    word = tl.sum(lanes, axis=1) + offset.to(tl.uint32)
+    tl.store(out + w, word.to(tl.int32, bitcast=True), mask=w < nwords)
+
+
+@triton.jit(do_not_specialize=["n", "block", "lead", "key", "first"])
+def _quantize_ints_blocks_k(x, out, pre, scale, n, block, lead, levels, key, first, KEY: tl.constexpr,
+                            BLOCK: tl.constexpr, ASM: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    q = _level(tl.load(x + o, mask=m, other=0.0), o + first, _of_block(pre, o, lead, block, m, 1.0),
+               _of_block(scale, o, lead, block, m, 1.0), levels, _key(key, KEY), ASM)
+    tl.store(out + o, q.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["n", "nwords", "block", "lead"])
+def _dequantize_lanes_blocks_k(words, out, factor, n, nwords, block, lead, LANES: tl.constexpr,
+                               WIDTH: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr):
+    w = tl.program_id(0).to(tl.int64) * NW + tl.arange(0, NW)
+    j = tl.arange(0, LANES)
+    idx = w[:, None] * LANES + j[None, :]
+    m = idx < n
+    word = tl.load(words + w, mask=w < nwords, other=0)
+    shifted = word[:, None] >> (WIDTH * j[None, :])
+    lane = tl.where(j[None, :] == LANES - 1, shifted, (shifted & ((1 << WIDTH) - 1)) - (1 << (WIDTH - 1)))
+    tl.store(out + idx, lane.to(tl.float32) * _of_block(factor, idx, lead, block, m, 0.0), mask=m)
+
+
+@triton.jit(do_not_specialize=["n", "block", "lead"])
+def _dequantize_ints_blocks_k(q, out, factor, n, block, lead, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    f = _of_block(factor, o, lead, block, m, 0.0)
+    tl.store(out + o, tl.load(q + o, mask=m, other=0).to(tl.float32) * f, mask=m)
 
 
 # --- kernels: exponential dithering ------------------------------------------------------------
@@ -1065,6 +1136,85 @@ def dequantize_ints(q, factor, out=None):
     return out
 
 
+# --- a scale per block (global_qsgd's and qsgd's ``block``) ------------------------------------
+def _tables(device, *per_block):
+    """Each table of values per block as a flat float32 tensor on ``device``."""
+    return [_flat(t, device, torch.float32) for t in per_block]
+
+
+def block_absmax_finite(x, block):
+    """``global_qsgd.block_absmax`` and ``Backend.all_finite`` in one pass: ``(max |x| per
+    block over its finite elements, float32; all finite as a 0-d bool tensor)``."""
+    x = _flat(x)
+    block, _, nblocks = piece_blocks(x.numel(), block, 0)
+    mx = torch.zeros(nblocks, dtype=torch.int32, device=x.device)
+    top = torch.zeros(nblocks, dtype=torch.int32, device=x.device)
+    if x.numel():
+        _launch(_block_absmax_k, nblocks, x.view(torch.int32), mx, top, x.numel(), block, BLOCK=_BLOCK_STEP)
+    return mx.view(torch.float32), top.max() < 0x7F800000
+
+
+def quantize_lanes_blocks(x, pre, scale, block, levels, key, width, add_offset, first=0, out=None):
+    """``global_qsgd`` with a ``pre`` and a scale per block (``cpu.quantize_lanes_blocks``):
+    tensors on the device, one value per block the piece touches."""
+    x = _flat(x)
+    if width not in (8, 16):
+        raise ValueError(f"lane width must be 8 or 16 bits, got {width}")
+    pre, scale = _tables(x.device, pre, scale)
+    block, lead, _ = piece_blocks(x.numel(), block, first, pre.numel(), scale.numel())
+    check_lanes(width, block, lead)
+    lanes = 32 // width
+    nwords = _cdiv(x.numel(), lanes)
+    words = _output(out, nwords, torch.int32, x.device)
+    offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1)) if add_offset else 0
+    key, key_ptr = _key_arg(key, x.device)
+    nw = LAUNCH["quantize_lanes"]["block"] // lanes
+    _launch(_quantize_lanes_blocks_k, _cdiv(nwords, nw), x, words, pre, scale, x.numel(), nwords, block, lead,
+            float(np.float32(levels)), key, int(first), offset, KEY=key_ptr, LANES=lanes, WIDTH=width, NW=nw,
+            num_warps=_warps("quantize_lanes"))
+    return words
+
+
+def quantize_ints_blocks(x, pre, scale, block, levels, key, dtype, first=0, out=None):
+    """``global_qsgd`` and ``qsgd`` with a ``pre`` and a scale per block
+    (``cpu.quantize_ints_blocks``)."""
+    x = _flat(x)
+    out = _output(out, x.numel(), _int_dtype(dtype), x.device)
+    pre, scale = _tables(x.device, pre, scale)
+    block, lead, _ = piece_blocks(x.numel(), block, first, pre.numel(), scale.numel())
+    key, key_ptr = _key_arg(key, x.device)
+    _launch(_quantize_ints_blocks_k, _cdiv(x.numel(), BLOCK), x, out, pre, scale, x.numel(), block, lead,
+            float(np.float32(levels)), key, int(first), KEY=key_ptr, BLOCK=BLOCK)
+    return out
+
+
+def dequantize_lanes_blocks(words, numel, width, factor, block, first=0, out=None):
+    """Lane sums times a float32 ``factor`` per block (``cpu.dequantize_lanes_blocks``)."""
+    words = _flat(words)
+    if width not in (8, 16):
+        raise ValueError(f"lane width must be 8 or 16 bits, got {width}")
+    (factor,) = _tables(words.device, factor)
+    block, lead, _ = piece_blocks(numel, block, first, factor.numel())
+    check_lanes(width, block, lead)
+    out = _output(out, numel, torch.float32, words.device)
+    lanes = 32 // width
+    nw = LAUNCH["dequantize_lanes"]["block"] // lanes
+    _launch(_dequantize_lanes_blocks_k, _cdiv(_cdiv(numel, lanes), nw), words, out, factor, numel,
+            words.numel(), block, lead, LANES=lanes, WIDTH=width, NW=nw, num_warps=_warps("dequantize_lanes"))
+    return out
+
+
+def dequantize_ints_blocks(q, factor, block, first=0, out=None):
+    """Integer sums times a float32 ``factor`` per block (``cpu.dequantize_ints_blocks``)."""
+    q = _flat(q)
+    out = _output(out, q.numel(), torch.float32, q.device)
+    (factor,) = _tables(q.device, factor)
+    block, lead, _ = piece_blocks(q.numel(), block, first, factor.numel())
+    _launch(_dequantize_ints_blocks_k, _cdiv(q.numel(), BLOCK), q, out, factor, q.numel(), block, lead,
+            BLOCK=BLOCK)
+    return out
+
+
 # --- Global-QSGD exponential dithering ---------------------------------------------------------
 def exp_encode(x, scale, world_size, key, out=None):
     """``exp_dithering.exp_encode``: uint8 codes of ``x / (scale * 2**(n-1))`` (into ``out``
@@ -1291,7 +1441,18 @@ def _warm_calls(dev):
     def one(value, dtype=torch.float32):
         return torch.full((1,), value, dtype=dtype, device=dev)
 
-    calls = [lambda: sign_pack(x), lambda: absmax_finite(x), lambda: all_finite(x)]
+    calls = [lambda: sign_pack(x), lambda: absmax_finite(x), lambda: all_finite(x),
+             lambda: block_absmax_finite(x, 8)]
+    per_block = torch.ones(3, device=dev)  # three blocks of 8
+    for key in (5, one(5, torch.int64)):
+        for width in (8, 16):
+            for offset in (True, False):
+                calls.append(lambda w=width, o=offset, k=key: quantize_lanes_blocks(x, per_block, per_block, 8, 3, k,
+                                                                                   w, o))
+        for dtype in ("int8", "int16", "int32"):
+            calls.append(lambda t=dtype, k=key: quantize_ints_blocks(x, per_block, per_block, 8, 3, k, t))
+    calls += [lambda w=width: dequantize_lanes_blocks(words, 24, w, per_block, 8) for width in (8, 16)]
+    calls += [lambda: dequantize_ints_blocks(ints, per_block, 8), lambda: dequantize_ints_blocks(words, per_block, 8)]
     for e in (None, x.clone()):
         calls += [lambda e=e: sign_pack_residual(x, e, ones, bounds), lambda e=e: sign_residual(x, e, ones, bounds),
                   lambda e=e: compensate_sums(x, e, bounds),

@@ -22,6 +22,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from .blocks import piece_blocks
+
 
 @dataclass(frozen=True)
 class Output:
@@ -53,6 +55,10 @@ def _f32(keyword, of):
     return Output(keyword, "float32", _size(of))
 
 
+def _blocks(a, numel):
+    return piece_blocks(numel(a["x"]), a["block"], 0)[2]
+
+
 def _lane_words(a, numel):
     lanes = 32 // int(a["width"])
     return (numel(a["x"]) + lanes - 1) // lanes
@@ -78,6 +84,11 @@ SIGNATURES = {
     "dequantize_lanes": Signature((Output("out", "float32", lambda a, numel: int(a["numel"])),),
                                   scalars=("factor",)),
     "dequantize_ints": Signature((_f32("out", "q"),), scalars=("factor",)),
+    "block_absmax_finite": Signature((Output(None, "float32", _blocks), Output(None, "bool", None))),
+    "quantize_lanes_blocks": Signature((Output("out", "int32", _lane_words),), scalars=("key",)),
+    "quantize_ints_blocks": Signature((Output("out", lambda a: str(a["dtype"]), _size("x")),), scalars=("key",)),
+    "dequantize_lanes_blocks": Signature((Output("out", "float32", lambda a, numel: int(a["numel"])),)),
+    "dequantize_ints_blocks": Signature((_f32("out", "q"),)),
     "exp_encode": Signature((Output("out", "uint8", _size("x")),), scalars=("scale", "key")),
     "exp_combine": Signature((Output("out", "uint8", _size("a")),), scalars=("key",)),
     "exp_decode": Signature((_f32("out", "codes"),), scalars=("factor", "scale")),
