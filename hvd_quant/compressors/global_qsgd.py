@@ -51,7 +51,7 @@ so every rank shares every block's grid, the integers are still summed by one al
 and the level rule holds block by block. The fused kernels take each block's scale in the
 passes of one scale (``block_absmax_finite``, ``quantize_*_blocks``,
 ``dequantize_*_blocks``: a rank's reduction of a 7.37M-element buffer costs what one
-scale's does, 26-30 ms on one thread, against 52-72 ms when the blocks were scaled around
+scale's does, 26-30 ms on one thread, against 47-125 ms when the blocks were scaled around
 the one-scale kernels; ``benchmarks/reference/global-qsgd-block-kernels-2026-12-06/``).
 The generic path divides the input by its blocks' scales (each broadcast over its block,
 :func:`~hvd_quant.core.segments.by_blocks`), quantizes on a grid of 1, decodes with a
