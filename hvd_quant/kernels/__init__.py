@@ -357,7 +357,7 @@ def loaded_signatures():
             total += sum(len(d.signatures) for d in value.dispatchers())
         elif isinstance(value, CPUDispatcher):
             total += len(value.signatures)
-    for pair in (*_cpu._LANES.values(), *_cpu._LANE_BLOCKS.values()):
-        total += sum(len(d.signatures) for twin in pair for d in twin.dispatchers())
+    for kernels_of_width in _cpu._LANES.values():
+        total += sum(len(d.signatures) for twin in kernels_of_width for d in twin.dispatchers())
     return total
 

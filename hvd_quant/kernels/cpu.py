@@ -773,13 +773,34 @@ def _level(x, i, pre, scale, levels, key, first):
     return np.int64(low) + np.int64(_uniform(key, first + i) < v - low)
 
 
+@njit(inline="always", **_OPTS)
+def _block_range(b, block, lead, n):
+    # Elements [lo, hi) of a piece of n elements, starting lead into its first block, that
+    # lie in its block b (the layout of hvd_quant.kernels.blocks).
+    return max(b * block - lead, 0), min((b + 1) * block - lead, n)
+
+
 def _lane_kernels(width):
     """Quantize and dequantize kernels for one lane width, compiled with the width as a
-    constant so the loop over a word's lanes becomes straight-line code (2x faster)."""
+    constant so the loop over a word's lanes becomes straight-line code (2x faster): with
+    one scale, and with a scale (a ``pre``, a factor) per block (``quantize_lanes_blocks``),
+    where a block's elements fill whole words."""
     lanes = 32 // width
     mask = (1 << width) - 1
     half = 1 << (width - 1)
     top = width * (lanes - 1)
+
+    @njit(inline="always", **_OPTS)
+    def unpack_word(words, w, count, factor, out):
+        word = np.int64(words[w])
+        if count == lanes:  # straight-line code for a whole word
+            for j in range(lanes - 1):
+                out[w * lanes + j] = np.float32(((word >> (width * j)) & mask) - half) * factor
+            out[w * lanes + lanes - 1] = np.float32(word >> top) * factor  # arithmetic shift
+        else:
+            for j in range(count):
+                lane = word >> top if j == lanes - 1 else ((word >> (width * j)) & mask) - half
+                out[w * lanes + j] = np.float32(lane) * factor
 
     @_twin
     def quantize(x, pre, scale, levels, key, offset, words, first):
@@ -800,19 +821,40 @@ def _lane_kernels(width):
     @_twin
     def dequantize(words, factor, out):
         d = out.size
-        full = d // lanes
-        for w in prange(full):
-            word = np.int64(words[w])
-            for j in range(lanes - 1):
-                out[w * lanes + j] = np.float32(((word >> (width * j)) & mask) - half) * factor
-            out[w * lanes + lanes - 1] = np.float32(word >> top) * factor  # arithmetic shift
+        for w in prange(d // lanes):
+            unpack_word(words, w, lanes, factor, out)
         if d % lanes:
-            word = np.int64(words[full])
-            for j in range(d - full * lanes):
-                lane = word >> top if j == lanes - 1 else ((word >> (width * j)) & mask) - half
-                out[full * lanes + j] = np.float32(lane) * factor
+            unpack_word(words, d // lanes, d % lanes, factor, out)
 
-    return quantize, dequantize
+    @_twin
+    def quantize_blocks(x, pre, scale, block, lead, levels, key, offset, words, first):
+        d = x.size
+        k = np.uint64(key)
+        for b in prange(scale.size):
+            lo, hi = _block_range(b, block, lead, d)
+            p, s = pre[b], scale[b]
+            for w in range(lo // lanes, hi // lanes):
+                acc = np.int64(offset)
+                for j in range(lanes):
+                    acc += _level(x, w * lanes + j, p, s, levels, k, first) << (width * j)
+                words[w] = np.int32(acc)
+            if hi == d and hi > lo and d % lanes:  # the last, partial word
+                acc = np.int64(offset)
+                for j in range(d - d // lanes * lanes):
+                    acc += _level(x, d // lanes * lanes + j, p, s, levels, k, first) << (width * j)
+                words[d // lanes] = np.int32(acc)
+
+    @_twin
+    def dequantize_blocks(words, factor, block, lead, out):
+        d = out.size
+        for b in prange(factor.size):
+            lo, hi = _block_range(b, block, lead, d)
+            for w in range(lo // lanes, hi // lanes):
+                unpack_word(words, w, lanes, factor[b], out)
+            if hi == d and hi > lo and d % lanes:
+                unpack_word(words, d // lanes, d % lanes, factor[b], out)
+
+    return quantize, dequantize, quantize_blocks, dequantize_blocks
 
 
 _LANES = {8: _lane_kernels(8), 16: _lane_kernels(16)}
@@ -873,12 +915,6 @@ def dequantize_ints(q, factor, out=None):
 # piece's block (first % block + i) // block: the blocks are the whole buffer's, so a chunk
 # (core.pipeline) that starts inside a block takes that block's scale for its first
 # elements. Each loop runs over whole blocks, one scale each: no division per element.
-def _block_range(b, block, lead, n):
-    """Elements ``[lo, hi)`` of the piece that lie in its block ``b``."""
-    return max(b * block - lead, 0), min((b + 1) * block - lead, n)
-
-
-_block_range = njit(inline="always", **_OPTS)(_block_range)
 
 
 def _tables(*per_block):
@@ -905,56 +941,6 @@ def block_absmax_finite(x, block):
     return mx.view(np.float32), bool(top.max() < _INF_BITS)
 
 
-def _lane_block_kernels(width):
-    """:func:`_lane_kernels` with a scale (and a ``pre``, a factor) per block; a block's
-    elements fill whole words, so ``block`` and the piece's start within its block are
-    multiples of the lanes per word."""
-    lanes = 32 // width
-    mask = (1 << width) - 1
-    half = 1 << (width - 1)
-    top = width * (lanes - 1)
-
-    @_twin
-    def quantize(x, pre, scale, block, lead, levels, key, offset, words, first):
-        d = x.size
-        k = np.uint64(key)
-        for b in prange(scale.size):
-            lo, hi = _block_range(b, block, lead, d)
-            p, s = pre[b], scale[b]
-            for w in range(lo // lanes, hi // lanes):
-                acc = np.int64(offset)
-                for j in range(lanes):
-                    acc += _level(x, w * lanes + j, p, s, levels, k, first) << (width * j)
-                words[w] = np.int32(acc)
-            if hi == d and hi > lo and d % lanes:  # the last word: padding lanes hold 0
-                w = d // lanes
-                acc = np.int64(offset)
-                for j in range(d - w * lanes):
-                    acc += _level(x, w * lanes + j, p, s, levels, k, first) << (width * j)
-                words[w] = np.int32(acc)
-
-    @_twin
-    def dequantize(words, factor, block, lead, out):
-        d = out.size
-        for b in prange(factor.size):
-            lo, hi = _block_range(b, block, lead, d)
-            f = factor[b]
-            for w in range(lo // lanes, hi // lanes):
-                word = np.int64(words[w])
-                for j in range(lanes - 1):
-                    out[w * lanes + j] = np.float32(((word >> (width * j)) & mask) - half) * f
-                out[w * lanes + lanes - 1] = np.float32(word >> top) * f  # arithmetic shift
-            if hi == d and hi > lo and d % lanes:
-                w = d // lanes
-                word = np.int64(words[w])
-                for j in range(d - w * lanes):
-                    lane = word >> top if j == lanes - 1 else ((word >> (width * j)) & mask) - half
-                    out[w * lanes + j] = np.float32(lane) * f
-
-    return quantize, dequantize
-
-
-_LANE_BLOCKS = {8: _lane_block_kernels(8), 16: _lane_block_kernels(16)}
 
 
 def quantize_lanes_blocks(x, pre, scale, block, levels, key, width, add_offset, first=0, out=None):
@@ -968,7 +954,7 @@ def quantize_lanes_blocks(x, pre, scale, block, levels, key, width, add_offset, 
     lanes = 32 // width
     offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1)) if add_offset else 0
     words = np.empty((x.size + lanes - 1) // lanes, np.int32) if out is None else out
-    _LANE_BLOCKS[width][0](x, pre, scale, np.int64(block), np.int64(lead), np.float32(levels), key, offset,
+    _LANES[width][2](x, pre, scale, np.int64(block), np.int64(lead), np.float32(levels), key, offset,
                            words, np.int64(first))
     return words
 
@@ -1002,7 +988,7 @@ def dequantize_lanes_blocks(words, numel, width, factor, block, first=0, out=Non
     block, lead, _ = piece_blocks(numel, block, first, factor.size)
     check_lanes(width, block, lead)
     out = np.empty(numel, np.float32) if out is None else out
-    _LANE_BLOCKS[width][1](words, factor, np.int64(block), np.int64(lead), out)
+    _LANES[width][3](words, factor, np.int64(block), np.int64(lead), out)
     return out
 
 
