@@ -72,11 +72,12 @@ from . import threads
 #: Every fused primitive with a fast CPU kernel (and a Triton one, :mod:`hvd_quant.kernels.gpu`).
 NAMES = ("sign_pack", "sign_pack_residual", "unpack_scaled_sum", "compensate_sums",
          "compensate_sums_signs", "sign_residual", "unpack_sum_residual", "unpack_sums_signs",
-         "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes",
-         "dequantize_ints", "block_absmax_finite", "quantize_lanes_blocks", "quantize_ints_blocks",
-         "dequantize_lanes_blocks", "dequantize_ints_blocks", "exp_encode", "exp_combine", "exp_decode", "marsit_select",
-         "rebinarize", "binsgdm_encode", "uniform", "random_bytes", "all_finite", "ema", "descend",
-         "adam_descend", "precondition", "zero_one_sync_input", "zero_one_sync_result")
+         "absmax_finite", "quantize_lanes", "quantize_ints", "dequantize_lanes", "dequantize_ints",
+         "block_absmax_finite", "quantize_lanes_blocks", "quantize_ints_blocks",
+         "dequantize_lanes_blocks", "dequantize_ints_blocks", "exp_encode", "exp_combine", "exp_decode",
+         "marsit_select", "rebinarize", "binsgdm_encode", "uniform", "random_bytes", "all_finite",
+         "ema", "descend", "adam_descend", "precondition", "zero_one_sync_input",
+         "zero_one_sync_result")
 
 _cpu = None
 _state = {"checked": False, "ok": False, "why": "", "prepared": False}

@@ -941,8 +941,6 @@ def block_absmax_finite(x, block):
     return mx.view(np.float32), bool(top.max() < _INF_BITS)
 
 
-
-
 def quantize_lanes_blocks(x, pre, scale, block, levels, key, width, add_offset, first=0, out=None):
     """:func:`quantize_lanes` with a ``pre`` and a scale per block of ``block`` elements of the
     whole buffer (float32 arrays, one value per block ``x`` touches: ``x`` is elements
@@ -954,8 +952,8 @@ def quantize_lanes_blocks(x, pre, scale, block, levels, key, width, add_offset, 
     lanes = 32 // width
     offset = sum((1 << (width - 1)) << (width * j) for j in range(lanes - 1)) if add_offset else 0
     words = np.empty((x.size + lanes - 1) // lanes, np.int32) if out is None else out
-    _LANES[width][2](x, pre, scale, np.int64(block), np.int64(lead), np.float32(levels), key, offset,
-                           words, np.int64(first))
+    _LANES[width][2](x, pre, scale, np.int64(block), np.int64(lead), np.float32(levels), key, offset, words,
+                     np.int64(first))
     return words
 
 
