@@ -576,3 +576,17 @@ def test_all_finite_kernel(d):
         y = x.copy()
         y[-1] = np.finfo(np.float32).max
         assert kernels.cpu_module().all_finite(y)
+
+
+def test_every_kernel_is_cached_under_the_same_key_in_every_process():
+    """numba keys a kernel's on-disk cache by its bytecode and the pickled cells of its
+    closure. A cell that holds a dispatcher (a helper the kernel calls) pickles differently
+    in every process, so every process compiled that kernel again and added a copy to the
+    cache: the lane kernels' word decoder did, from 032ec20 to 2026-12-06, in every rank.
+    Cells of numbers pickle the same everywhere."""
+    kernels.cpu_module()
+    found = kernels.dispatchers()
+    assert len(found) > 60
+    for d in found:
+        for cell in d.py_func.__closure__ or ():
+            assert isinstance(cell.cell_contents, (bool, int, float)), (d.py_func.__qualname__, cell.cell_contents)

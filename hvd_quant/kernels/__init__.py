@@ -348,17 +348,23 @@ def loaded_signatures():
     """How many kernel signatures this process has compiled or loaded from the cache so
     far (both twins). Constant during training once :func:`prepare` has run: the tests
     check that no step compiles or loads a kernel."""
+    return sum(len(d.signatures) for d in dispatchers())
+
+
+def dispatchers():
+    """Every numba dispatcher of the CPU kernels loaded in this process (both twins, and
+    the helpers they inline); none before the kernels are loaded."""
     if _cpu is None:
-        return 0
+        return []
     from numba.core.registry import CPUDispatcher
 
-    total = 0
+    found = []
     for value in vars(_cpu).values():
         if isinstance(value, _cpu._Twin):
-            total += sum(len(d.signatures) for d in value.dispatchers())
+            found += value.dispatchers()
         elif isinstance(value, CPUDispatcher):
-            total += len(value.signatures)
+            found.append(value)
     for kernels_of_width in _cpu._LANES.values():
-        total += sum(len(d.signatures) for twin in kernels_of_width for d in twin.dispatchers())
-    return total
+        found += [d for twin in kernels_of_width for d in twin.dispatchers()]
+    return found
 

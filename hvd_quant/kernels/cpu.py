@@ -780,27 +780,35 @@ def _block_range(b, block, lead, n):
     return max(b * block - lead, 0), min((b + 1) * block - lead, n)
 
 
-def _lane_kernels(width):
-    """Quantize and dequantize kernels for one lane width, compiled with the width as a
-    constant so the loop over a word's lanes becomes straight-line code (2x faster): with
-    one scale, and with a scale (a ``pre``, a factor) per block (``quantize_lanes_blocks``),
-    where a block's elements fill whole words."""
+@njit(inline="always", **_OPTS)
+def _unpack_word(words, w, count, factor, out, width):
+    # Word w's first count lanes of width bits, times factor, into out. Inlined into the
+    # lane kernels, where width is a constant: the lanes' loop becomes straight-line code.
+    # (A module function, not a closure of _lane_kernels: numba keys a kernel's cache by the
+    # pickled cells of its closure, and a dispatcher in a cell pickles differently in every
+    # process, so every process compiled the kernels again and added them to the cache.)
     lanes = 32 // width
     mask = (1 << width) - 1
     half = 1 << (width - 1)
     top = width * (lanes - 1)
+    word = np.int64(words[w])
+    if count == lanes:  # straight-line code for a whole word
+        for j in range(lanes - 1):
+            out[w * lanes + j] = np.float32(((word >> (width * j)) & mask) - half) * factor
+        out[w * lanes + lanes - 1] = np.float32(word >> top) * factor  # arithmetic shift
+    else:
+        for j in range(count):
+            lane = word >> top if j == lanes - 1 else ((word >> (width * j)) & mask) - half
+            out[w * lanes + j] = np.float32(lane) * factor
 
-    @njit(inline="always", **_OPTS)
-    def unpack_word(words, w, count, factor, out):
-        word = np.int64(words[w])
-        if count == lanes:  # straight-line code for a whole word
-            for j in range(lanes - 1):
-                out[w * lanes + j] = np.float32(((word >> (width * j)) & mask) - half) * factor
-            out[w * lanes + lanes - 1] = np.float32(word >> top) * factor  # arithmetic shift
-        else:
-            for j in range(count):
-                lane = word >> top if j == lanes - 1 else ((word >> (width * j)) & mask) - half
-                out[w * lanes + j] = np.float32(lane) * factor
+
+def _lane_kernels(width):
+    """Quantize and dequantize kernels for one lane width, compiled with the width as a
+    constant so the loop over a word's lanes becomes straight-line code (2x faster): with
+    one scale, and with a scale (a ``pre``, a factor) per block (``quantize_lanes_blocks``),
+    where a block's elements fill whole words. Their closures hold numbers only (see
+    :func:`_unpack_word`)."""
+    lanes = 32 // width
 
     @_twin
     def quantize(x, pre, scale, levels, key, offset, words, first):
@@ -822,9 +830,9 @@ def _lane_kernels(width):
     def dequantize(words, factor, out):
         d = out.size
         for w in prange(d // lanes):
-            unpack_word(words, w, lanes, factor, out)
+            _unpack_word(words, w, lanes, factor, out, width)
         if d % lanes:
-            unpack_word(words, d // lanes, d % lanes, factor, out)
+            _unpack_word(words, d // lanes, d % lanes, factor, out, width)
 
     @_twin
     def quantize_blocks(x, pre, scale, block, lead, levels, key, offset, words, first):
@@ -850,9 +858,9 @@ def _lane_kernels(width):
         for b in prange(factor.size):
             lo, hi = _block_range(b, block, lead, d)
             for w in range(lo // lanes, hi // lanes):
-                unpack_word(words, w, lanes, factor[b], out)
+                _unpack_word(words, w, lanes, factor[b], out, width)
             if hi == d and hi > lo and d % lanes:
-                unpack_word(words, d // lanes, d % lanes, factor[b], out)
+                _unpack_word(words, d // lanes, d % lanes, factor[b], out, width)
 
     return quantize, dequantize, quantize_blocks, dequantize_blocks
 
