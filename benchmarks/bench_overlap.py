@@ -8,8 +8,8 @@ method, configurations of ``hvd_quant.torch.DistributedOptimizer``:
 * ``step, 1 buffer``: ``bucket_size_mb=0`` (every gradient fused, reduced at ``step()``;
   the default until 2026-11-26);
 * ``step, buckets``: the same buckets as below, reduced at ``step()`` (``overlap=False``);
-* ``overlap``: ``bucket_size_mb`` buckets reduced during backward (the default, with
-  25 MB buckets; results identical to ``step, buckets``);
+* ``overlap``: ``bucket_size_mb`` buckets reduced during backward (as the default does,
+  whose size follows the model; results identical to ``step, buckets``);
 * ``overlap+chunks``: as ``overlap``, each buffer's sign allgather pipelined in chunks
   (``pipeline_chunk_mb``; ef_sign only);
 

@@ -119,7 +119,7 @@ def horovod_size_1():
         hvd.shutdown()
 
 
-def test_the_default_is_25_mb_buckets_reduced_during_backward(horovod_size_1):
+def test_the_default_is_buckets_reduced_during_backward(horovod_size_1):
     torch = pytest.importorskip("torch")
     import hvd_quant.torch as hq
 
@@ -190,6 +190,27 @@ def test_bucket_formation_reverse_order_with_cap():
     cap_mb = 1600 / 2 ** 20  # 400 float32 values
     got = [[int(p.numel()) for p in b] for b in _buckets(params, cap_mb)]
     assert got == [[10], [1000], [50, 300], [100]]
+
+
+def test_the_default_bucket_is_an_eighth_of_the_model_between_1_and_25_mb():
+    torch = pytest.importorskip("torch")
+    from hvd_quant.torch.distributed_optimizer import _buckets, default_bucket_mb
+
+    def meta(*numels):  # shapes without memory
+        return [torch.empty(n, device="meta") for n in numels]
+
+    mb = 2 ** 20 // 4  # float32 values in 1 MB
+    assert default_bucket_mb(meta(10, 100)) == 1  # small models: one 1 MB bucket or a few
+    assert default_bucket_mb(meta(4 * mb, 12 * mb)) == 2
+    assert default_bucket_mb(meta(100 * mb, 100 * mb)) == 25  # DDP's 25 MB from 200 MB up
+    assert default_bucket_mb(meta(1000 * mb)) == 25
+    # The time-to-quality LM's layout: a 16 MB tied embedding (registered first) and four
+    # blocks of 3 MB. 25 MB buckets make two, the blocks' complete only with block 0; the
+    # default makes one per block, the last layers' first.
+    lm = meta(16 * mb, *[3 * mb] * 4)
+    assert [len(b) for b in _buckets(lm, 25)] == [4, 1]
+    assert [[int(p.numel()) // mb for p in b] for b in _buckets(lm, default_bucket_mb(lm))] \
+        == [[3], [3], [3], [3], [16]]
 
 
 # --- chunk pipelining inside a buffer ----------------------------------------------------

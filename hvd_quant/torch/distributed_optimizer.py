@@ -1,7 +1,8 @@
 """``hvd_quant.torch.DistributedOptimizer``: Horovod's signature, fused compressed reduction.
 
-The gradients are flattened into float32 buffers: by default *buckets* of at most 25 MB,
-each reduced during backward as soon as its gradients are ready (as Horovod and DDP
+The gradients are flattened into float32 buffers: by default *buckets* of an eighth of the
+model's gradient (at least 1 MB, at most 25 MB; :func:`default_bucket_mb`), each reduced
+during backward as soon as its gradients are ready (as Horovod and DDP
 overlap by default; "Overlap" below). The compressor averages each buffer over ranks with
 whatever collectives it needs, and the mean goes back into ``.grad`` by ``step()`` (or an
 explicit ``synchronize()``): a float32 gradient becomes a view of the reduced buffer,
@@ -12,8 +13,9 @@ what makes 1-bit methods pay off on small tensors.
 
 Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
 
-* gradients are fused into buckets of up to 25 MB (DDP's default size) rather than
-  Horovod's 64 MB fusion buffer of whichever tensors are ready; ``bucket_size_mb=0`` (or
+* gradients are fused into buckets of up to 25 MB (DDP's default size; a model under
+  200 MB gets smaller ones, below) rather than Horovod's 64 MB fusion buffer of whichever
+  tensors are ready; ``bucket_size_mb=0`` (or
   ``overlap=False``) fuses every gradient into one buffer reduced at
   ``step()``/``synchronize()`` instead, and ``num_groups``/``groups`` into the groups given;
 * ``op`` may be ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is refused;
@@ -45,9 +47,11 @@ Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
 
 Overlap (buckets)
 -----------------
-By default (``bucket_size_mb=25``) the parameters go into buckets of at most 25 MB of float32
-gradient in *reverse* registration order, as DDP does (the last layers' gradients are
-ready first). A post-accumulate-grad hook on every parameter counts its gradients; when
+By default the parameters go into buckets of an eighth of the model's float32 gradient, at
+least 1 MB and at most 25 MB (:func:`default_bucket_mb`), in *reverse* registration order, as
+DDP does (the last layers' gradients are ready first). A fixed 25 MB, DDP's size, makes a
+model of a few tens of MB two or three buckets, complete only near the end of backward, so
+nothing overlaps. A post-accumulate-grad hook on every parameter counts its gradients; when
 every parameter of a bucket has received ``backward_passes_per_step`` of them, the bucket
 is handed to one worker thread that reduces buckets strictly in bucket order (0, 1, ...),
 each with the compressor's full reduction (its collectives, in the step-time order). So
@@ -145,6 +149,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             adaptive_check.warn_once(self._runner.compressor, type(self).__name__, adaptive,
                                      self._comm.rank)
         self._param_name = _parameter_names(all_params, named_parameters)
+        if bucket_size_mb is None:
+            bucket_size_mb = default_bucket_mb(all_params)
         if bucket_size_mb:
             self._groups = _buckets(all_params, bucket_size_mb)
         else:
@@ -506,8 +512,9 @@ def _adopted_compression(compression):
 
 
 def _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb):
-    """The bucket size in MB to use (0: no buckets), after checking the arguments that
-    shape the fused buffers; a ``ValueError`` names a bad one."""
+    """The bucket size in MB to use (0: no buckets; ``None``: :func:`default_bucket_mb`),
+    after checking the arguments that shape the fused buffers; a ``ValueError`` names a
+    bad one."""
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError("hvd_quant.torch.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if pipeline_chunk_mb is not None and not pipeline_chunk_mb > 0:
@@ -515,8 +522,9 @@ def _checked_bucket_size(bucket_size_mb, groups, overlap, op, pipeline_chunk_mb)
     given_groups = groups not in (None, 0)
     if bucket_size_mb is None:
         # The default: buckets reduced during backward, as Horovod and DDP overlap by
-        # default, unless the caller chose the groups or asked for no overlap.
-        return 0 if given_groups or overlap is False else DEFAULT_BUCKET_MB
+        # default (their size follows the model: None), unless the caller chose the groups
+        # or asked for no overlap.
+        return 0 if given_groups or overlap is False else None
     if (isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real)
             or not bucket_size_mb >= 0):
         raise ValueError(f"bucket_size_mb must be >= 0 (0: no buckets), got {bucket_size_mb!r}")
@@ -557,8 +565,32 @@ def _remove_hooks(handles):
         handle.remove()
 
 
-#: Default bucket size, MB of float32 gradient (DDP's default ``bucket_cap_mb``).
+#: The largest default bucket, MB of float32 gradient (DDP's default ``bucket_cap_mb``).
 DEFAULT_BUCKET_MB = 25
+#: The smallest default bucket, MB (DDP's first bucket, ``_DEFAULT_FIRST_BUCKET_BYTES``).
+MIN_DEFAULT_BUCKET_MB = 1
+#: A model under 200 MB is cut into about this many default buckets.
+DEFAULT_BUCKETS = 8
+
+
+def default_bucket_mb(params):
+    """The default bucket size for ``params``, MB: an eighth of their float32 gradient, at
+    least 1 MB and at most 25 MB.
+
+    Why not DDP's fixed 25 MB: backward fills the buckets from the last layer down and a
+    bucket goes out only when all of its gradients are in, so a model of two or three
+    buckets sends almost everything after backward ends. The time-to-quality LM (29.5 MB)
+    made two and hid nothing; with this size it makes five, three of which go out while
+    backward still runs. At 2 emulated hosts its step took 6-12% less for ``global_qsgd``
+    and ``ef_sign`` at 100 Mbit/s and 4-5% less on average for ``none``, ``fp16`` and
+    ``global_qsgd`` at 1 Gbit/s, pairs run in both orders; the 1-bit methods at 1 Gbit/s,
+    with little on the wire to hide, went with the order, not the size
+    (benchmarks/reference/buckets-overlap-2026-12-07/). The floor keeps a small model from
+    many collectives of a few kB each, whose latency would cost more than the overlap
+    gives; from 200 MB up this is DDP's 25 MB. Every rank computes the same size from the
+    same parameters."""
+    total_mb = 4 * sum(p.numel() for p in params) / 2 ** 20
+    return min(DEFAULT_BUCKET_MB, max(MIN_DEFAULT_BUCKET_MB, total_mb / DEFAULT_BUCKETS))
 
 
 def _split_groups(params, groups):
@@ -615,8 +647,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     Parameters mirror ``horovod.torch.DistributedOptimizer``. ``compression`` is an
     ``hvd_quant.torch.Compression.<name>`` object. ``num_groups``/``groups`` split the
-    parameters into that many fused buffers, reduced at the step (default: 25 MB
-    buckets reduced during backward, below). ``gradient_predivide_factor``
+    parameters into that many fused buffers, reduced at the step (default: buckets
+    reduced during backward, below). ``gradient_predivide_factor``
     is accepted for compatibility (averaging is exact).
 
     sparse_as_dense : bool
@@ -631,7 +663,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     bucket_size_mb : float or None
         Fused buffers of at most that many MB of float32 gradient, formed in reverse
-        registration order and reduced during backward. Default ``None``: 25 MB buckets,
+        registration order and reduced during backward. Default ``None``: an eighth of
+        the model's gradient, at least 1 MB and at most 25 MB (:func:`default_bucket_mb`),
         unless ``num_groups``/``groups`` are given or ``overlap=False`` (then those groups,
         or one buffer, reduced at the step). ``0``: no buckets.
     overlap : bool or None
