@@ -2,8 +2,8 @@
 
 The gradients are flattened into float32 buffers: by default *buckets* of an eighth of the
 model's gradient (at least 1 MB, at most 25 MB; :func:`default_bucket_mb`), each reduced
-during backward as soon as its gradients are ready (as Horovod and DDP
-overlap by default; "Overlap" below). The compressor averages each buffer over ranks with
+during backward as soon as its gradients are ready (as Horovod and DDP overlap by
+default; "Overlap" below). The compressor averages each buffer over ranks with
 whatever collectives it needs, and the mean goes back into ``.grad`` by ``step()`` (or an
 explicit ``synchronize()``): a float32 gradient becomes a view of the reduced buffer,
 which is kept and refilled at the next reduction (as DDP's ``gradient_as_bucket_view``;
@@ -15,9 +15,9 @@ Differences from ``horovod.torch.DistributedOptimizer`` (same arguments):
 
 * gradients are fused into buckets of up to 25 MB (DDP's default size; a model under
   200 MB gets smaller ones, below) rather than Horovod's 64 MB fusion buffer of whichever
-  tensors are ready; ``bucket_size_mb=0`` (or
-  ``overlap=False``) fuses every gradient into one buffer reduced at
-  ``step()``/``synchronize()`` instead, and ``num_groups``/``groups`` into the groups given;
+  tensors are ready; ``bucket_size_mb=0`` (or ``overlap=False``) fuses every gradient into
+  one buffer reduced at ``step()``/``synchronize()`` instead, and ``num_groups``/``groups``
+  into the groups given;
 * ``op`` may be ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is refused;
 * on the first step all ranks check that they use the same compressor and options and
   the same parameter names/shapes/dtypes, and raise
@@ -584,7 +584,8 @@ def default_bucket_mb(params):
     backward still runs. At 2 emulated hosts its step took 6-12% less for ``global_qsgd``
     and ``ef_sign`` at 100 Mbit/s and 4-5% less on average for ``none``, ``fp16`` and
     ``global_qsgd`` at 1 Gbit/s, pairs run in both orders; the 1-bit methods at 1 Gbit/s,
-    with little on the wire to hide, went with the order, not the size
+    with little on the wire to hide, went with the order, not the size, and at 8 emulated
+    hosts on 2 cores ``ef_sign`` was 4.8% slower on average (-3% to +14%)
     (benchmarks/reference/buckets-overlap-2026-12-07/). The floor keeps a small model from
     many collectives of a few kB each, whose latency would cost more than the overlap
     gives; from 200 MB up this is DDP's 25 MB. Every rank computes the same size from the
