@@ -364,8 +364,12 @@ def comm_seconds(colls, link):
 
 def bucket_numels(numel, bucket_mb=25):
     """Buffer sizes of a model of ``numel`` float32 parameters split into buckets of at most
-    ``bucket_mb`` MB (the torch optimizer's default), assuming tensors small enough to
-    fill them."""
+    ``bucket_mb`` MB, assuming tensors small enough to fill them. 25 MB is DDP's size and
+    the torch optimizer's default bucket from a 200 MB model up (and for every model before
+    2026-12-07, which the measurements this model is validated on used); below 200 MB its
+    default is an eighth of the model
+    (:func:`hvd_quant.torch.distributed_optimizer.default_bucket_mb`): pass that layout
+    as ``buckets=`` to :func:`predict`."""
     cap = int(bucket_mb * 2 ** 20 // 4)
     full, rest = divmod(int(numel), cap)
     return [cap] * full + ([rest] if rest else [])
