@@ -585,7 +585,7 @@ def default_bucket_mb(params):
     and ``ef_sign`` at 100 Mbit/s and 4-5% less on average for ``none``, ``fp16`` and
     ``global_qsgd`` at 1 Gbit/s, pairs run in both orders; the 1-bit methods at 1 Gbit/s,
     with little on the wire to hide, went with the order, not the size, and at 8 emulated
-    hosts on 2 cores ``ef_sign`` was 4.8% slower on average (-3% to +14%)
+    hosts on 2 cores ``ef_sign`` was 5.8% slower on average (-3% to +14%, six pairs)
     (benchmarks/reference/buckets-overlap-2026-12-07/). The floor keeps a small model from
     many collectives of a few kB each, whose latency would cost more than the overlap
     gives; from 200 MB up this is DDP's 25 MB. Every rank computes the same size from the

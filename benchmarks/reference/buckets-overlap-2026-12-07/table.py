@@ -17,12 +17,12 @@ def steady_and_sync(f):
     return steady, (d.get('metrics') or {}).get('sync_s.mean'), d['final_val_loss']
 
 
-# Which size ran first in each round (run.sh, run2.sh, run3.sh): rounds 1 and 2 at 1 Gbit/s ran
+# Which size ran first in each round (run.sh, run2.sh, run3.sh, run4.sh): rounds 1 and 2 at 1 Gbit/s ran
 # every 25 MB run before every 4 MB one; rounds 3 and 4 ran each method's pair back to back.
 FIRST = {('2x1-1gbit', 'r1'): '25', ('2x1-1gbit', 'r2'): '25', ('2x1-1gbit', 'r3'): '4',
          ('2x1-1gbit', 'r4'): '4', ('2x1-100mbit', 'r1'): '25', ('2x1-100mbit', 'r2'): '4',
          ('8x1-1gbit', 'r1'): '25', ('8x1-1gbit', 'r2'): '4', ('8x1-1gbit', 'r3'): '25',
-         ('8x1-1gbit', 'r4'): '4'}
+         ('8x1-1gbit', 'r4'): '4', ('8x1-1gbit', 'r5'): '25', ('8x1-1gbit', 'r6'): '4'}
 root = os.path.join(HERE, 'buckets')
 runs = collections.defaultdict(dict)
 for f in sorted(glob.glob(root + '/*/r*/*/*/*.json')):
