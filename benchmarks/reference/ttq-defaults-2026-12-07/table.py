@@ -41,7 +41,7 @@ def main(folder):
         last, steps = first["history"][-1], first.get("steps_done") or first["history"][-1]["step"]
         loss, ref = T.loss_at(first, 400), fp32["history"][-1]["val_loss"]
         if loss is None:  # not run to step 400 (stopped, or still running)
-            print(f"| {NAMES.get(name, name)} | {first.get('status', 'unfinished')} |")
+            print(f"| {NAMES.get(name, f'`{name}`')} | {first.get('status', 'unfinished')} |")
             continue
         row = [NAMES.get(name, f"`{name}`"), f"{loss:.4f}", f"{100 * (loss - ref) / ref:+.1f}%",
                f"{last['bytes_sent'] / steps / 1e6:.2f}"]
