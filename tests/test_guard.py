@@ -40,11 +40,24 @@ def test_the_verdict_on_a_slow_link_says_how_much_it_saves():
     assert v.method_s == pytest.approx(0.016) and v.compute_s == pytest.approx(0.006)
     assert v.saves_s == pytest.approx(0.0844 - 0.016) and v.share == pytest.approx(v.saves_s / 0.5)
     assert v.pays
-    assert v.text.startswith(f"hvd_quant: `ef_sign` saves about {v.saves_s * 1e3:.3g} ms per step "
-                             f"({100 * v.share:.0f}% of the 500 ms step) on this link")
+    # the saving against the step fp32 would take: 68.4 ms of 568.4 ms
+    assert v.text.startswith("hvd_quant: `ef_sign` saves about 68.4 ms per step on this link, 12% of "
+                             "the step fp32 would take (a 500 ms step against about 568 ms, 1.14x)")
     # the ring's bytes per rank, 2 (n - 1) / n * 4 d, over fp32's time: 4.096 MB in 84.4 ms
-    assert "fp32's took 84.4 ms" in v.text and "4.1 MB in 2 allreduce(s) at 2 ranks" in v.text
+    assert "fp32's took 84.4 ms" in v.text and "4.1 MB in 2 allreduces at 2 ranks" in v.text
     assert "388 Mbit/s on the ring" in v.text
+
+
+def test_the_verdict_where_fp32_is_most_of_its_step_says_seconds_and_a_share_under_100():
+    """At 100 Mbit/s fp32's reduction can be longer than the compressed step (2.57 s
+    against a 1.17 s step on the time-to-quality LM): the share is fp32's step's, not
+    161% of ours, and seconds are not written as ``1.89e+03 ms``."""
+    figures = {"encode_s": 0.0225, "decode_s": 0.0, "wait_s": 0.661, "step_s": 1.17}
+    v = M.pays("auto", figures, [7_370_000], 2, 2.57)
+    assert v.saves_s == pytest.approx(1.8865) and v.share == pytest.approx(1.8865 / 1.17)
+    assert v.text.startswith("hvd_quant: `auto` saves about 1.89 s per step on this link, 62% of the "
+                             "step fp32 would take (a 1.17 s step against about 3.06 s, 2.61x)")
+    assert "fp32's took 2.57 s" in v.text and "in 1 allreduce at 2 ranks" in v.text and "e+0" not in v.text
 
 
 def test_the_verdict_on_a_fast_link_says_what_to_use_instead():
