@@ -49,7 +49,7 @@ TAG = "hvd_quant"
 #: The owner's figures a summary or the Keras callback writes by default: every figure
 #: summed over buckets, for the last step (``metrics()`` has more: running means and
 #: per-bucket figures).
-SUMMARY_FIGURES = (("steps", "probes", "skipped_steps", "fallbacks", "saves_s") + tuple(STEP_FIGURES)
+SUMMARY_FIGURES = (("steps", "probes", "skipped_steps", "fallbacks", "saves_s", "saves_most_s") + tuple(STEP_FIGURES)
                    + tuple(PROBE_FIGURES) + tuple(SCALE_FIGURES) + tuple(DERIVED) + tuple(OWNER_FIGURES))
 
 #: The guard's advice when the averaged gradient stays non-finite (hvd_quant.core.guard).

@@ -705,11 +705,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     report_after : int
         After that many steps, rank 0 logs one line (INFO, the ``hvd_quant`` logger):
         the method's measured communication and compute per step (the means over the
-        second half of those steps), what fp32 would cost on the link as measured then
-        (every rank takes part in one measurement: a 1 MB allreduce), and whether the
-        method saves time here (:func:`hvd_quant.core.metrics.pays`;
-        ``metrics()["saves_s"]`` after it). Default 100; ``0``: never. Every rank must
-        pass the same value.
+        second half of those steps), what fp32 would cost here (every rank takes part in
+        one fp32 allreduce of each bucket, timed then), and whether the method saves
+        time here, or, where part of its reduction runs behind backward, the range the
+        figures allow (:func:`hvd_quant.core.metrics.pays`; ``metrics()["saves_s"]``
+        after it). Default 100; ``0``: never. Every rank must pass the same value.
     guard : bool, dict or None
         Fall back to fp32 for a bucket whose probe error stays above a bound, and warn
         when the averaged gradient stays non-finite (:mod:`hvd_quant.core.guard`).
