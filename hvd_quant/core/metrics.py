@@ -80,7 +80,7 @@ import math
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -823,16 +823,17 @@ def pays(method, per_step, buckets, world_size, fp32_s, instead=""):
     step = max(per_step["step_s"], ours, 1e-12)
     saves, saves_most = fp32 - ours, fp32 - waited
     share = saves / step
+    verdict = Verdict(method, ours, compute, fp32, saves, step, share, "", waited, saves_most)
     ms = _duration
     measured = _measured(per_step, ours, waited, compute, fp32, buckets, world_size)
-    if share >= EVEN_SHARE:
+    if verdict.pays:
         # Said against fp32's step (ours plus the saving): a share of our own step passes
         # 100% where fp32's communication is most of its step (161% at 100 Mbit/s, seen).
         fp32_step = step + saves
         text = (f"hvd_quant: `{method}` saves about {ms(saves)} per step on this link, "
                 f"{100 * saves / fp32_step:.0f}% of the step fp32 would take (a {ms(step)} step against "
                 f"about {ms(fp32_step)}, {fp32_step / step:.2f}x): {measured}.")
-    elif saves_most / step >= EVEN_SHARE:
+    elif verdict.may_pay:
         text = (f"hvd_quant: `{method}` saves up to about {ms(saves_most)} per step on this link "
                 f"({100 * saves_most / (step + saves_most):.0f}% of fp32's step) if fp32 would hide none of "
                 f"its reduction behind the backward pass, and {_signed(saves)} if it would hide as much as "
@@ -849,7 +850,7 @@ def pays(method, per_step, buckets, world_size, fp32_s, instead=""):
                      "faster link would not change this.")
         if instead:
             text += " " + instead
-    return Verdict(method, ours, compute, fp32, saves, step, share, text, waited, saves_most)
+    return replace(verdict, text=text)
 
 
 def _waited(per_step, ours):
