@@ -1,0 +1,49 @@
+"""Seed 1 at 8 hosts (run.sh): fp32 and global_qsgd's losses on loopback, set against seed 0's
+(../ttq-8hosts-2026-12-03/ for fp32, ../ttq-8hosts-defaults-2026-12-07/ for global_qsgd), and
+global_qsgd's time to fp32's losses on the cluster.
+
+    python benchmarks/reference/ttq-8hosts-seed1-2026-12-07/table.py   # from the repository's root
+
+fp32's step is the mean of its two 25-step anchors timed on the cluster (anchor-before/,
+anchor-after/), its time to a loss its step at which the loss falls (interpolated as the
+harness does) times that step; global_qsgd's times are its own, from its first 25 steps on
+the cluster (time_to_quality.py --time-curves, 8x1-1gbit/)."""
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # benchmarks/
+import time_to_quality as T  # noqa: E402
+
+EARLIER = (150, 100)
+
+
+def curve(folder, setting, method, seed):
+    return T.load(T.run_path(HERE.parent / folder, setting, method, seed, "constant"))
+
+
+print("Validation loss at each evaluation (steps 25 to 200):\n")
+rows = {("horovod_fp32", 0): curve("ttq-8hosts-2026-12-03", "8x1-1gbit", "horovod_fp32", 0),
+        ("global_qsgd", 0): curve("ttq-8hosts-defaults-2026-12-07/loss", "8x1-loopback", "global_qsgd", 0),
+        ("horovod_fp32", 1): curve(HERE.name + "/loss", "8x1-loopback", "horovod_fp32", 1),
+        ("global_qsgd", 1): curve(HERE.name + "/loss", "8x1-loopback", "global_qsgd", 1)}
+for (name, seed), r in rows.items():
+    fp32 = rows[("horovod_fp32", seed)]["history"][-1]["val_loss"]
+    final = r["history"][-1]["val_loss"]
+    print(f"{name:13s} seed {seed}  " + " ".join(f"{h['val_loss']:.4f}" for h in r["history"][1:])
+          + f"   {100 * (final / fp32 - 1):+.2f}% vs fp32")
+
+twin = rows[("horovod_fp32", 1)]
+anchors = [T.load(T.run_path(HERE / a, "8x1-1gbit", "horovod_fp32", 1, "constant"))["step_time_s"]
+           for a in ("anchor-before", "anchor-after")]
+fp32_step = sum(anchors) / len(anchors)
+timed = T.load(T.run_path(HERE, "8x1-1gbit", "global_qsgd", 1, "constant"))
+print(f"\nOn the cluster, seed 1: Horovod fp32 {', '.join(f'{1e3 * a:,.0f}' for a in anchors)} ms/step "
+      f"(mean {1e3 * fp32_step:,.0f}), global_qsgd {1e3 * timed['step_time_s']:,.0f} "
+      f"({fp32_step / timed['step_time_s']:.2f}x)")
+targets = {"final": twin["history"][-1]["val_loss"], **{s: T.loss_at(twin, s) for s in EARLIER}}
+for label, target in targets.items():
+    fp32_t = T.time_to_reach(twin, target) / twin["step_time_s"] * fp32_step
+    t = T.time_to_reach(timed, target)
+    print(f"to fp32's loss at {label} ({target:.4f}): fp32 {fp32_t:.0f} s, global_qsgd "
+          + ("not reached" if t is None else f"{t:.0f} s ({fp32_t / t:.2f}x)"))
