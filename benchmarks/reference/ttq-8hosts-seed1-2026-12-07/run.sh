@@ -22,3 +22,10 @@ $P --settings 8x1-1gbit --steps 200 --eval-every 25 --resume --seeds 1 --time-cu
 echo "== anchor after $(date)"
 $P --settings 8x1-1gbit $S --out $O/anchor-after --methods horovod_fp32
 echo "== done timing $(date)"
+# 3. (added after 2) fp16 on seed 1, whole on the cluster (its sums at 8 ranks are not the same
+#    bits from run to run, so no loopback shortcut), and Horovod fp32's step once more after it.
+echo "== fp16 whole, seed 1 $(date)"
+$P --settings 8x1-1gbit --steps 200 --eval-every 25 --resume --seeds 1 --out $O/whole --methods fp16
+echo "== anchor after fp16 $(date)"
+$P --settings 8x1-1gbit $S --out $O/anchor-after-fp16 --methods horovod_fp32
+echo "== done fp16 $(date)"

@@ -1,13 +1,14 @@
-"""Seed 1 at 8 hosts (run.sh): fp32 and global_qsgd's losses on loopback, set against seed 0's
-(../ttq-8hosts-2026-12-03/ for fp32, ../ttq-8hosts-defaults-2026-12-07/ for global_qsgd), and
-global_qsgd's time to fp32's losses on the cluster.
+"""Seed 1 at 8 hosts (run.sh): fp32 and global_qsgd's losses on loopback and fp16's whole run on
+the cluster, set against seed 0's (../ttq-8hosts-2026-12-03/ for fp32,
+../ttq-8hosts-defaults-2026-12-07/ for global_qsgd, ../ttq-8hosts-defaults-rest-2026-12-07/ for fp16), and
+global_qsgd's and fp16's times to fp32's losses on the cluster.
 
     python benchmarks/reference/ttq-8hosts-seed1-2026-12-07/table.py   # from the repository's root
 
-fp32's step is the mean of its two 25-step anchors timed on the cluster (anchor-before/,
-anchor-after/), its time to a loss its step at which the loss falls (interpolated as the
-harness does) times that step; global_qsgd's times are its own, from its first 25 steps on
-the cluster (time_to_quality.py --time-curves, 8x1-1gbit/)."""
+fp32's step, set beside each method, is the mean of the two 25-step anchors timed on the
+cluster right before and after that method (TIMED); its time to a loss is its step at which
+the loss falls on its loopback curve (interpolated as the harness does) times that step. global_qsgd's times are its own, from its first 25 steps on the cluster
+(time_to_quality.py --time-curves, 8x1-1gbit/); fp16's from its whole run there (whole/)."""
 import sys
 from pathlib import Path
 
@@ -26,7 +27,9 @@ print("Validation loss at each evaluation (steps 25 to 200):\n")
 rows = {("horovod_fp32", 0): curve("ttq-8hosts-2026-12-03", "8x1-1gbit", "horovod_fp32", 0),
         ("global_qsgd", 0): curve("ttq-8hosts-defaults-2026-12-07/loss", "8x1-loopback", "global_qsgd", 0),
         ("horovod_fp32", 1): curve(HERE.name + "/loss", "8x1-loopback", "horovod_fp32", 1),
-        ("global_qsgd", 1): curve(HERE.name + "/loss", "8x1-loopback", "global_qsgd", 1)}
+        ("global_qsgd", 1): curve(HERE.name + "/loss", "8x1-loopback", "global_qsgd", 1),
+        ("fp16", 0): curve("ttq-8hosts-defaults-rest-2026-12-07/whole", "8x1-1gbit", "fp16", 0),
+        ("fp16", 1): curve(HERE.name + "/whole", "8x1-1gbit", "fp16", 1)}
 for (name, seed), r in rows.items():
     fp32 = rows[("horovod_fp32", seed)]["history"][-1]["val_loss"]
     final = r["history"][-1]["val_loss"]
@@ -34,16 +37,32 @@ for (name, seed), r in rows.items():
           + f"   {100 * (final / fp32 - 1):+.2f}% vs fp32")
 
 twin = rows[("horovod_fp32", 1)]
-anchors = [T.load(T.run_path(HERE / a, "8x1-1gbit", "horovod_fp32", 1, "constant"))["step_time_s"]
-           for a in ("anchor-before", "anchor-after")]
-fp32_step = sum(anchors) / len(anchors)
-timed = T.load(T.run_path(HERE, "8x1-1gbit", "global_qsgd", 1, "constant"))
-print(f"\nOn the cluster, seed 1: Horovod fp32 {', '.join(f'{1e3 * a:,.0f}' for a in anchors)} ms/step "
-      f"(mean {1e3 * fp32_step:,.0f}), global_qsgd {1e3 * timed['step_time_s']:,.0f} "
-      f"({fp32_step / timed['step_time_s']:.2f}x)")
+
+
+def fp32_step_between(*anchors):
+    times = [T.load(T.run_path(HERE / a, "8x1-1gbit", "horovod_fp32", 1, "constant"))["step_time_s"]
+             for a in anchors]
+    return times, sum(times) / len(times)
+
+
+#: Each method timed on the cluster, its run, and the fp32 anchors timed right before and after it.
+TIMED = {"global_qsgd": (T.run_path(HERE, "8x1-1gbit", "global_qsgd", 1, "constant"),
+                         ("anchor-before", "anchor-after")),
+         "fp16": (T.run_path(HERE / "whole", "8x1-1gbit", "fp16", 1, "constant"),
+                  ("anchor-after", "anchor-after-fp16"))}
 targets = {"final": twin["history"][-1]["val_loss"], **{s: T.loss_at(twin, s) for s in EARLIER}}
-for label, target in targets.items():
-    fp32_t = T.time_to_reach(twin, target) / twin["step_time_s"] * fp32_step
-    t = T.time_to_reach(timed, target)
-    print(f"to fp32's loss at {label} ({target:.4f}): fp32 {fp32_t:.0f} s, global_qsgd "
-          + ("not reached" if t is None else f"{t:.0f} s ({fp32_t / t:.2f}x)"))
+for name, (path, anchors) in TIMED.items():
+    timed = T.load(path)
+    if timed is None:
+        continue
+    times, fp32_step = fp32_step_between(*anchors)
+    final = timed["history"][-1]["val_loss"]
+    print(f"\nOn the cluster, seed 1: {name} ends at {final:.4f} ({100 * (final / targets['final'] - 1):+.2f}% "
+          f"vs fp32); Horovod fp32 {', '.join(f'{1e3 * a:,.0f}' for a in times)} ms/step "
+          f"(mean {1e3 * fp32_step:,.0f}), {name} {1e3 * timed['step_time_s']:,.0f} "
+          f"({fp32_step / timed['step_time_s']:.2f}x)")
+    for label, target in targets.items():
+        fp32_t = T.time_to_reach(twin, target) / twin["step_time_s"] * fp32_step
+        t = T.time_to_reach(timed, target)
+        print(f"to fp32's loss at {label} ({target:.4f}): fp32 {fp32_t:.0f} s, {name} "
+              + ("not reached" if t is None else f"{t:.0f} s ({fp32_t / t:.2f}x)"))
