@@ -1,5 +1,5 @@
 """The warning when a compressor with error feedback feeds an adaptive optimizer (issue 51:
-ef_sign and marsit ended 74% and 62% above fp32 Adam on the time-to-quality LM at 5e-4;
+ef_sign and marsit ended 74% and 55% above fp32 Adam on the time-to-quality LM at 5e-4;
 hvd_quant/core/adaptive_check.py says why)."""
 
 import logging
