@@ -1,4 +1,5 @@
-"""The documentation builds without a single warning, and the READMEs' links resolve.
+"""The documentation builds without a single warning, the READMEs' links resolve, and the
+reference runs' index lists every folder.
 
 ``mkdocs build --strict`` (mkdocs.yml, docs/) fails on any warning: a broken link or
 anchor between pages, a page missing from the navigation, a docstring that griffe cannot
@@ -66,3 +67,16 @@ def test_readme_links_resolve(readme):
         elif anchor and anchor not in _heading_anchors(resolved.read_text()):
             broken.append(target)
     assert not broken, f"{readme}: links that do not resolve: {broken}"
+
+
+def test_reference_index_lists_every_folder():
+    """benchmarks/reference/README.md is the history's index: every folder under it is listed,
+    and every folder it lists exists (a run copied in without its line is history nobody
+    finds)."""
+    reference = ROOT / "benchmarks" / "reference"
+    index = (reference / "README.md").read_text()
+    folders = {p.name for p in reference.iterdir() if p.is_dir()}
+    named = set(re.findall(r"`([^`/\s]+)/`", index))  # a table's row, or a sentence that names it
+    rows = set(re.findall(r"^\| `([^`/]+)/` \|", index, re.M))
+    assert not folders - named, f"folders missing from benchmarks/reference/README.md: {sorted(folders - named)}"
+    assert not rows - folders, f"benchmarks/reference/README.md has rows for missing folders: {sorted(rows - folders)}"
