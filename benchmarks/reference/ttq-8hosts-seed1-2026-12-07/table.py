@@ -25,12 +25,11 @@ def curve(folder, setting, method, seed):
     return T.load(T.run_path(HERE.parent / folder, setting, method, seed, "constant"))
 
 
-#: Seed 1's fp32 curve, on loopback: every seed-1 method here is set against it.
-FP32_SEED1 = (HERE.name + "/loss", "8x1-loopback", "horovod_fp32", 1)
-#: (method, seed): (folder under benchmarks/reference/, the setting it ran in), for the curves.
+#: (method, seed): (folder under benchmarks/reference/, the setting it ran in), for the curves;
+#: each seed's fp32 among them (seed 1's on loopback: every seed-1 method is set against it).
 ROWS = {("horovod_fp32", 0): ("ttq-8hosts-2026-12-03", "8x1-1gbit"),
         ("global_qsgd", 0): ("ttq-8hosts-defaults-2026-12-07/loss", "8x1-loopback"),
-        ("horovod_fp32", 1): FP32_SEED1[:2],
+        ("horovod_fp32", 1): (HERE.name + "/loss", "8x1-loopback"),
         ("global_qsgd", 1): (HERE.name + "/loss", "8x1-loopback"),
         ("fp16", 0): ("ttq-8hosts-defaults-rest-2026-12-07/whole", "8x1-1gbit"),
         ("fp16", 1): (HERE.name + "/whole", "8x1-1gbit")}
@@ -46,17 +45,18 @@ def fp32_step_between(anchors):
 
 
 def main(rows, timed):
-    """Print each (method, seed)'s curve of ``rows`` against its seed's fp32, then each method of
-    ``timed`` on the cluster against seed 1's fp32 at the mean of its anchors."""
+    """Print each (method, seed)'s curve of ``rows`` (which holds each seed's fp32) against its
+    seed's fp32, then each method of ``timed`` on the cluster against seed 1's fp32 at the mean
+    of its anchors."""
     curves = {key: curve(folder, setting, *key) for key, (folder, setting) in rows.items()}
     print("Validation loss at each evaluation (steps 25 to 200):\n")
     for (name, seed), r in curves.items():
-        fp32 = curve(*rows[("horovod_fp32", seed)], "horovod_fp32", seed)["history"][-1]["val_loss"]
+        fp32 = curves[("horovod_fp32", seed)]["history"][-1]["val_loss"]
         final = r["history"][-1]["val_loss"]
         print(f"{name:15s} seed {seed}  " + " ".join(f"{h['val_loss']:.4f}" for h in r["history"][1:])
               + f"   {100 * (final / fp32 - 1):+.2f}% vs fp32")
 
-    twin = curve(*FP32_SEED1)
+    twin = curves[("horovod_fp32", 1)]
     targets = {"final": twin["history"][-1]["val_loss"], **{s: T.loss_at(twin, s) for s in EARLIER}}
     for name, (folder, anchors) in timed.items():
         timed_run = T.load(T.run_path(folder, "8x1-1gbit", name, 1, "constant"))

@@ -19,7 +19,7 @@ _spec.loader.exec_module(table)
 
 SEED0 = "ttq-8hosts-defaults-2026-12-07/loss"
 ROWS = {("horovod_fp32", 0): ("ttq-8hosts-2026-12-03", "8x1-1gbit"),
-        ("horovod_fp32", 1): table.FP32_SEED1[:2],
+        ("horovod_fp32", 1): table.ROWS[("horovod_fp32", 1)],
         **{(name, seed): (SEED0 if seed == 0 else HERE.name + "/loss", "8x1-loopback")
            for name in ("global_qsgd", "qsgd", "global_qsgd_exp") for seed in (0, 1)}}
 ROWS[("global_qsgd", 1)] = table.ROWS[("global_qsgd", 1)]
