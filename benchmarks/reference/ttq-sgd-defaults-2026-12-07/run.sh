@@ -6,7 +6,7 @@
 # Run from a clone of the commit under test, with the main .venv.
 set -u
 P="/work/main/.venv/bin/python benchmarks/time_to_quality.py"
-O=${O:-/work/main/benchmarks/reference/ttq-sgd-4ranks-defaults-2026-12-07}
+O=${O:-/work/main/benchmarks/reference/ttq-sgd-defaults-2026-12-07}
 git log --oneline -1
 echo "== loss, 4x1 loopback, plain SGD at 1.0 $(date)"
 $P --steps 400 --eval-every 25 --seeds 0 --resume --settings 4x1-loopback --out $O/4r-sgd-lr1.0 \
