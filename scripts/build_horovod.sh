@@ -60,12 +60,23 @@
 #      cmake/Utilities.cmake) we define it for the whole build, compile math.cc, and set
 #      gloo's config.h to match. Both sums add in float32 and round to nearest even: the
 #      finite sums' bits do not change (a NaN keeps its payload instead of 0x7fff).
+#  10. Gloo's alltoall and allgather (third_party/gloo/gloo/alltoallv.cc, allgatherv.cc)
+#      post each send before its receive. The TCP transport holds a send until the peer
+#      has said it is ready to receive, and that notice leaves on the same socket behind
+#      any data already being sent: when one rank arrives first (the usual case), the
+#      other sends its whole share before its notice reaches the first, and the exchange
+#      runs one way and then the other, at twice the bytes' time on a full-duplex link
+#      (benchmarks/reference/alltoall-pieces-2026-12-06/). Gloo's allreduce posts the
+#      receive first. We do the same in both: the same bytes to the same places, in both
+#      directions at once (benchmarks/reference/gloo-recv-first-2026-12-07/). The build
+#      says so in horovod/hvd_quant_build.py (GLOO_RECEIVES_FIRST), and hvd_quant's torch
+#      communicator then sends a large alltoall whole instead of in pieces.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
 # Bump when a patch below changes: it is part of the wheel cache's key, so a machine
 # that cached a wheel built without it builds again.
-PATCH_LEVEL=p6
+PATCH_LEVEL=p7
 PY=${PYTHON:-python}
 
 # Which controllers: "Gloo" or "Gloo, MPI" (as the bootstrap's summary line names them).
@@ -166,6 +177,36 @@ else
         || { echo "[build_horovod] patch did not apply: math.cc not among gloo's sources" >&2; exit 1; }
     grep -qF 'add_definitions(-DGLOO_USE_AVX=1)' "$src/CMakeLists.txt" \
         || { echo "[build_horovod] patch did not apply: no GLOO_USE_AVX definition in $src/CMakeLists.txt" >&2; exit 1; }
+    # Fix 10: Gloo's alltoall and allgather post each receive before its send.
+    "$PY" - "$src/third_party/gloo/gloo" <<'PATCH'
+import sys
+root = sys.argv[1]
+swaps = {
+    "alltoallv.cc": [(
+        "    in->send(\n        sendRank, slot, inOffsetPerRank[sendRank], inLengthPerRank[sendRank]);\n",
+        "    out->recv(\n        recvRank, slot, outOffsetPerRank[recvRank], outLengthPerRank[recvRank]);\n")],
+    "allgatherv.cc": [(
+        indent + "out->send(sendRank, slot, byteOffsets[sendIndex], byteCounts[sendIndex]);\n",
+        indent + "out->recv(recvRank, slot, byteOffsets[recvIndex], byteCounts[recvIndex]);\n")
+        for indent in ("      ", "    ")],
+}
+for name, pairs in swaps.items():
+    path = f"{root}/{name}"
+    text = open(path).read()
+    for send, recv in pairs:
+        if text.count(send + recv) != 1:
+            sys.exit(f"[build_horovod] patch did not apply: no single send-then-receive pair in {path}")
+        text = text.replace(send + recv, recv + send)
+    open(path, "w").write(text)
+PATCH
+    # What this build holds, for hvd_quant to read (horovod.hvd_quant_build): with Fix 10 its
+    # torch communicator sends a large alltoall whole (hvd_quant/torch/comm.py).
+    cat > "$src/horovod/hvd_quant_build.py" <<MARKER
+"""Written by hvd_quant's scripts/build_horovod.sh into the Horovod it built."""
+PATCH_LEVEL = "$PATCH_LEVEL"
+#: Fix 10: Gloo's alltoall and allgather post each receive before its send.
+GLOO_RECEIVES_FIRST = True
+MARKER
     # Fix 3: drop the optional XLA MPI ops that do not compile against TF 2.21.
     sed -i '/xla_mpi_ops.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
     # Fix 5: the rendezvous server clears the finished scope's list, not every scope's.

@@ -293,23 +293,33 @@ class Set2(FakeProcessSet):
         return 2
 
 
-@pytest.mark.parametrize("codes", [[1, 1], [2, 2], [1, 2]])
+@pytest.mark.parametrize("codes", [[1, 1], [2, 2], [1, 2], "pieces"])
 def test_every_rank_must_hand_horovod_the_same_kind_of_tensors(codes, monkeypatch):
+    """The first collective's check: the wire (where the tensors live) and the bytes of a
+    large alltoall's pieces (0: whole; a Horovod with Fix 10 against one without)."""
     import horovod.torch as hvd
     from hvd_quant.torch import comm as tcomm
 
     calls = []
+    # the peer's (wire, piece bytes): its wire from ``codes``, or, for "pieces", this
+    # rank's wire and the other choice of whole or pieces
+    rows = ([[1, 0], [1, 1 << 20]] if codes == "pieces" else None)
 
     def allgather(x, name, process_set):
         calls.append(name)
         if name.startswith("hvd_quant.wire."):
-            return torch.tensor(codes, dtype=torch.int64)
+            got = rows or [[code, int(x[1])] for code in codes]
+            return torch.tensor(got, dtype=torch.int64).view(-1)
         return torch.cat([x, x])
 
     # Horovod's asynchronous allgather, waited for as the communicator waits (comm.wait_for)
     monkeypatch.setattr(hvd, "allgather_async", allgather)
     monkeypatch.setattr(tcomm, "wait_for", lambda result: result)
     comm = tcomm.HorovodTorchComm(Set2(), wire="host")
+    if codes == "pieces":
+        with pytest.raises(RankDisagreement, match="the bytes of a large alltoall's pieces"):
+            comm.allgather(torch.ones(1), "first")
+        return
     if codes[0] != codes[1]:
         with pytest.raises(RankDisagreement, match="where the tensors handed to Horovod live"):
             comm.allgather(torch.ones(1), "first")

@@ -48,6 +48,7 @@ def test_an_alltoall_in_pieces_gives_the_whole_ones_result(dtype, wait, monkeypa
     import horovod.torch as hvd
     monkeypatch.setattr(hvd, "alltoall_async", alltoall)
     monkeypatch.setattr(tcomm, "wait_for", lambda result: result)
+    monkeypatch.setattr(tcomm.HorovodTorchComm, "in_pieces", True)  # as with Horovod as released
     x = torch.arange(2 * 37, dtype=torch.int64).to(dtype)
     want = torch.cat([x[:37], x[:37] + 100])
     results, metered = {}, {}
@@ -67,3 +68,39 @@ def test_an_alltoall_in_pieces_gives_the_whole_ones_result(dtype, wait, monkeypa
     for got in results.values():
         assert got.dtype == dtype and torch.equal(got, want)
     assert metered[0] == metered[32] == 37 * x.element_size()
+
+
+def test_a_horovod_whose_gloo_receives_first_gets_the_alltoall_whole(monkeypatch):
+    """scripts/build_horovod.sh's Fix 10 is recorded in horovod.hvd_quant_build; with it the
+    communicator sends an alltoall whole at any size, and says so in its wire check (piece
+    bytes 0), so that ranks on different Horovods refuse together instead of waiting."""
+    import sys
+    import types
+
+    import horovod.torch as hvd
+    marker = types.ModuleType("horovod.hvd_quant_build")
+    marker.GLOO_RECEIVES_FIRST = True
+    monkeypatch.setitem(sys.modules, "horovod.hvd_quant_build", marker)
+    assert tcomm.gloo_receives_first()
+    marker.GLOO_RECEIVES_FIRST = False
+    assert not tcomm.gloo_receives_first()
+    monkeypatch.setitem(sys.modules, "horovod.hvd_quant_build", None)  # a Horovod built elsewhere
+    assert not tcomm.gloo_receives_first()
+
+    calls = []
+
+    def alltoall(x, name, process_set):
+        calls.append(name)
+        return x.clone(), torch.tensor([x.numel() // 2] * 2)
+
+    monkeypatch.setattr(hvd, "alltoall_async", alltoall)
+    monkeypatch.setattr(tcomm, "wait_for", lambda result: result)
+    monkeypatch.setattr(core_comm, "PIECE_BYTES", 32)
+    monkeypatch.setattr(tcomm.HorovodTorchComm, "in_pieces", False)
+    comm = tcomm.HorovodTorchComm(Set2(), wire="host")
+    comm._wire_checked = True
+    x = torch.arange(2 * 37, dtype=torch.float32)
+    assert torch.equal(comm.alltoall(x, "t"), x) and calls == ["t"]
+    assert comm._piece_bytes() == 0
+    monkeypatch.setattr(tcomm.HorovodTorchComm, "in_pieces", True)
+    assert comm._piece_bytes() == 32

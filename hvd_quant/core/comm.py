@@ -40,7 +40,11 @@ def alltoall_pieces(numel, size, element_size):
     ``gloo/alltoallv.cc`` posts each send before its receive, and the TCP transport holds
     a send until the peer says it is ready to receive, a notice that goes out on the same
     socket behind any data already being sent (``DistComm.sendrecv`` met the same one-way
-    runs with the send posted first).
+    runs with the send posted first). Horovod built by ``scripts/build_horovod.sh`` (Fix 10,
+    wheel ``p7``) posts Gloo's receives first: its whole alltoall of 58.7 MB each way then
+    took 531-551 ms, faster than the pieces (616), so ``HorovodTorchComm`` sends whole there
+    (``benchmarks/reference/gloo-recv-first-2026-12-07/``); the pieces stay for
+    ``torch.distributed``, whose Gloo is torch's own, and for a Horovod built elsewhere.
 
     The pieces depend only on ``numel``, which every rank's alltoall has the same of (the
     :meth:`Communicator.alltoall` contract), so every rank issues the same pieces. What

@@ -11,12 +11,17 @@ memory, named after that first collective, and all ranks raise
 refuse the collective, or, for a GPU tensor that Horovod copies to the host itself
 without a GPU build, read it before the copy is done).
 
-Large alltoalls go in pieces
-----------------------------
+Large alltoalls go in pieces, unless Horovod's Gloo receives first
+--------------------------------------------------------------------
 An alltoall that sends a peer more than :data:`~hvd_quant.core.comm.SPLIT_ABOVE` pieces
 of :data:`~hvd_quant.core.comm.PIECE_BYTES` goes as pieces, all started before the first
-is waited for (:mod:`hvd_quant.torch.pieces`): over Gloo a whole one ran one direction at
-a time (:func:`hvd_quant.core.comm.alltoall_pieces` has the measurements).
+is waited for (:mod:`hvd_quant.torch.pieces`): over Gloo as released a whole one ran one
+direction at a time (:func:`hvd_quant.core.comm.alltoall_pieces` has the measurements).
+A Horovod built by ``scripts/build_horovod.sh`` posts Gloo's receives first (its Fix 10),
+and there a whole alltoall was 10-16% faster than the pieces, so
+:attr:`HorovodTorchComm.in_pieces` is then False. Every rank must cut the same: the first
+collective's check compares the piece size (with the wire) and raises on every rank where
+they differ.
 
 Waiting for a collective
 ------------------------
@@ -29,12 +34,14 @@ the CPU from the ranks, and from the Horovod and Gloo threads, that have work to
 :data:`WAIT` says how every collective here is waited for (:func:`wait_mode`).
 """
 
+import importlib
 import os
 import time
 
 import torch
 import horovod.torch as hvd
 
+from ..core import comm as core_comm
 from ..core.comm import Communicator
 from ..core.runner import check_agreement
 from ..core.watchdog import WATCHDOG
@@ -99,12 +106,28 @@ class _AsyncHandle:
         return out[self._pick] if self._pick is not None else out
 
 
+def gloo_receives_first():
+    """Whether the installed Horovod was built with Gloo's alltoall and allgather posting
+    each receive before its send: ``scripts/build_horovod.sh`` (Fix 10) writes
+    ``GLOO_RECEIVES_FIRST`` into the module ``horovod.hvd_quant_build`` of the Horovod it
+    builds. Then a whole alltoall runs both ways at once: 531 ms against 616 in 1 MiB
+    pieces for 58.7 MB each way at 2 emulated hosts and 1 Gbit/s
+    (``benchmarks/reference/gloo-recv-first-2026-12-07/``)."""
+    try:
+        build = importlib.import_module("horovod.hvd_quant_build")
+    except ImportError:
+        return False
+    return bool(getattr(build, "GLOO_RECEIVES_FIRST", False))
+
+
 class HorovodTorchComm(ProcessSetTorus, Communicator):
     """Collectives over a Horovod process set (the global one by default). Every call
     runs under the collective deadline of :mod:`hvd_quant.core.watchdog` (for the
     ``*_async`` ones: the handle's ``wait()``)."""
 
     _horovod = hvd  # ProcessSetTorus reads the global process set and the layout from it
+    #: Large alltoalls in pieces (module docstring): not where Horovod's Gloo receives first.
+    in_pieces = not gloo_receives_first()
 
     def __init__(self, process_set=None, wire="host"):
         super().__init__(process_set)
@@ -126,18 +149,27 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
         self._wire_checked = True
         if self.size == 1:
             return
-        code = torch.tensor([WIRES[self.wire]], dtype=torch.int64)
+        # The alltoall's pieces name collectives of their own: ranks that cut differently
+        # would wait for each other's pieces forever.
+        code = torch.tensor([WIRES[self.wire], self._piece_bytes()], dtype=torch.int64)
         label = f"hvd_quant.wire.{name}"
         with WATCHDOG.guard(f"allgather {label!r}"):
             gathered = wait_for(hvd.allgather_async(code, name=label, process_set=self.process_set))
         check_agreement(
-            gathered.numpy().reshape(self.size, 1),
-            ["where the tensors handed to Horovod live (1: host memory, 2: the GPU)"],
+            gathered.numpy().reshape(self.size, 2),
+            ["where the tensors handed to Horovod live (1: host memory, 2: the GPU)",
+             "the bytes of a large alltoall's pieces (0: whole)"],
             ["Horovod takes GPU tensors itself only when it was built with GPU operations "
              "(hvd.cuda_built()); hvd_quant stages them through host memory otherwise, and "
              "CPU parameters are in host memory. Build the same Horovod on every host, and "
              "put the model on the same kind of device on every rank, or set "
-             "HVD_QUANT_WIRE=staged on every rank (GPU tensors staged through host memory)."])
+             "HVD_QUANT_WIRE=staged on every rank (GPU tensors staged through host memory).",
+             "A Horovod built by hvd_quant's scripts/build_horovod.sh sends it whole, another "
+             "in pieces of HVD_QUANT_PIECE_BYTES: build the same Horovod on every host and "
+             "set the same HVD_QUANT_PIECE_BYTES on every rank."])
+
+    def _piece_bytes(self):
+        return core_comm.PIECE_BYTES if self.in_pieces else 0
 
     def subgroups(self, rows):
         """Torus rows and columns (:meth:`ProcessSetTorus.subgroups`); over registered
@@ -183,6 +215,8 @@ class HorovodTorchComm(ProcessSetTorus, Communicator):
             from ..core.pipeline import _Done
             return _Done(x.clone())
         self._count_alltoall(x.numel() * x.element_size())
+        if not self.in_pieces:
+            return self._start_alltoall(x, name)
         return pieces.start_alltoall(x, self.size, name, self._start_alltoall)
 
     def _start_alltoall(self, x, name):
