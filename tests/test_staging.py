@@ -301,8 +301,8 @@ def test_every_rank_must_hand_horovod_the_same_kind_of_tensors(codes, monkeypatc
     from hvd_quant.torch import comm as tcomm
 
     calls = []
-    # the peer's (wire, piece bytes): its wire from ``codes``, or, for "pieces", this
-    # rank's wire and the other choice of whole or pieces
+    # Both ranks' (wire, piece bytes): the wires of ``codes`` with this rank's piece bytes,
+    # or, for "pieces", the same wire with one rank whole and the other in pieces.
     rows = ([[1, 0], [1, 1 << 20]] if codes == "pieces" else None)
 
     def allgather(x, name, process_set):
