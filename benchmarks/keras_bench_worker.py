@@ -52,6 +52,13 @@ chunk one ``fit`` call (or loop) after a barrier. A batch's time is the time fro
 slowest rank. Then the method is freed before the next is built, so memory holds the
 baseline, the floor and one method at a time.
 
+``--paired LABEL`` builds one more row once, like the baseline, and runs its chunk next to
+each method's in every round (after it in even rounds, before it in odd ones). This
+machine's step moves between modes some 15% apart for tens of steps at a time, in every
+row (issue 54, ``benchmarks/reference/keras-metrics-paired-2026-12-07/``), so rows timed
+minutes apart cannot resolve a cost of 1-2%; a method against its paired twin (say
+``ef_sign@probe100`` against ``ef_sign``) chunk by chunk can.
+
 Threads: TensorFlow's intra-op and inter-op pools are set to this rank's share of the
 host's usable cores (``hvd_quant.kernels.threads``: affinity and cgroup quota, divided by
 the ranks on this host), which is what the README recommends; nothing else is set.
@@ -278,8 +285,9 @@ def set_threads():
 def pool_batches(args):
     """Batches to pre-draw: the baseline and the floor run 2 warm-up batches and
     ``--chunk`` per round with every method; a method at most 5 (warm-up and the bytes
-    step) and its rounds. No walk reaches the end of the pool (it would wrap)."""
-    return 8 + max(1, len(args.methods)) * args.repeats * args.chunk
+    step) and its rounds; the ``--paired`` twin its warm-up, one untimed batch after each
+    method is built and the rounds. No walk reaches the end of the pool (it would wrap)."""
+    return 8 + max(1, len(args.methods)) * (args.repeats * args.chunk + 1)
 
 
 def load_data(args, rank):
@@ -330,6 +338,14 @@ def measure(args):
         f"{reference['fp32'].model.count_params():,} parameters, batch {args.batch} x {args.seq} tokens")
     signatures = kernels.loaded_signatures()
 
+    paired = None
+    if args.paired:  # built once, like the baseline, and run beside every row (--paired)
+        paired = Method(args.paired, args, keras, data)
+        for _ in range(paired.warmup + 1):
+            barrier()
+            paired.run(1)
+        log(f"paired row {args.paired} built and warmed up")
+
     results = {}
     for label in args.methods:
         t0 = time.perf_counter()
@@ -341,27 +357,34 @@ def measure(args):
         barrier()
         method.run(1)
         sent = method.bytes_sent() - before if method.tape is None else method.bytes_sent()
+        if paired is not None:  # untimed: the row before was freed, and the twin's buffers with it
+            barrier()
+            paired.run(1)
         log(f"{label}: built and warmed up in {time.perf_counter() - t0:.1f} s; "
             f"{sent / 1e6:.2f} MB sent per step; last step {method.kind() or '-'}")
-        times = {label: [], "fp32": [], "floor": []}
+        times = {label: [], "fp32": [], "floor": [], "paired": []}
         kinds = set()
         skipped_before = method.skipped()
         for rep in range(args.repeats):
             order = [label, "fp32", "floor"]
             order = order[rep % 3:] + order[:rep % 3]
+            if paired is not None:  # next to the row, first every other round
+                at = order.index(label)
+                order[at:at + 1] = [label, "paired"] if rep % 2 == 0 else ["paired", label]
             for name in order:
-                runner = method if name == label else reference[name]
+                runner = method if name == label else paired if name == "paired" else reference[name]
                 barrier()
                 times[name] += runner.run(args.chunk)
                 if name == label and method.kind():
                     kinds.add(method.kind())
             log(f"  round {rep + 1}/{args.repeats}: " + ", ".join(
-                f"{name} {1e3 * statistics.median(times[name][-args.chunk:]):.0f} ms" for name in (label, "fp32", "floor")))
+                f"{name} {1e3 * statistics.median(times[name][-args.chunk:]):.0f} ms"
+                for name in (label, "fp32", "floor") + (("paired",) if paired is not None else ())))
         skipped = method.skipped() - skipped_before
         if skipped:
             log(f"{label}: {skipped} timed step(s) skipped (values not finite): not comparable")
         results[label] = {"times_s": times[label], "fp32_s": times["fp32"], "floor_s": times["floor"],
-                          "sent_bytes": sent, "kinds": sorted(kinds), "skipped_steps": skipped,
+                          **({"paired_s": times["paired"]} if paired is not None else {}), "sent_bytes": sent, "kinds": sorted(kinds), "skipped_steps": skipped,
                           "loss": method.losses(val)}
         log(f"{label}: loss {results[label]['loss']['train_loss']:.3f} (last batches), held-out "
             f"{results[label]['loss']['val_loss']:.3f} after {method.cursor} steps")
@@ -374,6 +397,7 @@ def measure(args):
     config = {"ranks": size, "hosts": int(os.environ.get("HVDQ_CLUSTER_HOSTS", 0)) or None,
               "rate_bps": float(os.environ.get("HVDQ_CLUSTER_RATE_BPS", 0)) or None,
               "batch": args.batch, "seq": args.seq, "chunk": args.chunk, "repeats": args.repeats,
+              "paired": args.paired or None,
               "parameters": int(reference["fp32"].model.count_params()), "threads": threads,
               "fp32_sent_bytes": fp32_sent, "data": data_info,
               "reference_loss": {name: m.losses(val) for name, m in reference.items()},
@@ -400,6 +424,9 @@ def main(argv=None):
     # cluster_worker.ONEBIT_ADAM_LR.
     p.add_argument("--onebit-adam-lr", type=float, default=1e-7,
                    help="learning rate of OnebitAdam and ZeroOneAdam (default 1e-7)")
+    p.add_argument("--paired", default="", metavar="LABEL",
+                   help="a row built once and run next to every method in each round (paired_s in the "
+                        "JSON): the cost of an option against its twin without it, on the same machine state")
     p.add_argument("--out", default="", help="rank 0 writes the raw results here (JSON)")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]

@@ -326,10 +326,11 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
             mean = mean * float(comm.size)
             flags.clear()  # the sum's own flag: it may overflow where the mean did not
         finite.append(flags[-1] if flags else runner.backend.all_finite(mean))
-        offset = 0
-        for i, (_, n) in zip(index, segments):
-            out[i] = tf.cast(tf.reshape(mean[offset:offset + n], variables[i].shape), variables[i].dtype)
-            offset += n
+        # One split, not a slice per variable: eagerly (a tape, or the measured
+        # py_function) each slice is an op dispatched from Python, about 0.2 ms apiece.
+        pieces = tf.split(mean, [n for _, n in segments])
+        for i, piece in zip(index, pieces):
+            out[i] = tf.cast(tf.reshape(piece, variables[i].shape), variables[i].dtype)
     all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
     if runner.metrics is not None:
         runner.metrics.reduced_all()
