@@ -384,8 +384,10 @@ def measure(args):
         if skipped:
             log(f"{label}: {skipped} timed step(s) skipped (values not finite): not comparable")
         results[label] = {"times_s": times[label], "fp32_s": times["fp32"], "floor_s": times["floor"],
-                          **({"paired_s": times["paired"]} if paired is not None else {}), "sent_bytes": sent, "kinds": sorted(kinds), "skipped_steps": skipped,
+                          "sent_bytes": sent, "kinds": sorted(kinds), "skipped_steps": skipped,
                           "loss": method.losses(val)}
+        if paired is not None:
+            results[label]["paired_s"] = times["paired"]
         log(f"{label}: loss {results[label]['loss']['train_loss']:.3f} (last batches), held-out "
             f"{results[label]['loss']['val_loss']:.3f} after {method.cursor} steps")
         del method
