@@ -357,7 +357,7 @@ def measure(args):
         barrier()
         method.run(1)
         sent = method.bytes_sent() - before if method.tape is None else method.bytes_sent()
-        if paired is not None:  # untimed: the row before was freed, and the twin's buffers with it
+        if paired is not None:  # untimed: its first step after a row was freed took 0.7-1.6 s
             barrier()
             paired.run(1)
         log(f"{label}: built and warmed up in {time.perf_counter() - t0:.1f} s; "

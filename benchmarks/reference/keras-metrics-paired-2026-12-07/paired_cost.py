@@ -2,8 +2,8 @@
 (``keras_bench_worker.py --paired LABEL``), ``python paired_cost.py RESULT.json...``.
 
 A step's time is the slower rank's. Each chunk's first step is left out of both rows (the
-twin's first chunk after a new row is built takes 0.7-1.6 s: the previous row's buffers
-were freed). Per row, against its twin over the same rounds:
+twin's first step after a new row was built took 0.7-1.6 s in ``paired.json``, before
+the worker ran it once untimed). Per row, against its twin over the same rounds:
 
 * the cost on the means, and without the row's probe steps (with a probe every N steps
   of T timed, its T / N slowest steps);
