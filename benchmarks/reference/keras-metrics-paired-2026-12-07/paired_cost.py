@@ -39,7 +39,7 @@ def report(path):
         t = [x for i, x in enumerate(t_all) if i % c]
         p = [x for i, x in enumerate(p_all) if i % c]
         every = int(label.split("@probe")[1]) if "@probe" in label else 0
-        k = len(t_all) // every if every else 0
+        k = min(len(t_all) // every, len(t) - 1) if every else 0  # a short run keeps one step
         med = st.median(t)
         top = sorted(t)[-k:] if k else []
         rest = sorted(t)[:-k] if k else t
