@@ -38,10 +38,9 @@ which are set so that every timed step communicates at 1 bit):
   (``report_after=0``, as ``benchmarks/monitoring_overhead.py`` sets it): what issue 54's
   metrics cost in Keras, against the same row without ``@`` (metrics off, the default);
 * ``<compressor>@pyfunc``: a diagnosis, not a user's setting: metrics off, but the
-  reduction built as with metrics on, one ``tf.py_function`` per step running the eager
-  code (:func:`hvd_quant.tensorflow.tape.reduce_when_the_graph_runs`), with nothing
-  measured. Beside the two rows above it separates what the ``py_function`` path costs
-  from what the measuring costs.
+  reduction built as metrics on built it until 2026-12-08 (and still does on probe
+  steps), one ``tf.py_function`` per step running the eager code
+  (:func:`hvd_quant.tensorflow.tape.reduce_when_the_graph_runs`), with nothing measured.
 
 Timing protocol: the baseline and the floor are built once and live for the whole job.
 Each method in turn is built, warmed up (tracing, first-step checks, the optimizers'
@@ -123,8 +122,8 @@ def metrics_options(suffix):
 
 
 def py_function_reduction(hq):
-    """``hq.DistributedOptimizer`` whose compiled step reduces as with ``metrics=True`` (one
-    ``tf.py_function`` running the eager reduction) with metrics off: the ``@pyfunc``
+    """``hq.DistributedOptimizer`` whose compiled step reduces as ``metrics=True`` did until
+    2026-12-08 (one ``tf.py_function`` running the eager reduction) with metrics off: the ``@pyfunc``
     diagnosis. Every variable is shared and there is no loss scaling in these rows."""
     from hvd_quant.tensorflow.tape import check_agreement_once, reduce_when_the_graph_runs
 

@@ -320,8 +320,8 @@ def test_values_that_differ_in_a_tf1_graph_warn_or_raise_when_strict(keras_job, 
 
 @pytest.mark.multiprocess
 def test_values_that_differ_fail_a_measured_tf_function_when_strict(keras_job):
-    """With metrics on, a ``tf.function``'s reduction runs in a py_function that reads the
-    variables itself for the first step's check: it still sees values that differ."""
+    """With metrics on, a ``tf.function``'s reduction is compiled, and the first step's
+    check (run when the function is traced) still sees values that differ."""
     for r in keras_job["ranks"]:
         strict = _ok(r["graph_tapes"])["strict/measured"]
         assert strict["error"] is not None, strict
@@ -374,13 +374,21 @@ def test_loss_scale_optimizer_outside_is_refused_on_every_rank(keras_job):
 
 @pytest.mark.multiprocess
 def test_keras_metrics_change_no_bits_and_reach_history_and_csv(keras_job):
-    """Issue 54: ``metrics=True`` runs the reduction in a py_function with the same bits;
-    the callback's figures reach History and CSVLogger; global figures agree everywhere."""
+    """Issue 54: ``metrics=True`` keeps the bits: the reduction is compiled and timed by
+    the graph, but on probe steps (every other one here), which run the eager code in a
+    py_function; every step has its phases and the same bytes either way. The callback's
+    figures reach History and CSVLogger; global figures agree everywhere."""
     ranks = [_ok(rank["metrics"]) for rank in keras_job["ranks"]]
     assert len({r["plain"]["digest"] for r in ranks} | {r["measured"]["digest"] for r in ranks}) == 1
     for r in ranks:
         m, history = r["measured"]["metrics"], r["measured"]["history"]
         assert m["steps"] == 2 * STEPS and m["probes"] == STEPS  # probe_every=2
+        assert r["measured"]["counted"] == {"eager": STEPS, "compiled": STEPS}
+        assert r["guarded"]["counted"] == {"eager": 2 * STEPS, "compiled": 0}  # probe_every=1
+        per_step = r["measured"]["per_step"]
+        assert [s["probes"] for s in per_step] == [(i + 1) // 2 for i in range(2 * STEPS)]
+        assert all(s["wait_s"] > 0 and s["encode_s"] + s["decode_s"] > 0 for s in per_step), per_step
+        assert len({s["bytes_sent"] for s in per_step}) == 1 and per_step[0]["bytes_sent"] > 0, per_step
         assert 0 < m["probe_rel_error"] < 10 and -1 <= m["probe_cosine"] <= 1 and m["residual_ratio"] > 0
         assert m["compression_ratio"] > 1 and m["encode_s"] > 0 and m["wait_s"] > 0 and m["step_s"] > 0
         assert m["saves_s"] is not None, "the 'does it pay' verdict after report_after=4 steps"
@@ -405,12 +413,17 @@ def test_tf_tape_probe_equals_an_exact_allreduce_and_has_profiler_ranges(keras_j
 
 @pytest.mark.multiprocess
 def test_tf_tape_summaries_are_read_back_from_the_event_files(keras_job):
+    """A tape in a ``tf.function``: steps 1, 2 and 4 compiled, step 3 a probe (eager);
+    summaries every 2 steps, so those read back are the compiled steps'."""
     for rank in keras_job["ranks"]:
         summaries = _ok(rank["metrics"])["summaries"]
-        assert summaries["traces"] == 1 and summaries["steps"] == 4
+        # Two traces, as without metrics: the first creates the compressor's state.
+        assert summaries["traces"] == 2 and summaries["steps"] == 4
+        assert summaries["counted"] == {"eager": 1, "compiled": 3}
         read = summaries["read"]
         assert [s for s, _ in read["hvd_quant/compression_ratio"]] == [2, 4]
-        assert [s for s, _ in read["hvd_quant/probe_rel_error"]] == [2, 4]
+        assert [s for s, v in read["hvd_quant/wait_s"] if v > 0] == [2, 4]
+        assert [s for s, _ in read["hvd_quant/probe_rel_error"]] == [4]  # the last probe's, step 3
         assert all(v > 0 for _, v in read["hvd_quant/probe_rel_error"])
 
 

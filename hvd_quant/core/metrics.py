@@ -293,7 +293,29 @@ class TimedComm(WrappingComm):
         # A routed group stays a RoutedGroup (gather_blocks looks for one), routed
         # through this communicator's timed sendrecv.
         return tuple(RoutedGroup(self, sub.members) if isinstance(sub, RoutedGroup)
-                     else TimedComm(sub, self.clock) for sub in self.inner.subgroups(rows))
+                     else type(self)(sub, self.clock) for sub in self.inner.subgroups(rows))
+
+
+def phases_from_instants(start, end, intervals):
+    """``(encode_s, wait_s, decode_s)`` of a reduction that ran from ``start`` to ``end``
+    with collectives from ``t0`` to ``t1`` for each ``(t0, t1)`` of ``intervals`` (seconds,
+    any clock): what :class:`PhaseClock` measures, from instants a compiled reduction
+    records (a TensorFlow graph's timestamps). There collectives may overlap (the
+    executor runs independent ops at once), so ``wait_s`` is the time at least one
+    collective ran, ``decode_s`` the time after the last one returned and ``encode_s`` the
+    rest: the three add up to ``end - start``."""
+    total = max(0.0, end - start)
+    if not intervals:
+        return total, 0.0, 0.0
+    wait, reach = 0.0, -math.inf
+    for t0, t1 in sorted(intervals):
+        t0 = max(t0, reach)
+        if t1 > t0:
+            wait += t1 - t0
+            reach = t1
+    wait = min(wait, total)
+    decode = min(max(0.0, end - max(t1 for _, t1 in intervals)), total - wait)
+    return total - wait - decode, wait, decode
 
 
 def untimed(comm):
@@ -433,12 +455,8 @@ class OwnerMetrics:
         it once, for both) or by its sum. ``runner`` is a
         :class:`~hvd_quant.core.runner.CompressorRunner`, or anything with its
         ``backend``, ``collective_prefix(group)`` and ``residual(group, segments, comm)``."""
-        bucket = self.bucket(group)
         B = runner.backend
-        bucket.numel = int(B.numel(flat))
-        if not bucket.describe:
-            bucket.describe = _describe(bucket.numel, segments)
-        self._rank = comm.rank
+        bucket = self._reducing(group, int(B.numel(flat)), segments, comm.rank)
         # A bucket the guard reduces in fp32 is exact: no probe, and the method's state
         # and random streams wait untouched (hvd_quant.core.guard).
         fallback = self.guard is not None and self.guard.falling_back(group)
@@ -464,22 +482,61 @@ class OwnerMetrics:
         probed = probe.finish(mean) if probe is not None else None
         if probe is not None:
             figures["probe_s"] = probe.seconds
+        # The sum, not the elements: one pass with no temporary (a float32 sum overflows
+        # only past 3e38, where a gradient is lost anyway).
+        if finite is not None and not fallback:
+            flag = finite()
+        else:
+            flag = finite_of(mean) if finite_of is not None else B.all_finite(B.sum(mean))
+        self._recorded(bucket, figures, probed, flag, B, clock.scales)
+        return mean
+
+    def _reducing(self, group, numel, segments, rank):
+        """Buffer ``group``'s :class:`BucketMetrics`, told its size before a reduction."""
+        bucket = self.bucket(group)
+        bucket.numel = numel
+        if not bucket.describe:
+            bucket.describe = _describe(numel, segments)
+        self._rank = rank
+        return bucket
+
+    def _recorded(self, bucket, figures, probed, flag, backend, scales):
+        """Record one reduction of ``bucket``: its :data:`STEP_FIGURES` (``figures``), its
+        probe's (``probed``, or ``None``), the guard's view of it, and its finiteness
+        ``flag`` and ``scales`` (``note_scales``' reports) to read later (:meth:`_settle`)."""
         bucket.record(figures, probed)
         if self.guard is not None:
             rel = DERIVED["probe_rel_error"](probed) if probed is not None else None
-            self.guard.reduced(group, fallback, rel, comm.rank, bucket.describe)
+            self.guard.reduced(bucket.key, bool(figures.get("fallback")), rel, self._rank, bucket.describe)
         with self._lock:
-            # The sum, not the elements: one pass with no temporary (a float32 sum
-            # overflows only past 3e38, where a gradient is lost anyway).
-            if finite is not None and not fallback:
-                flag = finite()
-            else:
-                flag = finite_of(mean) if finite_of is not None else B.all_finite(B.sum(mean))
-            self._pending.append((bucket, bucket.steps, self._step_number(bucket), flag, B, clock.scales))
+            self._pending.append((bucket, bucket.steps, self._step_number(bucket), flag, backend, scales))
             waiting = len(self._pending)
         if waiting >= MAX_PENDING_FLAGS:
             self._settle()
-        return mean
+
+    def eager_due(self):
+        """Whether the next reduction of some bucket must run as :meth:`measure` runs it,
+        eagerly: it is a probe step, or the guard sends it to fp32. A compiled reduction
+        (TensorFlow's graph, which times its collectives itself and records them with
+        :meth:`record_reduction`) runs on every other step. Buckets not reduced yet probe
+        at their first reduction only with ``probe_every=1``. The same on every rank."""
+        if not self.buckets:
+            return self.probe_every == 1
+        return any(self.probes_now(b) or (self.guard is not None and self.guard.falling_back(key))
+                   for key, b in self.buckets.items())
+
+    def record_reduction(self, group, segments, numel, rank, size, bytes_sent, phases, flag, backend, scales=()):
+        """Record a reduction of buffer ``group`` (``numel`` elements made of ``segments``)
+        measured by the adapter, not by :meth:`measure`: a compiled one, on a step where
+        :meth:`eager_due` was False (no probe, no fallback). ``phases`` is
+        ``(encode_s, wait_s, decode_s)`` (:func:`phases_from_instants`), ``bytes_sent``
+        what this rank sent, ``flag`` whether the mean is finite, ``scales`` the method's
+        ``note_scales`` reports, as :meth:`measure` records them."""
+        bucket = self._reducing(group, int(numel), segments, rank)
+        encode_s, wait_s, decode_s = phases
+        figures = {"bytes_sent": float(bytes_sent), "fp32_bytes": fp32_ring_bytes(int(numel), size),
+                   "encode_s": encode_s, "wait_s": wait_s, "decode_s": decode_s, "fallback": 0.0}
+        self._recorded(bucket, figures, None, flag, backend, list(scales))
 
     def _step_number(self, bucket):
         """The step a reduction of ``bucket`` belongs to: the owner's step in progress

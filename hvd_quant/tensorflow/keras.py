@@ -121,10 +121,11 @@ class DistributedOptimizer(LossScaleOptimizer):
     metrics : bool
         ``True``: measure what compression does (:meth:`metrics`, read in ``fit`` by
         :class:`~hvd_quant.tensorflow.callbacks.MetricsCallback`): the figures of the torch
-        ``hq.DistributedOptimizer.metrics()``. In ``fit``'s compiled step the reduction then
-        runs as one ``tf.py_function`` per step (the eager code, the same bits), which is
-        why it is asked for (:mod:`hvd_quant.tensorflow.monitoring`): 3-5% of the step on
-        a 29.3M-parameter model at 1 Gbit/s (docs/guide/monitoring.md). Default False.
+        ``hq.DistributedOptimizer.metrics()``. In ``fit``'s compiled step the reduction
+        stays compiled and the graph times its collectives; probe steps (and the guard's
+        fp32 steps) run the eager code in a ``tf.py_function``, with the same bits
+        (:mod:`hvd_quant.tensorflow.monitoring`; what it costs: docs/guide/monitoring.md).
+        Default False.
     probe_every, guard, report_after :
         As the torch ``hq.DistributedOptimizer``'s, with ``metrics=True``: a probe step
         (one extra fp32 reduce-scatter) every ``probe_every`` reductions of a buffer; the guard
@@ -451,10 +452,14 @@ class DistributedOptimizer(LossScaleOptimizer):
         elif tf.executing_eagerly():
             reduced, finite = self._monitor.reduce(self._reduce_shared, shared_grads, shared_vars,
                                                    self._fuse_groups, *scale)
-        else:  # measured: the eager reduction, run when the graph runs (monitoring's docstring)
-            reduced, finite = reduce_when_the_graph_runs(
-                lambda *args: self._monitor.reduce(self._reduce_shared, *args), shared_grads, shared_vars,
-                self._fuse_groups, self._sparse_as_dense, "DistributedOptimizer", owner=self, extra=scale)
+        else:  # compiled and timed by the graph; probe and fallback steps eagerly (monitoring)
+            reduced, finite = monitoring.reduce_in_graph(
+                self._monitor, shared_grads,
+                lambda measured: self._reduce_shared(shared_grads, shared_vars, self._fuse_groups, *scale,
+                                                     measured=measured),
+                lambda: reduce_when_the_graph_runs(
+                    lambda *args: self._monitor.reduce(self._reduce_shared, *args), shared_grads, shared_vars,
+                    self._fuse_groups, self._sparse_as_dense, "DistributedOptimizer", owner=self, extra=scale))
         if len(shared) == len(variables):
             return reduced, finite
         divisor = float(self._comm.size) if self.scale_local_gradients else 1.0
@@ -469,10 +474,11 @@ class DistributedOptimizer(LossScaleOptimizer):
             finite = tf.logical_and(finite, some_rank_not_finite[0] < 0.5)
         return out, finite
 
-    def _reduce_shared(self, grads, variables, groups, scale=None):
+    def _reduce_shared(self, grads, variables, groups, scale=None, measured=None):
         """:func:`reduce_gradients` of the shared variables, its bytes counted."""
         before = self._comm.meter.bytes_sent
-        out = reduce_gradients(self._runner, self._comm, grads, variables, groups, self._op, scale=scale)
+        out = reduce_gradients(self._runner, self._comm, grads, variables, groups, self._op, scale=scale,
+                               measured=measured)
         self._bytes.assign_add(self._comm.meter.bytes_sent - before)
         return out
 

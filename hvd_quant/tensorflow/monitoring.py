@@ -13,13 +13,24 @@ Why they are asked for (``metrics=True``), not on by default as on torch
 --------------------------------------------------------------------------
 The figures are measured in Python around each collective (when it starts and returns),
 and a probe step is decided by counting reductions. Inside a ``tf.function`` (``model.fit``
-compiles the step) Python runs once, when the step is traced, so nothing could be timed
-or counted there. With metrics on, the reduction of a step therefore runs as one
-``tf.py_function`` (:func:`~hvd_quant.tensorflow.tape.reduce_when_the_graph_runs`, the
-path TF1-style graphs take): the eager code, with the same bits, run each time the graph
-runs, its phases timed and its probes taken as on torch. That replaces the graph's own
-collectives by eager ones, so it is a choice the user makes; eagerly (a tape outside any
-``tf.function``) nothing changes but the measuring.
+compiles the step) Python runs once, when the step is traced, so the graph must measure
+itself (:func:`reduce_in_graph`):
+
+* on a step that neither probes nor falls back, the reduction is the compiled one metrics
+  off would run, with a ``tf.timestamp`` before and after each collective
+  (:class:`GraphTimedComm`) and one ``tf.py_function`` after it that records the
+  instants, flags and scales (:class:`GraphRecorder`); the bytes are counted when the
+  step is traced;
+* on a probe step, or one the guard sends to fp32, a ``tf.cond`` (its predicate a
+  ``tf.py_function`` of :meth:`~hvd_quant.core.metrics.OwnerMetrics.eager_due`, the same
+  on every rank) runs the eager code instead, as one ``tf.py_function``
+  (:func:`~hvd_quant.tensorflow.tape.reduce_when_the_graph_runs`, the path TF1-style
+  graphs take): the same bits, its probes taken as on torch.
+
+Until 2026-12-08 every step took the eager path, which cost 3.3-4.5% of the step of a
+29.3M-parameter Keras model at 1 Gbit/s (docs/guide/monitoring.md). In a graph, a
+bucket's phases come from its collectives' timestamps; buckets may run at once, so
+their phases summed over buckets can exceed ``sync_s``.
 
 Each phase is also a profiler range (``tf.profiler.experimental.Trace``:
 ``hvd_quant/encode``, ``hvd_quant/wait``, ``hvd_quant/decode``, ``hvd_quant/probe``), seen
@@ -42,7 +53,7 @@ import tensorflow as tf
 
 from ..core.guard import DIVERGENCE_HINT, checked_guard, make_guard
 from ..core.metrics import (DERIVED, OWNER_FIGURES, PROBE_FIGURES, SCALE_FIGURES, STEP_FIGURES, PaysReport,
-                            check_probe_every)
+                            TimedComm, check_probe_every, phases_from_instants)
 
 #: The prefix of every summary tag and ``logs`` key.
 TAG = "hvd_quant"
@@ -99,6 +110,30 @@ class Monitor:
             self._reduced_at = time.perf_counter()
             self._sync_s += self._reduced_at - start
 
+    def record_compiled(self, buckets, times, flags, scales, then=None):
+        """A compiled reduction ran (:class:`GraphRecorder`): record each bucket, as
+        :meth:`reduce` and ``runner.measured`` would have measured it. ``times`` (seconds
+        of ``tf.timestamp``, wall-clock) holds each bucket's start, end and collectives'
+        instants, then the whole reduction's start and end; ``flags`` the buckets'
+        finiteness, ``scales`` their reports' largest and summed ``|scale|``."""
+        t = s = 0
+        for b, (group, segments, numel, sent, collectives, counts) in enumerate(buckets):
+            start, end = float(times[t]), float(times[t + 1])
+            instants = [(float(a), float(b)) for a, b in times[t + 2:t + 2 + 2 * collectives].reshape(-1, 2)]
+            t += 2 + 2 * collectives
+            reports = [(scales[s + 2 * i], scales[s + 2 * i + 1], c) for i, c in enumerate(counts)]
+            s += 2 * len(counts)
+            self.metrics.record_reduction(group, segments, numel, self.comm.rank, self.comm.size, sent,
+                                          phases_from_instants(start, end, instants), flags[b],
+                                          self.runner.backend, reports)
+        started, ended = float(times[-2]), float(times[-1])
+        self._sync_s += max(0.0, ended - started)
+        # perf_counter's instant of the reduction's end, for the update's time
+        self._reduced_at = time.perf_counter() - max(0.0, time.time() - ended)
+        self.metrics.reduced_all()
+        if then is not None:
+            then()
+
     def step_ended(self):
         """The step is over (its update applied): record it, and report once."""
         now = time.perf_counter()
@@ -143,6 +178,118 @@ def check_options(metrics, probe_every, guard, report_after, compressor, adaptiv
     check_probe_every(probe_every)
     PaysReport(report_after)
     checked_guard(metrics, guard, compressor.algorithm_for(adaptive), probe_every)
+
+
+# --- a compiled reduction, measured by the graph's own timestamps --------------------------
+def reduce_in_graph(monitor, grads, compiled, eagerly, then=None):
+    """The step's reduction inside a ``tf.function`` with metrics on (module docstring):
+    ``compiled(measured)``, the reduction traced into the graph with ``measured`` in place
+    of ``runner.measured`` (:meth:`GraphRecorder.measured`), on every step that neither
+    probes nor falls back, else ``eagerly()``, the ``tf.py_function`` of the eager code.
+    Both return ``(reduced gradients, all_finite)``. Which one runs is decided when the
+    graph runs, by a ``tf.cond`` on :meth:`~hvd_quant.core.metrics.OwnerMetrics.eager_due`,
+    the same on every rank (with ``probe_every=0`` there is no cond: never eager).
+    ``then()``, where given, runs eagerly after the compiled reduction is recorded (a
+    tape's step ends there). ``grads`` are the reduction's inputs: its time starts when
+    they are ready."""
+    def traced():
+        recorder = GraphRecorder(monitor)
+        with tf.control_dependencies(_dense(grads)):
+            start = tf.timestamp()
+        with tf.control_dependencies([start]):
+            reduced, finite = compiled(recorder.measured)
+        with tf.control_dependencies(_dense(reduced) + [finite]):
+            end = tf.timestamp()
+        recorded = recorder.record(start, end, then)
+        with tf.control_dependencies([recorded]):  # recorded before the update reads them
+            return [tf.identity(g) for g in reduced], tf.identity(finite)
+
+    if not monitor.metrics.probe_every:  # no probe steps, so no guard (checked_guard): never eager
+        return traced()
+    due = tf.py_function(lambda: tf.constant(monitor.metrics.eager_due()), [], tf.bool, name="hvd_quant_eager_due")
+    due.set_shape([])
+    return tf.cond(due, eagerly, traced)
+
+
+def _after(op, out):
+    """``out`` (a tensor or a tuple of them) as read only once ``op`` has run."""
+    with tf.control_dependencies([op]):
+        return tf.nest.map_structure(lambda t: tf.identity(t) if tf.is_tensor(t) else t, out)
+
+
+def _dense(tensors):
+    return [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors if t is not None]
+
+
+class _GraphClock:
+    """What :class:`GraphTimedComm` records while a reduction is traced: each collective's
+    ``(start, end)`` timestamp ops and the method's scale reports (``note_scales``)."""
+
+    def __init__(self):
+        self.intervals, self.scales = [], []
+
+
+class GraphTimedComm(TimedComm):
+    """:class:`~hvd_quant.core.metrics.TimedComm` for a traced reduction: each collective
+    gets two ``tf.timestamp`` ops, one run once its input is ready and one once its output
+    is, recorded in the clock (:class:`_GraphClock`). The collective waits for the first
+    and what reads its output for the second: else the executor, whose threads are busy
+    with the step's other work, may run a timestamp late (after the collective started,
+    after the decoding that followed it)."""
+
+    def _timed(self, fn, *args):
+        with tf.control_dependencies([a for a in args if tf.is_tensor(a)]):
+            started = tf.timestamp()
+        with tf.control_dependencies([started]):
+            out = fn(*args)
+        with tf.control_dependencies([t for t in tf.nest.flatten(out) if tf.is_tensor(t)]):
+            ended = tf.timestamp()
+        self.clock.intervals.append((started, ended))
+        return _after(ended, out)
+
+
+class GraphRecorder:
+    """The buckets of one traced reduction (:func:`reduce_in_graph`): per bucket, its
+    instants, finiteness flag and scales as graph tensors, and what is known when tracing
+    (its key, segments, size and the bytes it sends: the meter counts them once per trace,
+    the same every step). :meth:`record` hands them to the owner's metrics when the graph
+    runs, through one ``tf.py_function``."""
+
+    def __init__(self, monitor):
+        self.monitor = monitor
+        self.buckets = []  # (group, segments, numel, bytes_sent, collectives, scale reports)
+        self.times, self.flags, self.scale_values = [], [], []
+
+    def measured(self, flat, comm, group, segments, reduce, finite_of=None, **_):
+        """``runner.measured``'s part in a traced reduction: ``reduce(comm)`` on a
+        :class:`GraphTimedComm`, its instants kept for :meth:`record`."""
+        clock = _GraphClock()
+        with tf.control_dependencies([flat]):
+            start = tf.timestamp()
+        before = comm.meter.bytes_sent
+        with tf.control_dependencies([start]):
+            mean = reduce(GraphTimedComm(comm, clock))
+        flag = finite_of(mean) if finite_of is not None else self.monitor.runner.backend.all_finite(mean)
+        with tf.control_dependencies([mean]):
+            end = tf.timestamp()
+        mean = _after(end, mean)
+        self.times += [start, end] + [t for interval in clock.intervals for t in interval]
+        self.flags.append(flag)
+        self.scale_values += [tf.cast(v, tf.float64) for m, t, _ in clock.scales for v in (m, t)]
+        self.buckets.append((group, segments, int(flat.shape.num_elements()), comm.meter.bytes_sent - before,
+                             len(clock.intervals), [c for _, _, c in clock.scales]))
+        return mean
+
+    def record(self, start, end, then=None):
+        """The op that records this reduction (from ``start`` to ``end``) when it runs."""
+        def record_now(times, flags, scales):
+            self.monitor.record_compiled(self.buckets, times.numpy(), flags, scales, then)
+            return tf.constant(True)
+
+        times = tf.stack(self.times + [start, end])
+        flags = tf.stack(self.flags) if self.flags else tf.zeros([0], tf.bool)
+        scales = tf.stack(self.scale_values) if self.scale_values else tf.zeros([0], tf.float64)
+        return tf.py_function(record_now, [times, flags, scales], tf.bool, name="hvd_quant_record")
 
 
 def step_ended(monitor):

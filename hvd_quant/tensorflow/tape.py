@@ -63,8 +63,9 @@ class DistributedGradientTape:
 
     Monitoring (:mod:`hvd_quant.tensorflow.monitoring`, docs/guide/monitoring.md):
     ``metrics=True`` measures what compression does (:meth:`metrics`; inside a
-    ``tf.function`` the reduction then runs as one ``tf.py_function``, the eager code and
-    bits) and writes it as ``tf.summary`` scalars under the default writer every
+    ``tf.function`` the reduction stays compiled, timed by the graph, but on probe steps,
+    which run the eager code in a ``tf.py_function``; in a TF1-style graph every step
+    does) and writes it as ``tf.summary`` scalars under the default writer every
     ``summary_every`` steps. ``probe_every``, ``guard`` and ``report_after`` are
     ``hq.DistributedOptimizer``'s (torch): probe steps against the exact fp32 mean, the
     guard that falls back to fp32, the "does it pay" line. The metrics, like the
@@ -192,11 +193,20 @@ class DistributedGradientTape:
                 note_sparse_reduced_dense(shared_grads, self._variables, "DistributedGradientTape",
                                           self._comm.rank)
             measured = self._monitoring is not None
-            if building_graph() or (measured and not tf.executing_eagerly()):
-                reduced, finite = reduce_when_the_graph_runs(
+
+            def eagerly():
+                return reduce_when_the_graph_runs(
                     self._reduce_eagerly, shared_grads, self._variables, self._groups,
                     self._sparse_as_dense, "DistributedGradientTape",
                     owner=(self._compression, tuple(id(v) for v in self._variables)))
+
+            if building_graph():
+                reduced, finite = eagerly()
+            elif measured and not tf.executing_eagerly():  # compiled but on probe steps
+                monitor = self._monitor()
+                reduced, finite = monitoring.reduce_in_graph(
+                    monitor, shared_grads, lambda m: self._reduce_compiled(shared_grads, m), eagerly,
+                    then=monitor.step_ended)
             else:
                 reduced, finite = self._reduce_eagerly(shared_grads, self._variables, self._groups)
             if measured:
@@ -226,6 +236,14 @@ class DistributedGradientTape:
         out = monitor.reduce(reduce_gradients, owned.runner, self._comm, grads, variables, groups, self._op)
         monitor.step_ended()
         return out
+
+    def _reduce_compiled(self, grads, measured):
+        """The shared gradients reduced in a ``tf.function``'s graph, measured by ``measured``."""
+        owned = self._compression.owned(self._variables)
+        if self._strict is not None:
+            owned.runner.values.strict = bool(self._strict)
+        return reduce_gradients(owned.runner, self._comm, grads, self._variables, self._groups, self._op,
+                                measured=measured)
 
     # --- checkpoints ------------------------------------------------------------------------
     def compression_state_dict(self):
@@ -290,7 +308,7 @@ def divide_gradient(grad, n):
 
 @tf.autograph.experimental.do_not_convert  # traced as written: branches are B.cond
 def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, scale=None,
-                     sparse_as_dense=True, where="the tape"):
+                     sparse_as_dense=True, where="the tape", measured=None):
     """Average ``grads`` (of ``variables``) over ranks with ``runner``'s compressor.
 
     Every gradient is cast to float32 (fp16 and bf16 too) and fused into one flat buffer
@@ -303,6 +321,8 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
 
     Returns ``(reduced gradients, all_finite)``; ``all_finite`` is a boolean scalar
     tensor computed from the reduced values, so it is the same on every rank.
+    ``measured``: what measures each bucket's reduction, in place of ``runner.measured``
+    (a traced reduction's :meth:`~hvd_quant.tensorflow.monitoring.GraphRecorder.measured`).
     """
     check_agreement_once(runner, comm, variables, groups)
     out = list(grads)
@@ -319,9 +339,10 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
             flags.append(runner.backend.all_finite(mean))
             return flags[-1]
 
-        mean = runner.measured(flat, comm, key, segments,
-                               lambda c, flat=flat, key=key, segments=segments: runner.reduce(flat, c, key, segments),
-                               finite_of=finite_of)
+        mean = (measured or runner.measured)(
+            flat, comm, key, segments,
+            lambda c, flat=flat, key=key, segments=segments: runner.reduce(flat, c, key, segments),
+            finite_of=finite_of)
         if op == hvd.Sum:
             mean = mean * float(comm.size)
             flags.clear()  # the sum's own flag: it may overflow where the mean did not
@@ -332,7 +353,7 @@ def reduce_gradients(runner, comm, grads, variables, groups=0, op=hvd.Average, s
         for i, piece in zip(index, pieces):
             out[i] = tf.cast(tf.reshape(piece, variables[i].shape), variables[i].dtype)
     all_finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
-    if runner.metrics is not None:
+    if runner.metrics is not None and measured is None:  # else when the recorded graph runs
         runner.metrics.reduced_all()
     return out, all_finite
 

@@ -472,8 +472,8 @@ def graph_tapes():
             out[f"strict/{where}"] = {"error": None}
         except tf.errors.OpError as exc:
             out[f"strict/{where}"] = {"error": type(exc).__name__, "message": exc.message[-4000:]}
-    # A tf.function of an eager program with metrics on: the reduction's py_function reads
-    # the variables itself for the check (nothing handed in by the graph).
+    # A tf.function of an eager program with metrics on: its reduction is compiled, and
+    # the check reads the variables when the function is traced, as without metrics.
     emb, dense = Layer(emb0, "emb"), Layer(per_rank, "dense")
 
     @tf.function
@@ -486,14 +486,53 @@ def graph_tapes():
     try:
         measured()
         out["strict/measured"] = {"error": None}
-    except tf.errors.OpError as exc:
-        out["strict/measured"] = {"error": type(exc).__name__, "message": exc.message[-4000:]}
+    except Exception as exc:  # raised while tracing: AutoGraph's StagingError carries it
+        out["strict/measured"] = {"error": type(exc).__name__, "message": str(exc)[-4000:]}
     return out
 
 
+class _PathCounter:
+    """Counts the reductions a ``Monitor`` measured eagerly (``reduce``: probe and
+    fallback steps, in a py_function) and those compiled into the graph
+    (``record_compiled``), and each step's phase figures."""
+
+    def __init__(self, opt):
+        from hvd_quant.tensorflow import monitoring
+        self.opt, self.monitoring, self.counts, self.steps = opt, monitoring, {"eager": 0, "compiled": 0}, []
+        self.saved = monitoring.Monitor.reduce, monitoring.Monitor.record_compiled
+
+    def __enter__(self):
+        eager, compiled = self.saved
+        counts = self.counts
+
+        def reduce(monitor, *args):
+            counts["eager"] += 1
+            return eager(monitor, *args)
+
+        def record_compiled(monitor, *args):
+            counts["compiled"] += 1
+            return compiled(monitor, *args)
+
+        self.monitoring.Monitor.reduce, self.monitoring.Monitor.record_compiled = reduce, record_compiled
+        return self
+
+    def __exit__(self, *exc):
+        self.monitoring.Monitor.reduce, self.monitoring.Monitor.record_compiled = self.saved
+
+    def callback(self, keras):
+        counter = self
+
+        class PerStep(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                m = counter.opt.metrics()
+                counter.steps.append({k: m[k] for k in ("probes", "encode_s", "wait_s", "decode_s", "bytes_sent")})
+        return PerStep()
+
+
 def metrics_behave():
-    """Issue 54 on TensorFlow. ``model.fit`` with ``metrics=True`` (the reduction in a
-    ``py_function``) ends with the weights of ``metrics=False``; ``MetricsCallback`` puts
+    """Issue 54 on TensorFlow. ``model.fit`` with ``metrics=True`` (the reduction compiled
+    and timed by the graph, probe steps in a ``py_function``; ``counted``: how many ran
+    each way, and each step's figures) ends with the weights of ``metrics=False``; ``MetricsCallback`` puts
     the figures into ``History`` and a ``CSVLogger``; a guard with a bound no probe can
     meet falls back on every rank. A tape run eagerly measures the relative error that an
     exact Horovod allreduce of the same gradients gives, under a profiler that records its
@@ -512,14 +551,16 @@ def metrics_behave():
         model.compile(optimizer=opt, loss=loss_fn, jit_compile=False)
         csv = OUT / f"{name}{RANK}.csv"
         callbacks = [hq.callbacks.MetricsCallback(), keras.callbacks.CSVLogger(str(csv))] if options else []
-        with captured_warnings() as messages:
-            hist = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+        with captured_warnings() as messages, _PathCounter(opt) as counter:
+            hist = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                             callbacks=callbacks + ([counter.callback(keras)] if options else []))
         snap = opt.metrics()
         out[name] = {"digest": digest(weights(model)),
                      "history": {k: v for k, v in hist.history.items() if k.startswith("hvd_quant/")},
                      "metrics": {k: v for k, v in snap.items() if not k.startswith("bucket")},
                      "csv_header": csv.read_text().splitlines()[0] if csv.exists() else "",
                      "guard_state": opt.guard_state_dict(), "bytes": opt.bytes_sent,
+                     "counted": counter.counts, "per_step": counter.steps,
                      "messages": [m for m in messages if "hvd_quant" in m][:5]}
 
     # A tape, eagerly, probing every step, under the profiler.
@@ -549,14 +590,15 @@ def metrics_behave():
                    "ranges": sorted(r for r in ("hvd_quant/encode", "hvd_quant/wait", "hvd_quant/decode",
                                                 "hvd_quant/probe") if r.encode() in traces)}
 
-    # A tape in a tf.function, writing summaries every 2 steps under the default writer.
+    # A tape in a tf.function, writing summaries every 2 steps under the default writer;
+    # probing at step 3 (eagerly), its other steps compiled.
     model = make_model(keras)
     variables = model.trainable_variables
     comp, made = hq.Compression.ef_sign, []
 
     @tf.function
     def step(xb, yb):
-        tape = hq.DistributedGradientTape(tf.GradientTape(), compression=comp, metrics=True, probe_every=1,
+        tape = hq.DistributedGradientTape(tf.GradientTape(), compression=comp, metrics=True, probe_every=3,
                                           summary_every=2)
         made.append(tape)
         with tape:
@@ -565,7 +607,7 @@ def metrics_behave():
             v.assign_sub(0.1 * g)
 
     writer = tf.summary.create_file_writer(str(OUT / f"tb{RANK}"))
-    with writer.as_default():
+    with writer.as_default(), _PathCounter(None) as counter:
         for i in range(4):
             step(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
     writer.flush()
@@ -574,7 +616,8 @@ def metrics_behave():
     events.Reload()
     tags = [t for t in events.Tags()["tensors"] if t.startswith("hvd_quant/")]
     read = {t: [[e.step, float(tf.make_ndarray(e.tensor_proto))] for e in events.Tensors(t)] for t in tags}
-    out["summaries"] = {"traces": len(made), "steps": made[-1].metrics()["steps"], "read": read}
+    out["summaries"] = {"traces": len(made), "steps": made[-1].metrics()["steps"], "read": read,
+                        "counted": counter.counts}
     return out
 
 
