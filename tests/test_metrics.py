@@ -15,6 +15,7 @@ import pytest
 
 import hvd_quant
 from hvd_quant.core import metrics as M
+from hvd_quant.core.guard import Guard, GuardSettings
 from hvd_quant.core.backend import NumpyBackend
 from hvd_quant.core.pipeline import chunked_reduce
 from hvd_quant.core.runner import CompressorRunner
@@ -368,6 +369,44 @@ def test_owner_step_figures():
     assert s["steps"] == 3
     assert s["step_s"] == pytest.approx(0.5) and s["rest_s"] == pytest.approx(0.1)
     assert s["step_s.mean"] == pytest.approx(0.75) and s["rest_s.mean"] == pytest.approx(0.4)
+
+
+def test_phases_from_instants_of_overlapping_collectives():
+    """A compiled reduction's phases (TensorFlow's graph): waits are the time at least one
+    collective ran, decode the time after the last returned, encode the rest."""
+    assert M.phases_from_instants(0.0, 10.0, [(1, 3), (2, 5), (7, 8)]) == (3.0, 5.0, 2.0)
+    assert M.phases_from_instants(0.0, 10.0, [(7, 8), (1, 3), (2, 2.5)]) == (5.0, 3.0, 2.0)  # any order
+    assert M.phases_from_instants(2.0, 4.0, []) == (2.0, 0.0, 0.0)
+    assert M.phases_from_instants(0.0, 1.0, [(-1, 3)]) == (0.0, 1.0, 0.0)  # clamped to the reduction
+    assert M.phases_from_instants(5.0, 4.0, [(4.5, 4.6)]) == (0.0, 0.0, 0.0)
+
+
+def test_a_recorded_reduction_counts_as_a_measured_one():
+    """``record_reduction`` (a compiled reduction the adapter timed) gives the figures
+    ``measure`` would, and moves probe steps on: ``eager_due`` says when the next
+    reduction must be measured eagerly (a probe step, or the guard's fp32)."""
+    xs = inputs(2, 1)
+    _, measured, meters = run("ef_sign", xs, probe_every=0)
+    want = measured[0].metrics.snapshot()
+    owner = M.OwnerMetrics(3)
+    assert not owner.eager_due() and M.OwnerMetrics(1).eager_due()  # before any reduction
+    scale = (np.float32(0.5), np.float32(1.5), 3)
+    for step in range(2):
+        owner.record_reduction("g", SEGMENTS, D, 0, 2, meters[0][0], (0.25, 0.5, 0.125), np.bool_(step == 0),
+                               B, [scale])
+        owner.record_step(0.875, 0.1, now=float(step))
+    assert owner.eager_due()  # the third reduction probes
+    s = owner.snapshot()
+    for k in ("bytes_sent", "fp32_bytes", "compression_ratio"):
+        assert s[k] == pytest.approx(want[k]), k
+    assert (s["encode_s"], s["wait_s"], s["decode_s"], s["probes"]) == (0.25, 0.5, 0.125, 0)
+    assert (s["scale_max"], s["scale_sum"], s["scale_count"]) == (0.5, 1.5, 3.0)
+    assert s["skipped_steps"] == 1 and s["nonfinite"] == 0.0  # the first step's flag was False
+    guarded = M.OwnerMetrics(2, guard=Guard(GuardSettings(error_bound=1e-9, patience=1, fallback_steps=1),
+                                            hvd_quant.get("ef_sign")))
+    guarded.record_reduction("g", SEGMENTS, D, 0, 2, 1.0, (0, 0, 0), True, B)
+    guarded.guard.reduced("g", False, 1.0, 0)  # a probe far from the exact mean starts a fallback
+    assert guarded.guard.falling_back("g") and guarded.eager_due()
 
 
 # --- the torch adapter: hq.DistributedOptimizer, the TensorBoard writer, the profiler ------------

@@ -435,7 +435,7 @@ class DistributedOptimizer(LossScaleOptimizer):
             keras.ops.cond(finite, lambda: self._apply_finite(reduced, trainable_variables),
                            self._stateful_handle_non_finite_grads)
         if self._monitor is not None:
-            monitoring.step_ended(self._monitor)
+            monitoring.step_ended(self._monitor, after=finite)
 
     def _reduce(self, grads, variables, scaling):
         """The gradients of the shared variables averaged over ranks, those of the local
@@ -454,7 +454,7 @@ class DistributedOptimizer(LossScaleOptimizer):
                                                    self._fuse_groups, *scale)
         else:  # compiled and timed by the graph; probe and fallback steps eagerly (monitoring)
             reduced, finite = monitoring.reduce_in_graph(
-                self._monitor, shared_grads,
+                self._monitor,
                 lambda measured: self._reduce_shared(shared_grads, shared_vars, self._fuse_groups, *scale,
                                                      measured=measured),
                 lambda: reduce_when_the_graph_runs(

@@ -114,22 +114,21 @@ class Monitor:
         """A compiled reduction ran (:class:`GraphRecorder`): record each bucket, as
         :meth:`reduce` and ``runner.measured`` would have measured it. ``times`` (seconds
         of ``tf.timestamp``, wall-clock) holds each bucket's start, end and collectives'
-        instants, then the whole reduction's start and end; ``flags`` the buckets'
-        finiteness, ``scales`` their reports' largest and summed ``|scale|``."""
-        t = s = 0
-        for b, (group, segments, numel, sent, collectives, counts) in enumerate(buckets):
-            start, end = float(times[t]), float(times[t + 1])
-            instants = [(float(a), float(b)) for a, b in times[t + 2:t + 2 + 2 * collectives].reshape(-1, 2)]
-            t += 2 + 2 * collectives
-            reports = [(scales[s + 2 * i], scales[s + 2 * i + 1], c) for i, c in enumerate(counts)]
-            s += 2 * len(counts)
+        instants; ``flags`` the buckets' finiteness, ``scales`` their reports' largest and
+        summed ``|scale|``. The step's ``sync_s`` runs from the first bucket's start to the
+        last one's end (buckets may overlap the backward pass and one another)."""
+        started, ended = [], []
+        for (group, segments, numel, sent, _, _), (start, end, instants, reports), flag in zip(
+                buckets, _unpacked(buckets, times, scales), flags):
             self.metrics.record_reduction(group, segments, numel, self.comm.rank, self.comm.size, sent,
-                                          phases_from_instants(start, end, instants), flags[b],
+                                          phases_from_instants(start, end, instants), flag,
                                           self.runner.backend, reports)
-        started, ended = float(times[-2]), float(times[-1])
-        self._sync_s += max(0.0, ended - started)
-        # perf_counter's instant of the reduction's end, for the update's time
-        self._reduced_at = time.perf_counter() - max(0.0, time.time() - ended)
+            started.append(start)
+            ended.append(end)
+        if ended:
+            self._sync_s += max(0.0, max(ended) - min(started))
+            # perf_counter's instant of the reduction's end, for the update's time
+            self._reduced_at = time.perf_counter() - max(0.0, time.time() - max(ended))
         self.metrics.reduced_all()
         if then is not None:
             then()
@@ -158,6 +157,18 @@ class Monitor:
             self.metrics.guard.load_state_dict(state)
 
 
+def _unpacked(buckets, times, scales):
+    """Per bucket of :meth:`Monitor.record_compiled`: its start, end, collectives'
+    ``(start, end)`` and scale reports, cut out of the flat ``times`` and ``scales``."""
+    t = s = 0
+    for *_, collectives, counts in buckets:
+        instants = [(float(t0), float(t1)) for t0, t1 in times[t + 2:t + 2 + 2 * collectives].reshape(-1, 2)]
+        reports = [(scales[s + 2 * i], scales[s + 2 * i + 1], c) for i, c in enumerate(counts)]
+        yield float(times[t]), float(times[t + 1]), instants, reports
+        t += 2 + 2 * collectives
+        s += 2 * len(counts)
+
+
 def _number(value):
     return float("nan") if value is None else float(value)
 
@@ -181,7 +192,7 @@ def check_options(metrics, probe_every, guard, report_after, compressor, adaptiv
 
 
 # --- a compiled reduction, measured by the graph's own timestamps --------------------------
-def reduce_in_graph(monitor, grads, compiled, eagerly, then=None):
+def reduce_in_graph(monitor, compiled, eagerly, then=None):
     """The step's reduction inside a ``tf.function`` with metrics on (module docstring):
     ``compiled(measured)``, the reduction traced into the graph with ``measured`` in place
     of ``runner.measured`` (:meth:`GraphRecorder.measured`), on every step that neither
@@ -190,19 +201,13 @@ def reduce_in_graph(monitor, grads, compiled, eagerly, then=None):
     graph runs, by a ``tf.cond`` on :meth:`~hvd_quant.core.metrics.OwnerMetrics.eager_due`,
     the same on every rank (with ``probe_every=0`` there is no cond: never eager).
     ``then()``, where given, runs eagerly after the compiled reduction is recorded (a
-    tape's step ends there). ``grads`` are the reduction's inputs: its time starts when
-    they are ready."""
+    tape's step ends there). The returned ``all_finite`` is read only once the reduction
+    is recorded: what must come after the record (the step's end) depends on it. The
+    gradients are not held back: an update may start on them as it would unmeasured."""
     def traced():
         recorder = GraphRecorder(monitor)
-        with tf.control_dependencies(_dense(grads)):
-            start = tf.timestamp()
-        with tf.control_dependencies([start]):
-            reduced, finite = compiled(recorder.measured)
-        with tf.control_dependencies(_dense(reduced) + [finite]):
-            end = tf.timestamp()
-        recorded = recorder.record(start, end, then)
-        with tf.control_dependencies([recorded]):  # recorded before the update reads them
-            return [tf.identity(g) for g in reduced], tf.identity(finite)
+        reduced, finite = compiled(recorder.measured)
+        return reduced, _after(recorder.record(then), finite)
 
     if not monitor.metrics.probe_every:  # no probe steps, so no guard (checked_guard): never eager
         return traced()
@@ -215,10 +220,6 @@ def _after(op, out):
     """``out`` (a tensor or a tuple of them) as read only once ``op`` has run."""
     with tf.control_dependencies([op]):
         return tf.nest.map_structure(lambda t: tf.identity(t) if tf.is_tensor(t) else t, out)
-
-
-def _dense(tensors):
-    return [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors if t is not None]
 
 
 class _GraphClock:
@@ -239,11 +240,11 @@ class GraphTimedComm(TimedComm):
 
     def _timed(self, fn, *args):
         with tf.control_dependencies([a for a in args if tf.is_tensor(a)]):
-            started = tf.timestamp()
+            started = tf.timestamp(name="hvd_quant_wait_starts")
         with tf.control_dependencies([started]):
             out = fn(*args)
         with tf.control_dependencies([t for t in tf.nest.flatten(out) if tf.is_tensor(t)]):
-            ended = tf.timestamp()
+            ended = tf.timestamp(name="hvd_quant_wait_ends")
         self.clock.intervals.append((started, ended))
         return _after(ended, out)
 
@@ -265,13 +266,13 @@ class GraphRecorder:
         :class:`GraphTimedComm`, its instants kept for :meth:`record`."""
         clock = _GraphClock()
         with tf.control_dependencies([flat]):
-            start = tf.timestamp()
+            start = tf.timestamp(name="hvd_quant_encode_starts")
         before = comm.meter.bytes_sent
         with tf.control_dependencies([start]):
             mean = reduce(GraphTimedComm(comm, clock))
         flag = finite_of(mean) if finite_of is not None else self.monitor.runner.backend.all_finite(mean)
         with tf.control_dependencies([mean]):
-            end = tf.timestamp()
+            end = tf.timestamp(name="hvd_quant_decode_ends")
         mean = _after(end, mean)
         self.times += [start, end] + [t for interval in clock.intervals for t in interval]
         self.flags.append(flag)
@@ -280,26 +281,28 @@ class GraphRecorder:
                              len(clock.intervals), [c for _, _, c in clock.scales]))
         return mean
 
-    def record(self, start, end, then=None):
-        """The op that records this reduction (from ``start`` to ``end``) when it runs."""
+    def record(self, then=None):
+        """The op that records this reduction when it runs (after every bucket's)."""
         def record_now(times, flags, scales):
             self.monitor.record_compiled(self.buckets, times.numpy(), flags, scales, then)
             return tf.constant(True)
 
-        times = tf.stack(self.times + [start, end])
+        times = tf.stack(self.times)
         flags = tf.stack(self.flags) if self.flags else tf.zeros([0], tf.bool)
         scales = tf.stack(self.scale_values) if self.scale_values else tf.zeros([0], tf.float64)
         return tf.py_function(record_now, [times, flags, scales], tf.bool, name="hvd_quant_record")
 
 
-def step_ended(monitor):
+def step_ended(monitor, after=None):
     """Record the end of a step where it runs: at once eagerly, as a ``tf.py_function``
-    (run after the step's updates, which come before it in program order) in a graph."""
+    (run after the step's updates, which come before it in program order) in a graph,
+    and after ``after`` (the reduction's ``all_finite``: :func:`reduce_in_graph`)."""
     if tf.executing_eagerly():
         monitor.step_ended()
     else:
-        tf.py_function(lambda: monitor.step_ended() or tf.constant(True), [], tf.bool,
-                       name="hvd_quant_step_ended")
+        with tf.control_dependencies([after] if after is not None else []):
+            tf.py_function(lambda: monitor.step_ended() or tf.constant(True), [], tf.bool,
+                           name="hvd_quant_step_ended")
 
 
 # --- tf.summary for the tapes ----------------------------------------------------------------

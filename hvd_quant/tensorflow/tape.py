@@ -205,7 +205,7 @@ class DistributedGradientTape:
             elif measured and not tf.executing_eagerly():  # compiled but on probe steps
                 monitor = self._monitor()
                 reduced, finite = monitoring.reduce_in_graph(
-                    monitor, shared_grads, lambda m: self._reduce_compiled(shared_grads, m), eagerly,
+                    monitor, lambda m: self._reduce_compiled(shared_grads, m), eagerly,
                     then=monitor.step_ended)
             else:
                 reduced, finite = self._reduce_eagerly(shared_grads, self._variables, self._groups)
