@@ -392,7 +392,7 @@ def test_a_recorded_reduction_counts_as_a_measured_one():
     assert not owner.eager_due() and M.OwnerMetrics(1).eager_due()  # before any reduction
     scale = (np.float32(0.5), np.float32(1.5), 3)
     for step in range(2):
-        owner.record_reduction("g", SEGMENTS, D, 0, 2, meters[0][0], (0.25, 0.5, 0.125), np.bool_(step == 0),
+        owner.record_reduction("g", SEGMENTS, D, 0, 2, meters[0][0], (0.25, 0.5, 0.125), np.bool_(step != 0),
                                B, [scale])
         owner.record_step(0.875, 0.1, now=float(step))
     assert owner.eager_due()  # the third reduction probes

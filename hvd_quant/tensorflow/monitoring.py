@@ -284,7 +284,8 @@ class GraphRecorder:
     def record(self, then=None):
         """The op that records this reduction when it runs (after every bucket's)."""
         def record_now(times, flags, scales):
-            self.monitor.record_compiled(self.buckets, times.numpy(), flags, scales, then)
+            # As numpy: indexing an eager tensor dispatches an op, about 0.6 ms apiece here.
+            self.monitor.record_compiled(self.buckets, times.numpy(), flags.numpy(), scales.numpy(), then)
             return tf.constant(True)
 
         times = tf.stack(self.times)
