@@ -32,9 +32,11 @@ Until 2026-12-08 every step took the eager path, which cost 3.3-4.5% of the step
 bucket's phases come from its collectives' timestamps; buckets may run at once, so
 their phases summed over buckets can exceed ``sync_s``.
 
-Each phase is also a profiler range (``tf.profiler.experimental.Trace``:
-``hvd_quant/encode``, ``hvd_quant/wait``, ``hvd_quant/decode``, ``hvd_quant/probe``), seen
-in TensorBoard's trace viewer when ``tf.profiler.experimental.start`` runs.
+Where the reduction runs eagerly (an eager tape, a probe step), each phase is also a
+profiler range (``tf.profiler.experimental.Trace``: ``hvd_quant/encode``,
+``hvd_quant/wait``, ``hvd_quant/decode``, ``hvd_quant/probe``), seen in TensorBoard's
+trace viewer when ``tf.profiler.experimental.start`` runs; a compiled step runs no Python
+to open them.
 
 Where users read them
 ---------------------
