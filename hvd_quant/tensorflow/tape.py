@@ -225,25 +225,27 @@ class DistributedGradientTape:
         """The shared gradients reduced with the state owned by ``self._variables`` (the
         tape's variables, or, in a TF1-style graph, :class:`_VariableValue` views of them
         that carry their values when the graph runs)."""
-        owned = self._compression.owned(self._variables)
-        if self._strict is not None:
-            owned.runner.values.strict = bool(self._strict)
+        runner = self._owned_runner()
         monitor = self._monitor()
         if monitor is None:
-            return reduce_gradients(owned.runner, self._comm, grads, variables, groups, self._op)
+            return reduce_gradients(runner, self._comm, grads, variables, groups, self._op)
         # A tape sees no update: the step ends with its reduction (the update is in the
         # next step's rest_s).
-        out = monitor.reduce(reduce_gradients, owned.runner, self._comm, grads, variables, groups, self._op)
+        out = monitor.reduce(reduce_gradients, runner, self._comm, grads, variables, groups, self._op)
         monitor.step_ended()
         return out
 
     def _reduce_compiled(self, grads, measured):
         """The shared gradients reduced in a ``tf.function``'s graph, measured by ``measured``."""
+        return reduce_gradients(self._owned_runner(), self._comm, grads, self._variables, self._groups, self._op,
+                                measured=measured)
+
+    def _owned_runner(self):
+        """The runner of the compressor state owned by the tape's variables, with ``strict``."""
         owned = self._compression.owned(self._variables)
         if self._strict is not None:
             owned.runner.values.strict = bool(self._strict)
-        return reduce_gradients(owned.runner, self._comm, grads, self._variables, self._groups, self._op,
-                                measured=measured)
+        return owned.runner
 
     # --- checkpoints ------------------------------------------------------------------------
     def compression_state_dict(self):
